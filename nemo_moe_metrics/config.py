@@ -1,0 +1,284 @@
+"""Typed recipe configuration: metric flags, model section, training section, YAML loading.
+
+A recipe is YAML; its metric flags sit under ``policy.megatron_cfg`` as in NeMo RL. Unlike a
+TypedDict, every model here rejects unknown keys and names the closest valid one, so a typo
+such as ``track_moe_metric`` fails loudly instead of silently leaving a metric off.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot be used; the message names the key and the fix."""
+
+
+class StrictModel(BaseModel):
+    """Base model: unknown keys are rejected with a 'did you mean' suggestion."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = set(cls.model_fields)
+        for key in data:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                raise ValueError(
+                    f"unknown key '{key}'{hint} (valid keys: {', '.join(sorted(known))})"
+                )
+        return data
+
+
+class MetricsConfig(StrictModel):
+    """The observability flags a Megatron policy worker reads (all off by default)."""
+
+    track_moe_metrics: bool = Field(
+        False, description="Router aux losses and expert-load balance under moe/."
+    )
+    moe_per_layer_logging: bool = Field(
+        False, description="Also log per-layer moe/ values (needs track_moe_metrics)."
+    )
+    track_throughput: bool = Field(False, description="Step timing and tokens/s under train_perf/.")
+    track_flops: bool = Field(
+        False,
+        description="Estimated FLOPs, FLOP/s, TFLOP/s per GPU and MFU (needs track_throughput).",
+    )
+    log_expert_table: bool = Field(
+        True,
+        description="Emit the moe/expert_loads table (layer, expert, tokens, load_percent).",
+    )
+    peak_flops_per_gpu: float | None = Field(
+        None,
+        gt=0,
+        description="Dense peak FLOP/s of one accelerator for MFU; None looks it up by device name.",
+    )
+
+    @model_validator(mode="after")
+    def _check_contradictions(self) -> MetricsConfig:
+        if self.moe_per_layer_logging and not self.track_moe_metrics:
+            raise ValueError(
+                "moe_per_layer_logging: true needs track_moe_metrics: true "
+                "(per-layer values are part of the MoE metrics); turn both on or both off"
+            )
+        if self.track_flops and not self.track_throughput:
+            raise ValueError(
+                "track_flops: true needs track_throughput: true (FLOP/s and MFU are rates "
+                "over the measured step time); set track_throughput: true"
+            )
+        return self
+
+
+class MegatronConfig(MetricsConfig):
+    """``policy.megatron_cfg``: parallel layout of the Megatron policy plus the metric flags."""
+
+    expert_model_parallel_size: int = Field(1, ge=1)
+    pipeline_model_parallel_size: int = Field(1, ge=1)
+    context_parallel_size: int = Field(1, ge=1)
+    recompute_granularity: Literal["full", "selective"] | None = None
+
+    def metrics(self) -> MetricsConfig:
+        """The metric flags alone, as the worker integration takes them."""
+        return MetricsConfig(**{k: getattr(self, k) for k in MetricsConfig.model_fields})
+
+
+class ModelConfig(StrictModel):
+    """A small megatron-core GPT model with MoE layers (field names follow TransformerConfig)."""
+
+    num_layers: int = Field(4, ge=1)
+    hidden_size: int = Field(64, ge=1)
+    ffn_hidden_size: int = Field(128, ge=1, description="Width of dense (non-MoE) MLP layers.")
+    num_attention_heads: int = Field(4, ge=1)
+    num_query_groups: int | None = Field(None, ge=1)
+    kv_channels: int | None = Field(None, ge=1, description="Head dim; default hidden/heads.")
+    vocab_size: int = Field(128, ge=2)
+    seq_length: int = Field(32, ge=2)
+    swiglu: bool = True
+    num_experts: int | None = Field(8, ge=1, description="None builds a dense model.")
+    moe_router_topk: int = Field(2, ge=1)
+    moe_ffn_hidden_size: int = Field(64, ge=1)
+    moe_shared_expert_intermediate_size: int | None = Field(None, ge=1)
+    moe_layer_freq: int | list[int] = Field(
+        1, description="1 = every layer MoE; a list of 0/1 per layer, e.g. [0, 1, 1, 1]."
+    )
+    moe_router_load_balancing_type: Literal[
+        "aux_loss", "seq_aux_loss", "global_aux_loss", "none"
+    ] = "aux_loss"
+    moe_aux_loss_coeff: float = Field(1e-2, ge=0)
+    moe_z_loss_coeff: float | None = Field(None, ge=0)
+    moe_expert_capacity_factor: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> ModelConfig:
+        if self.num_experts is not None and self.moe_router_topk > self.num_experts:
+            raise ValueError(
+                f"moe_router_topk={self.moe_router_topk} exceeds num_experts={self.num_experts}"
+            )
+        if (
+            self.num_attention_heads
+            and self.hidden_size % self.num_attention_heads
+            and (self.kv_channels is None)
+        ):
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}; set kv_channels explicitly"
+            )
+        if self.num_query_groups and self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_query_groups={self.num_query_groups}"
+            )
+        if isinstance(self.moe_layer_freq, list):
+            if len(self.moe_layer_freq) != self.num_layers:
+                raise ValueError(
+                    f"moe_layer_freq has {len(self.moe_layer_freq)} entries but num_layers is "
+                    f"{self.num_layers}; give one 0/1 entry per layer"
+                )
+            if any(v not in (0, 1) for v in self.moe_layer_freq):
+                raise ValueError("moe_layer_freq entries must be 0 (dense) or 1 (MoE)")
+        return self
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has at least one MoE layer."""
+        return bool(self.num_experts) and any(self.moe_layer_pattern())
+
+    def moe_layer_pattern(self) -> list[int]:
+        """One 0/1 entry per layer, 1 where the layer is MoE."""
+        if not self.num_experts:
+            return [0] * self.num_layers
+        if isinstance(self.moe_layer_freq, list):
+            return list(self.moe_layer_freq)
+        return [1 if i % self.moe_layer_freq == 0 else 0 for i in range(self.num_layers)]
+
+
+class PolicyConfig(StrictModel):
+    """``policy``: the model being trained and how its batches are cut into microbatches."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    megatron_cfg: MegatronConfig = Field(default_factory=MegatronConfig)
+    train_global_batch_size: int = Field(8, ge=1, description="Sequences per optimizer step.")
+    train_micro_batch_size: int = Field(2, ge=1, description="Sequences per microbatch.")
+
+    @model_validator(mode="after")
+    def _check_batches(self) -> PolicyConfig:
+        if self.train_global_batch_size % self.train_micro_batch_size:
+            raise ValueError(
+                f"train_global_batch_size={self.train_global_batch_size} is not a multiple of "
+                f"train_micro_batch_size={self.train_micro_batch_size}"
+            )
+        return self
+
+
+class TrainingConfig(StrictModel):
+    """``training``: loop length, optimiser and the synthetic data."""
+
+    max_steps: int = Field(8, ge=1)
+    learning_rate: float = Field(1e-3, gt=0)
+    seed: int = 1234
+    min_seq_length: int = Field(8, ge=1, description="Shortest synthetic sequence (padding test).")
+
+
+class DPOConfig(StrictModel):
+    """``dpo``: preference optimisation settings."""
+
+    beta: float = Field(0.1, gt=0)
+
+
+class GRPOConfig(StrictModel):
+    """``grpo``: group-relative policy optimisation settings."""
+
+    num_generations: int = Field(4, ge=2, description="Rollouts per prompt (the group).")
+    prompt_length: int = Field(8, ge=1)
+    response_length: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0)
+
+
+class LoggerConfig(StrictModel):
+    """``logger``: where metrics go."""
+
+    jsonl_enabled: bool = True
+    tensorboard_enabled: bool = True
+    wandb_enabled: bool = True
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "nemo_moe_metrics"
+
+
+class Recipe(StrictModel):
+    """A whole recipe: which algorithm, the policy with its flags, training and logging."""
+
+    name: str = "run"
+    algorithm: Literal["sft", "dpo", "grpo"] = "sft"
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply dotted ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict copy."""
+    result = yaml.safe_load(yaml.safe_dump(data)) or {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(
+                f"override '{item}' is not of the form dotted.key=value "
+                "(e.g. policy.megatron_cfg.track_flops=true)"
+            )
+        parts = key.strip().split(".")
+        node = result
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                prefix = ".".join(parts[: depth + 1])
+                raise ConfigError(f"override '{item}': '{prefix}' is a value, not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw)
+    return result
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid recipe {source}:"]
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"  {where}: {msg}")
+    return "\n".join(lines)
+
+
+def recipe_from_dict(data: dict[str, Any], source: str = "<dict>") -> Recipe:
+    """Validate a recipe dict; raise ConfigError with every problem named by its dotted path."""
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Load a YAML recipe, apply dotted overrides, and validate it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"recipe file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"recipe {path} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"recipe {path} must be a mapping at the top level")
+    return recipe_from_dict(apply_overrides(data, overrides or []), source=str(path))
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    """The recipe as YAML text that load_recipe reads back to an equal recipe."""
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,86 @@
+"""Make real megatron-core modules run on a CPU-only machine (tests and the CPU demo).
+
+megatron-core 0.16 assumes CUDA in a handful of places. Each patch below replaces one such
+assumption with its CPU equivalent; nothing is patched when CUDA is available, so the same
+code runs unchanged on a GPU cluster. Measured facts behind each patch: shared/ENVIRONMENT.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_applied = False
+
+# Factory functions the pipeline schedules call with device="cuda" (or an int device).
+_FACTORIES = {
+    torch.empty,
+    torch.zeros,
+    torch.ones,
+    torch.full,
+    torch.tensor,
+    torch.arange,
+    torch.randn,
+    torch.rand,
+    torch.empty_like,
+    torch.zeros_like,
+    torch.ones_like,
+}
+
+
+def cuda_available() -> bool:
+    """True when a CUDA device is usable (then no shim is ever applied)."""
+    return torch.cuda.is_available()
+
+
+def apply_cpu_shims() -> bool:
+    """Patch megatron-core's CUDA assumptions for CPU; idempotent; returns True if applied."""
+    global _applied
+    if cuda_available():
+        return False
+    if _applied:
+        return True
+    import megatron.core.tensor_parallel.random as mcore_random
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    # Router weights, RoPE and the global memory buffer are placed on current_device().
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # p2p communication synchronises the device; nothing to wait for on CPU.
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    # 0.16.1 references te_general_gemm without Transformer Engine (NameError otherwise).
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    # Activation recomputation saves and restores the "CUDA" RNG state: use the CPU generator.
+    mcore_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda *args, **kwargs: None
+    # The CUDA RNG tracker's fork() becomes a no-op.
+    mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    _applied = True
+    return True
+
+
+class _CudaToCpuFactories(TorchFunctionMode):
+    """Rewrites device="cuda" (or an int device) in tensor factory calls to "cpu"."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _FACTORIES and "device" in kwargs:
+            device = kwargs["device"]
+            if isinstance(device, int) or (
+                device is not None and torch.device(device).type == "cuda"
+            ):
+                kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cpu_device_mode() -> Iterator[None]:
+    """Context for megatron-core's microbatch schedules on CPU; a no-op when CUDA is available."""
+    if cuda_available():
+        yield
+        return
+    with _CudaToCpuFactories():
+        yield

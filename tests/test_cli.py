@@ -1,0 +1,26 @@
+"""The console script validates recipes and reports config errors without a traceback."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "sft_moe_tiny.yaml"
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "nemo_moe_metrics.cli", *args], capture_output=True, text=True
+    )
+
+
+def test_check_prints_recipe_with_override():
+    proc = _cli("check", str(RECIPE), "policy.megatron_cfg.moe_per_layer_logging=true")
+    assert proc.returncode == 0, proc.stderr
+    assert "moe_per_layer_logging: true" in proc.stdout
+
+
+def test_check_reports_typo_with_exit_2():
+    proc = _cli("check", str(RECIPE), "policy.megatron_cfg.track_moe_metric=true")
+    assert proc.returncode == 2
+    assert "did you mean 'track_moe_metrics'" in proc.stderr
+    assert "Traceback" not in proc.stderr
