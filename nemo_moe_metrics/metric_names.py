@@ -1,0 +1,109 @@
+"""The metric-name contract: every key the package emits, in one place.
+
+Users' dashboards depend on these names; keep them stable. Code builds keys only through the
+helpers below, and the docs test checks that every key here is in docs/en and docs/zh.
+Algorithms log keys exactly as returned: one ``moe/`` prefix, never a second.
+"""
+
+from __future__ import annotations
+
+MOE_PREFIX = "moe/"
+PERF_PREFIX = "train_perf/"
+
+# megatron-core load-balancing type -> the name its router records in the aux-loss tracker.
+AUX_LOSS_TRACKER_NAMES: dict[str, str] = {
+    "aux_loss": "load_balancing_loss",
+    "seq_aux_loss": "seq_load_balancing_loss",
+    "global_aux_loss": "global_load_balancing_loss",
+}
+Z_LOSS = "z_loss"
+
+
+def aux_loss_key(name: str) -> str:
+    """``moe/load_balancing_loss``: the loss averaged over MoE layers."""
+    return f"{MOE_PREFIX}{name}"
+
+
+def aux_loss_layer_key(name: str, layer: int) -> str:
+    """``moe/load_balancing_loss_layer_{i}``, ``i`` the global layer index (0-based)."""
+    return f"{MOE_PREFIX}{name}_layer_{layer}"
+
+
+# Expert-load balance summaries over MoE layers.
+MAX_OVER_IDEAL = "moe/max_over_ideal"
+MAX_OVER_IDEAL_MAX = "moe/max_over_ideal_max"
+EP_IMBALANCE = "moe/ep_imbalance"
+EP_IMBALANCE_MAX = "moe/ep_imbalance_max"
+DEAD_EXPERTS = "moe/dead_experts"
+DROPPED_FRACTION = "moe/dropped_fraction"
+
+# Per-layer balance statistics, logged as moe/layer_{i}/{stat} with moe_per_layer_logging.
+LAYER_STATS = (
+    "max_over_ideal",
+    "min_over_ideal",
+    "coefficient_of_variation",
+    "normalized_entropy",
+    "zero_token_experts",
+    "ep_imbalance",
+    "dropped_fraction",
+)
+
+
+def layer_stat_key(layer: int, stat: str) -> str:
+    """``moe/layer_{i}/{stat}`` for one MoE layer (``i`` global, 0-based)."""
+    if stat not in LAYER_STATS:
+        raise KeyError(f"unknown per-layer statistic {stat!r}; known: {LAYER_STATS}")
+    return f"{MOE_PREFIX}layer_{layer}/{stat}"
+
+
+# The expert-load table: a list of rows [layer, expert, tokens, load_percent].
+EXPERT_LOADS = "moe/expert_loads"
+EXPERT_LOAD_COLUMNS = ("layer", "expert", "tokens", "load_percent")
+TABLE_COLUMNS: dict[str, tuple[str, ...]] = {EXPERT_LOADS: EXPERT_LOAD_COLUMNS}
+
+# Throughput and FLOPs.
+TOKENS = "train_perf/tokens"
+SECONDS = "train_perf/seconds"
+TOKENS_PER_SECOND = "train_perf/tokens_per_second"
+TOTAL_TOKENS = "train_perf/total_tokens"
+TOTAL_SECONDS = "train_perf/total_seconds"
+CUMULATIVE_TOKENS_PER_SECOND = "train_perf/cumulative_tokens_per_second"
+ESTIMATED_FLOPS = "train_perf/estimated_flops"
+ESTIMATED_FLOPS_PER_SECOND = "train_perf/estimated_flops_per_second"
+CUMULATIVE_ESTIMATED_FLOPS_PER_SECOND = "train_perf/cumulative_estimated_flops_per_second"
+TFLOPS_PER_GPU = "train_perf/tflops_per_gpu"
+MFU = "train_perf/mfu"
+
+THROUGHPUT_KEYS = (
+    TOKENS,
+    SECONDS,
+    TOKENS_PER_SECOND,
+    TOTAL_TOKENS,
+    TOTAL_SECONDS,
+    CUMULATIVE_TOKENS_PER_SECOND,
+)
+FLOPS_KEYS = (
+    ESTIMATED_FLOPS,
+    ESTIMATED_FLOPS_PER_SECOND,
+    CUMULATIVE_ESTIMATED_FLOPS_PER_SECOND,
+    TFLOPS_PER_GPU,
+    MFU,
+)
+BALANCE_SUMMARY_KEYS = (
+    MAX_OVER_IDEAL,
+    MAX_OVER_IDEAL_MAX,
+    EP_IMBALANCE,
+    EP_IMBALANCE_MAX,
+    DEAD_EXPERTS,
+    DROPPED_FRACTION,
+)
+
+
+def documented_key_patterns() -> list[str]:
+    """Every key as written in the docs; per-layer keys with ``{i}`` and ``{name}`` placeholders."""
+    keys = [aux_loss_key(n) for n in (*AUX_LOSS_TRACKER_NAMES.values(), Z_LOSS)]
+    keys += [f"{MOE_PREFIX}{{name}}_layer_{{i}}"]
+    keys += list(BALANCE_SUMMARY_KEYS)
+    keys += [f"{MOE_PREFIX}layer_{{i}}/{stat}" for stat in LAYER_STATS]
+    keys += [EXPERT_LOADS, *THROUGHPUT_KEYS, *FLOPS_KEYS]
+    return keys
