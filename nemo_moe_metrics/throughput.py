@@ -1,0 +1,492 @@
+"""Step throughput and FLOP accounting: the ``train_perf/`` metrics.
+
+A :class:`StepMeter` brackets each optimizer step (``with meter.step():``), takes the real
+(non-padding) length of every sequence the step trains on (``meter.add_sequences``), and turns
+them into tokens/s, estimated FLOP/s, TFLOP/s per GPU and MFU at ``meter.export()``.
+
+Conventions (docs/en/throughput.md has every key with its formula and caveats):
+
+- seconds: time inside ``meter.step()``. On CUDA, measured by events recorded on the current
+  stream at step start and end; on CPU, by the host wall clock. Time between steps (data loading,
+  generation, logging) is not counted. A step whose body raises is dropped whole.
+- interval: the steps since the previous ``export()``; cumulative: since the meter was built.
+- reduction: tokens and FLOPs are SUMMED over ``data_group`` (ranks that hold different
+  sequences); seconds are the MAX over ``timing_group`` of each rank's summed step seconds of the
+  interval (the slowest rank sets the pace). ``total_seconds`` is the sum of the exported interval
+  ``seconds``, so every rate is a ratio of sums, never a mean of per-step ratios.
+- context parallel: every rank passes the FULL (unsplit) lengths of its sequences and
+  ``data_group`` is the data-parallel group WITHOUT context parallel, so a sequence split over
+  CP ranks counts once; give ``context_parallel_group`` and the meter checks that the CP ranks
+  agree.
+- a rate over zero seconds is undefined: its key is left out (a gap on the dashboard), never 0.
+- the per-microbatch path makes no host-device synchronisation; ``export()`` makes one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nemo_moe_metrics import metric_names as mn
+
+#: ``estimator(seq_lens: np.ndarray[int64], causal: bool) -> obj with .total`` (training FLOPs).
+FlopsEstimator = Callable[..., Any]
+
+
+def perf_metrics(
+    *,
+    tokens: float,
+    seconds: float,
+    total_tokens: float,
+    total_seconds: float,
+    flops: float | None = None,
+    total_flops: float | None = None,
+    world_size: int = 1,
+    peak_flops_per_gpu: float | None = None,
+) -> dict[str, float]:
+    """The ``train_perf/`` dict from already-reduced interval and cumulative sums (pure arithmetic).
+
+    Rates over zero seconds are left out; FLOP keys only when ``flops`` is given; ``mfu`` only
+    when ``peak_flops_per_gpu`` is given as well.
+    """
+    for name, value in (
+        ("tokens", tokens),
+        ("seconds", seconds),
+        ("total_tokens", total_tokens),
+        ("total_seconds", total_seconds),
+    ):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if (flops is None) != (total_flops is None):
+        raise ValueError("give both flops and total_flops, or neither")
+    out: dict[str, float] = {
+        mn.TOKENS: float(tokens),
+        mn.SECONDS: float(seconds),
+        mn.TOTAL_TOKENS: float(total_tokens),
+        mn.TOTAL_SECONDS: float(total_seconds),
+    }
+    if seconds > 0:
+        out[mn.TOKENS_PER_SECOND] = tokens / seconds
+    if total_seconds > 0:
+        out[mn.CUMULATIVE_TOKENS_PER_SECOND] = total_tokens / total_seconds
+    if flops is None or total_flops is None:
+        return out
+    out[mn.ESTIMATED_FLOPS] = float(flops)
+    if seconds > 0:
+        flops_per_second = flops / seconds
+        out[mn.ESTIMATED_FLOPS_PER_SECOND] = flops_per_second
+        out[mn.TFLOPS_PER_GPU] = flops_per_second / world_size / 1e12
+        if peak_flops_per_gpu is not None:
+            out[mn.MFU] = flops_per_second / world_size / peak_flops_per_gpu
+    if total_seconds > 0:
+        out[mn.CUMULATIVE_ESTIMATED_FLOPS_PER_SECOND] = total_flops / total_seconds
+    return out
+
+
+def lengths_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Real tokens per sequence from a ``[batch, seq]`` padding mask (1/True = real token).
+
+    Stays on the mask's device; no synchronisation. (Megatron's 4-D ``[b, 1, s, s]`` attention
+    mask, True = masked, is a different thing: use the padding mask or the packed lengths.)
+    """
+    if attention_mask.dim() != 2:
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)}; expected the 2-D "
+            "[batch, seq] padding mask (1 = real token), not a 4-D attention mask"
+        )
+    return attention_mask.to(torch.int64).sum(-1)
+
+
+def lengths_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Per-sequence lengths of a packed batch from its cumulative offsets ``[0, l0, l0+l1, ...]``.
+
+    Pass the unpadded offsets (Megatron's ``cu_seqlens_q``, not ``cu_seqlens_q_padded``), so
+    padding is not counted. Stays on device; no synchronisation.
+    """
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(
+            f"cu_seqlens has shape {tuple(cu_seqlens.shape)}; expected 1-D offsets [0, l0, l0+l1, ...]"
+        )
+    return (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+
+
+class _WallClockTimer:
+    """Step seconds from the host clock: right on CPU, where work is done when calls return."""
+
+    uses_events = False
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._start: float | None = None
+        self._seconds: list[float] = []
+
+    def start(self) -> None:
+        self._start = self._clock()
+
+    def stop(self) -> None:
+        assert self._start is not None
+        self._seconds.append(self._clock() - self._start)
+        self._start = None
+
+    def cancel(self) -> None:
+        self._start = None
+
+    def order_after_steps(self) -> None:
+        """Nothing to order on the host clock."""
+
+    def collect(self) -> list[float]:
+        seconds, self._seconds = self._seconds, []
+        return seconds
+
+
+class _EventTimer:
+    """Step seconds from device events; the host waits once, at ``collect``.
+
+    Events are recorded on the stream that runs the step and kept until export. At export the
+    current stream is made to wait for every step's end event (device-side, no host wait), the
+    caller queues its device-to-host copies, and one fence event recorded after them is
+    synchronised: that single wait covers the timings and the copies.
+    """
+
+    uses_events = True
+
+    def __init__(self, factory: Callable[[], Any], stream: Callable[[], Any]) -> None:
+        self._factory = factory
+        self._stream = stream
+        self._open: Any = None
+        self._pairs: list[tuple[Any, Any]] = []
+
+    def start(self) -> None:
+        event = self._factory()
+        event.record(self._stream())
+        self._open = event
+
+    def stop(self) -> None:
+        end = self._factory()
+        end.record(self._stream())
+        self._pairs.append((self._open, end))
+        self._open = None
+
+    def cancel(self) -> None:
+        self._open = None
+
+    def order_after_steps(self) -> None:
+        stream = self._stream()
+        for _, end in self._pairs:
+            end.wait(stream)
+
+    def collect(self) -> list[float]:
+        pairs, self._pairs = self._pairs, []
+        if not pairs:
+            return []
+        fence = self._factory()
+        fence.record(self._stream())
+        fence.synchronize()  # the one host-device synchronisation of an export
+        return [start.elapsed_time(end) / 1000.0 for start, end in pairs]
+
+
+def _flops_total(estimate: Any) -> float:
+    total = getattr(estimate, "total", estimate)
+    if isinstance(total, torch.Tensor) or not isinstance(total, (int, float, np.number)):
+        raise TypeError(
+            f"flops_estimator returned {type(estimate).__name__}; expected an object with a "
+            "float .total (training FLOPs) or a float"
+        )
+    return float(total)
+
+
+class StepMeter:
+    """Times optimizer steps and counts their real tokens and estimated FLOPs (``train_perf/``).
+
+    Args (keyword only):
+        flops_estimator: ``f(seq_lens: np.ndarray[int64], causal=True)`` returning an object with
+            ``.total`` training FLOPs (or a float); None emits no FLOP keys.
+        peak_flops_per_gpu: dense peak FLOP/s of one accelerator; None emits no ``mfu``.
+        device: a CUDA device times steps with CUDA events on its current stream; anything
+            else (or None) uses the host wall clock.
+        data_group: ranks holding different sequences (data parallel WITHOUT context parallel);
+            tokens and FLOPs are summed over it. None = the default (world) group.
+        timing_group: ranks over which step seconds take the MAX. None = the world group.
+        world_size: accelerators the FLOP/s is shared by, for ``tflops_per_gpu`` and ``mfu``.
+            None = the world size (1 without torch.distributed).
+        context_parallel_group: when set, export checks that its ranks passed the same lengths
+            (every CP rank passes the full, unsplit lengths).
+        causal: passed to the estimator (causal attention counts half the score products).
+        event_factory: makes timing events (``record/wait/synchronize/elapsed_time``), e.g. a
+            stand-in on CPU; giving it selects the event path.
+        clock: host clock in seconds for the wall-clock path.
+    """
+
+    def __init__(
+        self,
+        *,
+        flops_estimator: FlopsEstimator | None = None,
+        peak_flops_per_gpu: float | None = None,
+        device: torch.device | str | None = None,
+        data_group: Any = None,
+        timing_group: Any = None,
+        world_size: int | None = None,
+        context_parallel_group: Any = None,
+        causal: bool = True,
+        event_factory: Callable[[], Any] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if peak_flops_per_gpu is not None and not (
+            math.isfinite(peak_flops_per_gpu) and peak_flops_per_gpu > 0
+        ):
+            raise ValueError(
+                f"peak_flops_per_gpu must be a positive FLOP/s value (e.g. 989e12 for an H100 "
+                f"in bf16), got {peak_flops_per_gpu}; use None to leave mfu out"
+            )
+        if peak_flops_per_gpu is not None and flops_estimator is None:
+            raise ValueError(
+                "peak_flops_per_gpu is set but flops_estimator is None: mfu needs estimated "
+                "FLOPs; pass a flops_estimator or drop the peak"
+            )
+        if world_size is not None and world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self._device = torch.device(device) if device is not None else None
+        self._estimator = flops_estimator
+        self._peak = peak_flops_per_gpu
+        self._data_group = data_group
+        self._timing_group = timing_group
+        self._cp_group = context_parallel_group
+        self._world_size = world_size
+        self._causal = causal
+        self._timer: _WallClockTimer | _EventTimer
+        if event_factory is not None:
+            self._timer = _EventTimer(event_factory, lambda: None)
+        elif self._device is not None and self._device.type == "cuda":
+            device_ = self._device
+            self._timer = _EventTimer(
+                functools.partial(torch.cuda.Event, enable_timing=True),
+                lambda: torch.cuda.current_stream(device_),
+            )
+        else:
+            self._timer = _WallClockTimer(clock)
+        self._in_step = False
+        self._step_lens: list[torch.Tensor] = []
+        self._lens: list[torch.Tensor] = []  # committed steps of the current interval
+        self._total_tokens = 0.0
+        self._total_seconds = 0.0
+        self._total_flops = 0.0
+        self._warned_mfu = False
+        self.steps = 0  #: completed steps since construction
+        self.failed_steps = 0  #: steps whose body raised (not counted)
+
+    @property
+    def uses_events(self) -> bool:
+        """Whether steps are timed with device events (CUDA or a stand-in) instead of the clock."""
+        return self._timer.uses_events
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[StepMeter]:
+        """Bracket one optimizer step; if its body raises, the step is not counted."""
+        if self._in_step:
+            raise RuntimeError(
+                "StepMeter.step() is already open: steps do not nest; close the previous "
+                "`with meter.step():` block first"
+            )
+        self._in_step = True
+        self._step_lens = []
+        self._timer.start()
+        try:
+            yield self
+        except BaseException:
+            self._timer.cancel()
+            self.failed_steps += 1
+            raise
+        else:
+            self._timer.stop()
+            self._lens.extend(self._step_lens)
+            self.steps += 1
+        finally:
+            self._in_step = False
+            self._step_lens = []
+
+    def add_sequences(self, seq_lens: torch.Tensor) -> None:
+        """Count one microbatch: a 1-D integer tensor of real tokens per sequence.
+
+        Kept on its device until export; only metadata is checked here (no synchronisation).
+        """
+        if not self._in_step:
+            raise RuntimeError(
+                "add_sequences() called outside a step; call it inside `with meter.step():`"
+            )
+        if not isinstance(seq_lens, torch.Tensor):
+            raise TypeError(
+                f"seq_lens is a {type(seq_lens).__name__}; pass a tensor of per-sequence real "
+                "token counts, e.g. attention_mask.sum(-1)"
+            )
+        if (
+            seq_lens.dtype.is_floating_point
+            or seq_lens.dtype.is_complex
+            or (seq_lens.dtype == torch.bool)
+        ):
+            raise TypeError(
+                f"seq_lens has dtype {seq_lens.dtype}; pass integer token counts, e.g. "
+                "attention_mask.sum(-1) or lengths_from_cu_seqlens(cu_seqlens)"
+            )
+        if seq_lens.dim() != 1:
+            raise ValueError(
+                f"seq_lens has shape {tuple(seq_lens.shape)}; pass one length per sequence "
+                "(1-D), e.g. attention_mask.sum(-1), not the mask itself"
+            )
+        if not self._timer.uses_events and seq_lens.device.type != "cpu":
+            raise ValueError(
+                f"seq_lens is on {seq_lens.device} but this meter times steps with the host "
+                "clock, which cannot see asynchronous device work; build it with "
+                f"StepMeter(device=torch.device('{seq_lens.device}'))"
+            )
+        # A private copy (a device kernel, no sync): callers may reuse the buffer.
+        self._step_lens.append(seq_lens.detach().to(torch.int64, copy=True))
+
+    def export(self) -> dict[str, float]:
+        """Reduce the interval across ranks and return the ``train_perf/`` metrics.
+
+        Collective: every rank of the groups must call it at the same point. One host-device
+        synchronisation. Bad input found here is raised on every rank after the collectives,
+        so no rank is left waiting.
+        """
+        if self._in_step:
+            raise RuntimeError("export() inside `with meter.step():`; export after the step ends")
+        parts, self._lens = self._lens, []
+        self._timer.order_after_steps()
+        pending = _queue_host_copy(parts)
+        step_seconds = self._timer.collect()
+        lens = _host_lengths(pending)
+
+        errors: list[str] = []
+        if lens.size and lens.min() < 0:
+            errors.append(
+                f"sequence lengths must be >= 0; got {int(lens.min())} (pass real token counts, "
+                "e.g. attention_mask.sum(-1))"
+            )
+        local_tokens = float(lens.sum()) if not errors else 0.0
+        local_flops = 0.0
+        if self._estimator is not None and lens.size and not errors:
+            try:
+                local_flops = _flops_total(self._estimator(lens, causal=self._causal))
+            except Exception as err:  # noqa: BLE001 - re-raised after the collectives
+                errors.append(f"flops_estimator failed: {type(err).__name__}: {err}")
+        local_seconds = math.fsum(step_seconds)
+
+        tokens, flops, seconds, any_error, cp_mismatch = self._reduce(
+            local_tokens, local_flops, local_seconds, bool(errors)
+        )
+        if errors:
+            raise ValueError("StepMeter.export: " + "; ".join(errors))
+        if any_error:
+            raise RuntimeError(
+                "StepMeter.export: another rank of the timing group found invalid input at "
+                "export; see that rank's ValueError"
+            )
+        if cp_mismatch:
+            raise ValueError(
+                "StepMeter.export: context-parallel ranks passed different sequence lengths; "
+                "every CP rank must pass the full (unsplit) lengths of the same sequences, and "
+                "data_group must be the data-parallel group without context parallel"
+            )
+        self._total_tokens += tokens
+        self._total_seconds += seconds
+        self._total_flops += flops
+        has_flops = self._estimator is not None
+        result = perf_metrics(
+            tokens=tokens,
+            seconds=seconds,
+            total_tokens=self._total_tokens,
+            total_seconds=self._total_seconds,
+            flops=flops if has_flops else None,
+            total_flops=self._total_flops if has_flops else None,
+            world_size=self._resolved_world_size(),
+            peak_flops_per_gpu=self._peak,
+        )
+        mfu = result.get(mn.MFU)
+        if mfu is not None and mfu > 1.0 and not self._warned_mfu:
+            self._warned_mfu = True
+            warnings.warn(
+                f"{mn.MFU} = {mfu:.3g} > 1: check peak_flops_per_gpu and world_size, and that "
+                "context-parallel or tensor-parallel replicas are not in data_group (their "
+                "sequences would be counted more than once)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return result
+
+    def _resolved_world_size(self) -> int:
+        if self._world_size is not None:
+            return self._world_size
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_world_size()
+        return 1
+
+    def _collective_device(self, group: Any) -> torch.device:
+        backend = str(dist.get_backend(group))
+        if backend == "gloo":
+            return torch.device("cpu")
+        if self._device is not None and self._device.type == "cuda":
+            return self._device
+        if "nccl" in backend:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _reduce(
+        self, tokens: float, flops: float, seconds: float, bad: bool
+    ) -> tuple[float, float, float, bool, bool]:
+        """The thin collective layer: SUM over data, MAX over timing, CP agreement check."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return tokens, flops, seconds, bad, False
+        # float64 holds token counts exactly up to 2**53.
+        summed = torch.tensor(
+            [tokens, flops], dtype=torch.float64, device=self._collective_device(self._data_group)
+        )
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self._data_group)
+        maxed = torch.tensor(
+            [seconds, float(bad)],
+            dtype=torch.float64,
+            device=self._collective_device(self._timing_group),
+        )
+        dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=self._timing_group)
+        values = summed.tolist() + maxed.tolist()
+        mismatch = False
+        if self._cp_group is not None:
+            # max(t) and max(-t) give max and -min in one collective.
+            spread = torch.tensor(
+                [tokens, -tokens],
+                dtype=torch.float64,
+                device=self._collective_device(self._cp_group),
+            )
+            dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self._cp_group)
+            high, neg_low = spread.tolist()
+            mismatch = high != -neg_low
+        return values[0], values[1], values[2], values[3] > 0, mismatch
+
+
+def _queue_host_copy(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Start copying the lengths to the host: one concatenation and one async copy per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in parts:
+        by_device.setdefault(t.device, []).append(t)
+    out = []
+    for device, tensors in by_device.items():
+        joined = torch.cat(tensors)
+        # Non-blocking device-to-host lands in pinned memory; valid after the export fence.
+        out.append(joined if device.type == "cpu" else joined.to("cpu", non_blocking=True))
+    return out
+
+
+def _host_lengths(copies: list[torch.Tensor]) -> np.ndarray:
+    if not copies:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([c.numpy() for c in copies]).astype(np.int64, copy=False)
