@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from throughput_helpers import TOY_ATTN, TOY_PARAMS, FakeClock, FakeStream, toy_flops
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -376,3 +378,43 @@ def test_add_sequences_reads_no_values():
     with meter.step():
         meter.add_sequences(torch.empty(4, dtype=torch.int64, device="meta"))
     assert meter.steps == 1
+
+
+# --- docs ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_docs_describe_every_train_perf_key(lang):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / lang / "throughput.md").read_text()
+    missing = [k for k in (*mn.THROUGHPUT_KEYS, *mn.FLOPS_KEYS) if f"`{k}`" not in text]
+    assert not missing, f"docs/{lang}/throughput.md lacks {missing}"
+
+
+# --- bookkeeping over many exports ---------------------------------------------------------------
+
+_step = st.tuples(st.lists(st.integers(0, 64), max_size=4), st.integers(0, 4))  # lens, quarter-s
+_interval = st.lists(_step, max_size=3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(_interval, min_size=1, max_size=4))
+def test_every_export_is_a_ratio_of_sums(intervals):
+    meter, clock = _clocked()
+    seen_tokens, seen_seconds = 0, 0.0
+    for steps in intervals:
+        for lens, quarters in steps:
+            with meter.step():
+                if lens:
+                    meter.add_sequences(_lens(*lens))
+                clock.advance(quarters / 4)  # exact binary fractions: sums compare exactly
+        out = meter.export()
+        tokens = sum(sum(lens) for lens, _ in steps)
+        seconds = sum(q / 4 for _, q in steps)
+        seen_tokens, seen_seconds = seen_tokens + tokens, seen_seconds + seconds
+        assert (out[mn.TOKENS], out[mn.SECONDS]) == (tokens, seconds)
+        assert (out[mn.TOTAL_TOKENS], out[mn.TOTAL_SECONDS]) == (seen_tokens, seen_seconds)
+        assert out.get(mn.TOKENS_PER_SECOND) == (tokens / seconds if seconds else None)
+        expected_cumulative = seen_tokens / seen_seconds if seen_seconds else None
+        assert out.get(mn.CUMULATIVE_TOKENS_PER_SECOND) == expected_cumulative
