@@ -191,7 +191,13 @@ def _one_rank_scenarios(rank, world_size):
 
     step("eval", 1, evaluation)
 
-    # 4. A NaN router weight in global layer 2 gives a NaN loss there.
+    # 4. Full activation recomputation: router hooks fire twice, the tracker records once.
+    recompute_cfg = MegatronConfig(recompute_granularity="full")
+    recompute_model = build_gpt_model(model_cfg, recompute_cfg)
+    _capture_routers(recompute_model, calls)
+    step("recompute", 2, lambda: _run_schedule(recompute_model, model_cfg, 2, seed=9))
+
+    # 5. A NaN router weight in global layer 2 gives a NaN loss there.
     from megatron.core.transformer.moe.router import TopKRouter
 
     routers = {m.layer_number - 1: m for m in model.modules() if isinstance(m, TopKRouter)}
@@ -291,6 +297,17 @@ def test_eval_and_no_grad_forwards_add_nothing(one_rank):
     for name, values in res["tracker_before"].items():
         assert all(v == 0 for v in values), name
     assert all(v == 0 for v in res["metrics"].values())
+
+
+@pytest.mark.timeout(200)
+def test_full_recompute_reports_each_microbatch_once(one_rank):
+    res = one_rank["recompute"]
+    calls = res["calls"]
+    # 2 microbatches x 3 MoE layers, each routed twice: once without grad, once recomputed.
+    assert len(calls) == 2 * 2 * 3 and sum(c["recorded"] for c in calls) == 2 * 3
+    for layer, value in _expected_per_layer(calls, _lbl).items():
+        got = res["metrics"][aux_loss_layer_key("load_balancing_loss", layer)]
+        assert got == pytest.approx(value, rel=1e-5), layer
 
 
 @pytest.mark.timeout(200)
