@@ -1,0 +1,61 @@
+"""Weights & Biases sink: scalars, and each table as a ``wandb.Table`` with every row kept.
+
+W&B truncates a logged table to ``wandb.Table.MAX_ROWS`` rows (10,000 by default), which is
+fewer than one step of a 40-layer, 256-expert model (10,240 rows). The sink raises that
+class-wide limit to the size of the table it is about to log, so no row is lost.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from nemo_moe_metrics.metric_names import TABLE_COLUMNS
+from nemo_moe_metrics.sinks.base import Metrics, is_table
+
+
+class WandbSink:
+    """One W&B run per sink; ``mode`` is ``offline`` (no account needed), ``online`` or ``disabled``."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        mode: str,
+        project: str,
+        run_name: str,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        # Imported here: wandb is heavy and optional for users who log elsewhere.
+        import wandb
+
+        self._wandb = wandb
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            mode=mode,
+            dir=str(run_dir),
+            project=project,
+            name=run_name,
+            config=config or {},
+            # create_new: several sinks (tests, sweeps) may live in one process.
+            reinit="create_new",
+            # console="off": the training script's stdout stays untouched.
+            settings=wandb.Settings(console="off", silent=True),
+        )
+
+    def log(self, metrics: Metrics, step: int) -> None:
+        """Log scalars and tables for ``step`` in one W&B history row."""
+        data: dict[str, Any] = {}
+        for key, value in metrics.items():
+            if is_table(key):
+                if len(value) > self._wandb.Table.MAX_ROWS:
+                    self._wandb.Table.MAX_ROWS = len(value)
+                data[key] = self._wandb.Table(columns=list(TABLE_COLUMNS[key]), data=value)
+            else:
+                data[key] = value
+        self.run.log(data, step=step)
+
+    def close(self) -> None:
+        """Finish the run (offline: the files are complete on disk afterwards)."""
+        self.run.finish()
