@@ -54,7 +54,8 @@ class WandbSink:
                 data[key] = self._wandb.Table(columns=list(TABLE_COLUMNS[key]), data=value)
             else:
                 data[key] = value
-        self.run.log(data, step=step)
+        # commit=True: the row is written now, not held back until the next step arrives.
+        self.run.log(data, step=step, commit=True)
 
     def close(self) -> None:
         """Finish the run (offline: the files are complete on disk afterwards)."""
