@@ -189,8 +189,7 @@ def _render_heatmap(run: _Run, path: Path) -> tuple[list[int], np.ndarray, list[
 
     from matplotlib import colormaps
 
-    cmap = colormaps["RdBu_r"].copy()
-    cmap.set_bad("black")
+    cmap = colormaps["RdBu_r"].with_extremes(bad="black")
     height = min(max(0.28 * n_layers + 2.2, 3.6), 14.0)
     fig = Figure(figsize=(11, height), dpi=_DPI, layout="constrained")
     ax = fig.add_subplot()
