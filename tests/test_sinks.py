@@ -110,6 +110,13 @@ def test_table_row_of_wrong_width_is_refused(tmp_path):
         sink.log({mn.EXPERT_LOADS: [[0, 0, 5, 50.0], [0, 1, 5]]}, step=0)
 
 
+def test_nan_in_a_table_cell_is_refused_before_any_sink_writes(tmp_path):
+    sink = MultiSink([JsonlSink(tmp_path / METRICS_FILE)])
+    with pytest.raises(ValueError, match=r"row 0 column 'load_percent' is nan.*not NaN"):
+        sink.log({mn.EXPERT_LOADS: [[0, 0, 0, math.nan]]}, step=0)
+    assert (tmp_path / METRICS_FILE).read_text() == ""
+
+
 def test_negative_step_is_refused(tmp_path):
     sink = MultiSink([JsonlSink(tmp_path / METRICS_FILE)])
     with pytest.raises(ValueError, match="non-negative int"):

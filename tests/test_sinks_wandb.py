@@ -43,3 +43,21 @@ def test_wandb_that_cannot_start_warns_and_jsonl_keeps_logging(tmp_path):
         sink.log({mn.TOKENS: 7}, step=0)
         sink.close()
     assert json.loads((tmp_path / METRICS_FILE).read_text()) == {"step": 0, mn.TOKENS: 7}
+
+
+def test_wandb_table_every_n_steps_keeps_scalars_every_step(tmp_path):
+    cfg = LoggerConfig(jsonl_enabled=False, tensorboard_enabled=False, wandb_mode="offline")
+    sink = build_sinks(cfg, tmp_path, run_name="r", wandb_table_every=2)
+    run = sink.sinks[0].run
+    for step in range(4):
+        sink.log({mn.EXPERT_LOADS: [[0, 0, step, 100.0]], mn.TOKENS: step}, step)
+        assert run.summary[mn.TOKENS] == step
+    sink.close()
+    files = (tmp_path / "wandb").glob("offline-run-*/files/media/table/moe/expert_loads_*")
+    tokens = sorted(json.loads(f.read_text())["data"][0][2] for f in files)
+    assert tokens == [0, 2]
+
+
+def test_wandb_table_every_zero_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="wandb_table_every must be >= 1"):
+        build_sinks(LoggerConfig(), tmp_path, run_name="r", wandb_table_every=0)
