@@ -19,7 +19,8 @@ import json
 import math
 import re
 import warnings
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +40,8 @@ class ReportError(ValueError):
     """The run directory cannot be reported on; the message says what is missing."""
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The step records of a JSONL file, sorted by step, the last record of a step winning."""
-    by_step: dict[int, dict[str, Any]] = {}
+def _iter_records(path: Path) -> Iterator[dict[str, Any]]:
+    """Parsed lines in file order; a torn line (crash mid-write) is skipped with one warning."""
     torn = 0
     with Path(path).open(encoding="utf-8") as f:
         for line in f:
@@ -49,27 +49,79 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
                 continue
             try:
                 record = json.loads(line)
-                step = int(record["step"])
+                record["step"] = int(record["step"])
             except (ValueError, KeyError, TypeError):
                 torn += 1  # a line cut short by a crash; every completed line is still good
                 continue
-            by_step[step] = record
+            yield record
     if torn:
-        warnings.warn(f"{path}: skipped {torn} unreadable line(s) (torn by a crash?)", stacklevel=2)
-    return [by_step[s] for s in sorted(by_step)]
+        warnings.warn(f"{path}: skipped {torn} unreadable line(s) (torn by a crash?)", stacklevel=3)
+
+
+def _drop_restarted(records: list[Any], step: int) -> None:
+    # A step that goes back means the run restarted from a checkpoint: the records logged at
+    # or after that step before the restart belong to an abandoned timeline.
+    while records and records[-1].step >= step:
+        records.pop()
+
+
+@dataclass
+class _Record:
+    step: int
+    data: dict[str, Any]
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The step records of a JSONL file in step order, as the run finally went.
+
+    When a resumed run logs a step at or below one already in the file, the earlier records
+    from that step on are dropped (they belong to the timeline abandoned by the restart).
+    """
+    records: list[_Record] = []
+    for record in _iter_records(path):
+        _drop_restarted(records, record["step"])
+        records.append(_Record(record["step"], record))
+    return [r.data for r in records]
+
+
+@dataclass
+class _Step:
+    step: int
+    scalars: dict[str, Any]
+    # Per-layer max/ideal computed from this step's table (empty without a table).
+    table_moi: dict[int, float]
+    # Per-layer token counts, kept only for the steps the heatmap shows.
+    counts: dict[int, np.ndarray] | None
 
 
 @dataclass
 class _Run:
     name: str
-    records: list[dict[str, Any]]
+    records: list[_Step]
     num_experts: int | None = None
     topk: int | None = None
-    # step -> {layer: tokens per expert}
-    tables: dict[int, dict[int, np.ndarray]] = field(default_factory=dict)
+
+    @property
+    def tables(self) -> dict[int, dict[int, np.ndarray]]:
+        """step -> {layer: tokens per expert} for the steps the heatmap covers."""
+        return {r.step: r.counts for r in self.records if r.counts is not None}
+
+
+def _table_counts(rows: list[list], num_experts: int | None) -> dict[int, np.ndarray]:
+    width = max([int(num_experts or 0)] + [int(row[1]) + 1 for row in rows])
+    layers: dict[int, np.ndarray] = {}
+    for layer, expert, tokens, _pct in rows:
+        counts = layers.setdefault(int(layer), np.zeros(width, dtype=np.int64))
+        counts[int(expert)] += int(tokens)
+    return layers
 
 
 def _load_run(run_dir: Path, steps: tuple[int, int] | None) -> _Run:
+    """Stream the JSONL once; keep scalars per step but tables only where the heatmap needs them.
+
+    A long run's JSONL can hold gigabytes of tables; only the last table (or the window's) is
+    kept as counts, every other table is reduced to its per-layer max/ideal on the fly.
+    """
     run_dir = Path(run_dir)
     path = run_dir / _METRICS_FILE
     if not path.is_file():
@@ -77,43 +129,45 @@ def _load_run(run_dir: Path, steps: tuple[int, int] | None) -> _Run:
             f"{path} not found; point the report at a run directory written with "
             "logger.jsonl_enabled=true"
         )
-    records = read_metrics(path)
-    if not records:
-        raise ReportError(f"{path} holds no step records yet")
+    if steps is not None and steps[0] > steps[1]:
+        raise ReportError(
+            f"step window {steps[0]}:{steps[1]} is empty; give FIRST:LAST with FIRST <= LAST"
+        )
     meta: dict[str, Any] = {}
     if (run_dir / _RUN_FILE).is_file():
         meta = json.loads((run_dir / _RUN_FILE).read_text(encoding="utf-8"))
-    if steps is not None:
-        lo, hi = steps
-        if lo > hi:
-            raise ReportError(f"step window {lo}:{hi} is empty; give FIRST:LAST with FIRST <= LAST")
-        window = [r for r in records if lo <= r["step"] <= hi]
-        if not window:
-            raise ReportError(
-                f"no logged step in {lo}:{hi}; the log has steps "
-                f"{records[0]['step']}..{records[-1]['step']}"
-            )
-        records = window
-    run = _Run(
+    num_experts = meta.get("num_experts")
+
+    records: list[_Step] = []
+    seen: list[int] = []
+    holder: _Step | None = None  # without a window, the one step whose counts are kept
+    for record in _iter_records(path):
+        step = record.pop("step")
+        _drop_restarted(records, step)
+        seen = [min(seen[0], step), max(seen[1], step)] if seen else [step, step]
+        if steps is not None and not steps[0] <= step <= steps[1]:
+            continue
+        rows = record.pop(mn.EXPERT_LOADS, None)
+        counts = _table_counts(rows, num_experts) if rows else None
+        moi = {la: _max_over_ideal(c) for la, c in counts.items()} if counts else {}
+        entry = _Step(step, record, moi, counts)
+        if counts is not None and steps is None:
+            if holder is not None:
+                holder.counts = None
+            holder = entry
+        records.append(entry)
+    if not seen:
+        raise ReportError(f"{path} holds no step records yet")
+    if not records:
+        raise ReportError(
+            f"no logged step in {steps[0]}:{steps[1]}; the log has steps {seen[0]}..{seen[1]}"
+        )
+    return _Run(
         name=str(meta.get("run_name") or run_dir.resolve().name),
         records=records,
-        num_experts=meta.get("num_experts"),
+        num_experts=num_experts,
         topk=meta.get("moe_router_topk"),
     )
-    width = max(
-        [int(run.num_experts or 0)]
-        + [int(row[1]) + 1 for r in records for row in r.get(mn.EXPERT_LOADS) or []]
-    )
-    for r in records:
-        rows = r.get(mn.EXPERT_LOADS)
-        if not rows:
-            continue
-        layers: dict[int, np.ndarray] = {}
-        for layer, expert, tokens, _pct in rows:
-            counts = layers.setdefault(int(layer), np.zeros(width, dtype=np.int64))
-            counts[int(expert)] += int(tokens)
-        run.tables[r["step"]] = layers
-    return run
 
 
 def _max_over_ideal(counts: np.ndarray) -> float:
@@ -125,19 +179,19 @@ def _per_layer_series(run: _Run) -> tuple[list[int], dict[int, list[float]]]:
     """Steps and per-layer max/ideal: from the per-layer keys when logged, else the table."""
     steps: list[int] = []
     series: dict[int, list[float]] = {}
-    from_keys = any(_LAYER_MOI.match(k) for r in run.records for k in r)
+    from_keys = any(_LAYER_MOI.match(k) for r in run.records for k in r.scalars)
     for r in run.records:
         values: dict[int, float] = {}
         if from_keys:
-            for k, v in r.items():
+            for k, v in r.scalars.items():
                 m = _LAYER_MOI.match(k)
                 if m and v is not None:
                     values[int(m.group(1))] = float(v)
-        elif r["step"] in run.tables:
-            values = {la: _max_over_ideal(c) for la, c in run.tables[r["step"]].items()}
+        else:
+            values = r.table_moi
         if not values:
             continue
-        steps.append(r["step"])
+        steps.append(r.step)
         for layer, v in values.items():
             series.setdefault(layer, [math.nan] * (len(steps) - 1)).append(v)
         for vs in series.values():
@@ -155,7 +209,7 @@ def _window_counts(run: _Run) -> tuple[list[int], np.ndarray, list[int]]:
     for t in run.tables.values():
         for row, layer in enumerate(layer_ids):
             if layer in t:
-                counts[row] += t[layer]
+                counts[row, : t[layer].size] += t[layer]
     return layer_ids, counts, table_steps
 
 
@@ -340,7 +394,7 @@ def render_report(run_dir: Path, *, steps: tuple[int, int] | None = None) -> str
     """
     run_dir = Path(run_dir)
     run = _load_run(run_dir, steps)
-    recs = run.records
+    recs = [{"step": r.step, **r.scalars} for r in run.records]
     lines = [f"run {run.name}: steps {recs[0]['step']}–{recs[-1]['step']} ({len(recs)} logged)"]
 
     if run.tables:

@@ -109,6 +109,14 @@ def test_summary_worst_layer_matches_hand_arithmetic(tmp_path):
     assert "max/ideal mean 1.25 over 2 MoE layers" in summary
 
 
+def test_without_a_window_the_heatmap_shows_the_last_step(tmp_path):
+    _record(tmp_path, {0: _moved(1, 3, 5, 80), 1: _moved(0, 2, 6, 20)})
+    summary = render_report(tmp_path)
+    # step 1 only: layer 0 expert 2 has 120 of 800 tokens -> 120 * 8 / 800 = 1.20
+    assert "expert load over step 1: max/ideal mean 1.10 over 2 MoE layers" in summary
+    assert "worst: layer 0 1.20, layer 1 1.00" in summary
+
+
 def test_step_window_sums_tokens_over_the_chosen_steps_only(tmp_path):
     _record(tmp_path, {0: _moved(1, 3, 5, 80), 1: _moved(1, 3, 5, 20), 2: _moved(1, 3, 5, 40)})
     summary = render_report(tmp_path, steps=(1, 2))

@@ -68,15 +68,32 @@ def test_resume_after_a_torn_line_appends_on_a_fresh_line(tmp_path):
     assert [(r["step"], r[mn.MAX_OVER_IDEAL]) for r in records] == [(0, 1.1), (1, 1.2), (2, 1.3)]
 
 
-def test_resumed_run_appends_and_the_later_record_of_a_step_wins(tmp_path):
-    for values in ({0: 1.0, 1: 2.0}, {1: 3.0, 2: 4.0}):  # second run restarts from step 1
+def test_resumed_run_appends_and_readers_drop_the_abandoned_steps(tmp_path):
+    # First run logs steps 0..3 and dies; the second resumes from a checkpoint at step 2.
+    for values in ({0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}, {2: 30.0, 3: 40.0, 4: 50.0}):
         sink = build_sinks(JSONL_ONLY, tmp_path, run_name="r")
         for step, v in values.items():
             sink.log({mn.MAX_OVER_IDEAL: v}, step)
         sink.close()
-    assert len(_lines(tmp_path / METRICS_FILE)) == 4
+    assert len(_lines(tmp_path / METRICS_FILE)) == 7  # appended, nothing overwritten
     records = read_metrics(tmp_path / METRICS_FILE)
-    assert [(r["step"], r[mn.MAX_OVER_IDEAL]) for r in records] == [(0, 1.0), (1, 3.0), (2, 4.0)]
+    assert [(r["step"], r[mn.MAX_OVER_IDEAL]) for r in records] == [
+        (0, 1.0),
+        (1, 2.0),
+        (2, 30.0),
+        (3, 40.0),
+        (4, 50.0),
+    ]
+
+
+def test_restart_earlier_than_the_last_step_discards_the_later_abandoned_steps(tmp_path):
+    for values in ({0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}, {2: 30.0}):
+        sink = build_sinks(JSONL_ONLY, tmp_path, run_name="r")
+        for step, v in values.items():
+            sink.log({mn.MAX_OVER_IDEAL: v}, step)
+        sink.close()
+    records = read_metrics(tmp_path / METRICS_FILE)
+    assert [(r["step"], r[mn.MAX_OVER_IDEAL]) for r in records] == [(0, 1.0), (1, 2.0), (2, 30.0)]
 
 
 def test_nan_and_inf_are_written_as_json_null(tmp_path):
