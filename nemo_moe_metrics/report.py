@@ -406,6 +406,11 @@ def render_report(run_dir: Path, *, steps: tuple[int, int] | None = None) -> str
             f"expert load over {_steps_label(table_steps)}: max/ideal mean "
             f"{np.mean(per_layer):.2f} over {len(layer_ids)} MoE layers; worst: {worst}"
         )
+        span = (
+            f"step {table_steps[0]}"
+            if len(table_steps) == 1
+            else (f"steps {table_steps[0]}–{table_steps[-1]}")
+        )
         dead = [(layer_ids[r], e) for r, e in zip(*np.nonzero(counts == 0), strict=True)]
         if dead:
             by_layer: dict[int, list[int]] = {}
@@ -413,9 +418,9 @@ def render_report(run_dir: Path, *, steps: tuple[int, int] | None = None) -> str
                 by_layer.setdefault(layer, []).append(int(e))
             shown = "; ".join(f"layer {la}: {es}" for la, es in list(by_layer.items())[:5])
             more = " ..." if len(by_layer) > 5 else ""
-            lines.append(f"dead experts (0 tokens in the window): {len(dead)} — {shown}{more}")
+            lines.append(f"dead experts (0 tokens, {span}): {len(dead)} — {shown}{more}")
         else:
-            lines.append("dead experts (0 tokens in the window): none")
+            lines.append(f"dead experts (0 tokens, {span}): none")
         lines.append(f"wrote {run_dir / HEATMAP_FILE}")
     else:
         lines.append(

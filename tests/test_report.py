@@ -97,7 +97,7 @@ def test_dead_expert_is_black_and_named_in_the_summary(tmp_path):
     run_dir = _record(tmp_path / "c", {0: counts})
     summary = render_report(run_dir)
     dead = imread(run_dir / HEATMAP_FILE)[..., :3]
-    assert "dead experts (0 tokens in the window): 1 — layer 1: [5]" in summary
+    assert "dead experts (0 tokens, step 0): 1 — layer 1: [5]" in summary
     assert np.median(dead[mask], axis=0).max() < 0.2, "a dead expert's cell is black"
 
 
