@@ -135,7 +135,13 @@ def _load_run(run_dir: Path, steps: tuple[int, int] | None) -> _Run:
         )
     meta: dict[str, Any] = {}
     if (run_dir / _RUN_FILE).is_file():
-        meta = json.loads((run_dir / _RUN_FILE).read_text(encoding="utf-8"))
+        try:
+            meta = json.loads((run_dir / _RUN_FILE).read_text(encoding="utf-8"))
+        except ValueError as err:
+            # Metadata only adds the run name and expert count; the JSONL alone is enough.
+            warnings.warn(
+                f"{run_dir / _RUN_FILE} is not valid JSON ({err}); ignoring it", stacklevel=2
+            )
     num_experts = meta.get("num_experts")
 
     records: list[_Step] = []
@@ -395,7 +401,9 @@ def render_report(run_dir: Path, *, steps: tuple[int, int] | None = None) -> str
     run_dir = Path(run_dir)
     run = _load_run(run_dir, steps)
     recs = [{"step": r.step, **r.scalars} for r in run.records]
-    lines = [f"run {run.name}: steps {recs[0]['step']}–{recs[-1]['step']} ({len(recs)} logged)"]
+    first, last = recs[0]["step"], recs[-1]["step"]
+    span = f"step {first}" if first == last else f"steps {first}–{last} ({len(recs)} logged)"
+    lines = [f"run {run.name}: {span}"]
 
     if run.tables:
         layer_ids, counts, table_steps = _render_heatmap(run, run_dir / HEATMAP_FILE)
