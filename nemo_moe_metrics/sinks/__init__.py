@@ -47,7 +47,7 @@ def build_sinks(
     """The sinks ``logger_cfg`` enables, writing under ``run_dir``; rank != 0 gets a NullSink.
 
     A backend that cannot start (W&B most often) warns once and is left out; the others run.
-    ``wandb_table_every=N`` sends the expert table to W&B every N steps only (it costs about
+    ``wandb_table_every=N`` sends the expert table to W&B every N steps only (it costs 0.5 to
     1 s of host time per step at 64 x 256); JSONL always keeps every step's table.
     """
     if isinstance(wandb_table_every, bool) or not isinstance(wandb_table_every, int):

@@ -29,7 +29,7 @@ class WandbSink:
     ) -> None:
         if isinstance(table_every, bool) or not isinstance(table_every, int) or table_every < 1:
             raise ValueError(f"table_every must be an int >= 1, got {table_every!r}")
-        # A 64 x 256 table costs W&B about 1 s of host time per log (type inference and two
+        # A 64 x 256 table costs W&B 0.5 to 1 s of host time per log (type inference and two
         # serialisations); big runs can send it every N steps. Scalars always go every step.
         self.table_every = table_every
         # Imported here: wandb is heavy and optional for users who log elsewhere.
