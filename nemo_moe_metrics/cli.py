@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from nemo_moe_metrics.config import ConfigError, dump_recipe, load_recipe
 
@@ -11,6 +12,30 @@ from nemo_moe_metrics.config import ConfigError, dump_recipe, load_recipe
 def _cmd_check(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     print(dump_recipe(recipe), end="")
+    return 0
+
+
+def _parse_steps(text: str) -> tuple[int, int]:
+    first, sep, last = text.partition(":")
+    try:
+        if not sep:
+            return int(text), int(text)
+        return int(first), int(last)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--steps {text!r}: give one step (e.g. 100) or an inclusive window FIRST:LAST"
+        ) from None
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    # Imported here: matplotlib is only needed by this subcommand.
+    from nemo_moe_metrics.report import ReportError, render_report
+
+    try:
+        print(render_report(args.run_dir, steps=args.steps))
+    except ReportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -24,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("recipe", help="YAML recipe, e.g. examples/configs/sft_moe_tiny.yaml")
     check.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     check.set_defaults(func=_cmd_check)
+    report = sub.add_parser(
+        "report", help="expert-load heatmap, max/ideal plot and a summary from a run's JSONL"
+    )
+    report.add_argument("run_dir", type=Path, help="run directory holding metrics.jsonl")
+    report.add_argument(
+        "--steps", type=_parse_steps, default=None, help="one step N or a window FIRST:LAST"
+    )
+    report.set_defaults(func=_cmd_report)
     return parser
 
 

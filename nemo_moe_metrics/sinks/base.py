@@ -1,0 +1,179 @@
+"""The sink interface, a do-nothing sink, a fan-out sink and the metric-value checks.
+
+A sink takes one step's metrics as plain Python values: numbers, and tables (lists of rows)
+under the keys of ``metric_names.TABLE_COLUMNS``. Tensors are refused on purpose: converting
+one here would hide a host-device synchronisation per key; the worker converts everything in
+its single synchronisation at the end of the step.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+from nemo_moe_metrics.metric_names import TABLE_COLUMNS
+
+MetricValue = float | int | list
+Metrics = Mapping[str, MetricValue]
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """Where one step's metrics go: ``log`` once per step, ``close`` once at the end."""
+
+    def log(self, metrics: Metrics, step: int) -> None:
+        """Record ``metrics`` for training step ``step``."""
+        ...
+
+    def close(self) -> None:
+        """Flush and release files and services; later ``log`` calls are errors."""
+        ...
+
+
+class NullSink:
+    """A sink that drops everything: used on ranks other than 0 and when logging is off."""
+
+    def log(self, metrics: Metrics, step: int) -> None:
+        """Drop ``metrics``."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def is_table(key: str) -> bool:
+    """Whether ``key`` names a table (a list of rows) rather than a scalar."""
+    return key in TABLE_COLUMNS
+
+
+def validate_metrics(metrics: Metrics, step: int) -> dict[str, MetricValue]:
+    """Check one step's metrics and return them as plain Python values.
+
+    Numbers become ``float``/``int``; a table becomes a list of row lists whose length matches
+    its columns. Anything else raises ``TypeError``/``ValueError`` naming the key and the fix.
+    """
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r} ({type(step).__name__})")
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"metrics must be a dict of key -> value, got {type(metrics).__name__}")
+    clean: dict[str, MetricValue] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"metric keys must be non-empty strings, got {key!r}")
+        if key == "step":
+            raise ValueError("'step' is reserved (it is the record's step); rename the metric")
+        if is_table(key):
+            clean[key] = _validate_table(key, value)
+        elif isinstance(value, numbers.Integral):  # bool included: True -> 1
+            clean[key] = int(value)
+        elif isinstance(value, numbers.Real):
+            clean[key] = float(value)
+        elif type(value).__module__.startswith("torch"):
+            raise TypeError(
+                f"metric {key!r} is a torch.Tensor; sinks take Python numbers. Convert all "
+                "metrics in the step's one synchronisation (e.g. torch.stack(...).tolist()), "
+                "not one .item() per key"
+            )
+        elif isinstance(value, list | tuple):
+            raise TypeError(
+                f"metric {key!r} is a list but not a known table; tables are "
+                f"{sorted(TABLE_COLUMNS)}. Add the key and its columns to "
+                "metric_names.TABLE_COLUMNS, or log one scalar per key"
+            )
+        else:
+            raise TypeError(
+                f"metric {key!r} has type {type(value).__name__}; sinks take int, float or a "
+                "table (list of rows)"
+            )
+    return clean
+
+
+def _validate_table(key: str, value: object) -> list[list]:
+    columns = TABLE_COLUMNS[key]
+    if not isinstance(value, list | tuple):
+        raise TypeError(
+            f"table {key!r} must be a list of rows {list(columns)}, got {type(value).__name__}"
+        )
+    width = len(columns)
+    # Fast path: plain int/float cells (what the worker produces) in one pass; 16,384 rows of a
+    # 64 x 256 table take a few milliseconds. Anything else goes through the precise checks.
+    try:
+        if all(
+            len(row) == width
+            and all(type(c) is int or (type(c) is float and math.isfinite(c)) for c in row)
+            for row in value
+        ):
+            return [list(row) for row in value]
+    except TypeError:
+        pass
+    rows: list[list] = []
+    for n, row in enumerate(value):
+        if not isinstance(row, Sequence) or isinstance(row, str) or len(row) != width:
+            raise ValueError(
+                f"table {key!r} row {n} is {row!r}; each row must be a list of "
+                f"{width} values {list(columns)}"
+            )
+        out = []
+        for col, cell in zip(columns, row, strict=True):
+            if isinstance(cell, bool) or not isinstance(cell, numbers.Real):
+                raise TypeError(
+                    f"table {key!r} row {n} column {col!r} is {cell!r}; cells must be numbers"
+                )
+            if isinstance(cell, numbers.Integral):
+                out.append(int(cell))
+            elif math.isfinite(cell):
+                out.append(float(cell))
+            else:
+                raise ValueError(
+                    f"table {key!r} row {n} column {col!r} is {cell}; table cells must be finite "
+                    "(an empty layer has tokens 0 and load_percent 0, not NaN)"
+                )
+        rows.append(out)
+    return rows
+
+
+def finite_or_none(value: float | int) -> float | int | None:
+    """``value`` itself, or ``None`` for NaN/inf (strict JSON has no NaN; readers see null)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MultiSink:
+    """Fan one step out to several sinks; a failing sink warns once and never stops the others."""
+
+    def __init__(self, sinks: Sequence[Sink]) -> None:
+        self.sinks = list(sinks)
+        self._warned: set[int] = set()
+        self._closed = False
+
+    def log(self, metrics: Metrics, step: int) -> None:
+        """Validate once, then hand the step to every sink."""
+        if self._closed:
+            raise RuntimeError("log() after close(); build a new sink for a new run")
+        clean = validate_metrics(metrics, step)
+        for sink in self.sinks:
+            self._guarded(sink, "log", clean, int(step))
+
+    def close(self) -> None:
+        """Close every sink (each guarded the same way); closing twice is harmless."""
+        if self._closed:
+            return
+        self._closed = True
+        for sink in self.sinks:
+            self._guarded(sink, "close")
+
+    def _guarded(self, sink: Sink, method: str, *args: object) -> None:
+        try:
+            getattr(sink, method)(*args)
+        except Exception as err:  # one sink's failure must not cost the others their data
+            if id(sink) not in self._warned:
+                self._warned.add(id(sink))
+                warnings.warn(
+                    f"{type(sink).__name__}.{method} failed ({type(err).__name__}: {err}); the "
+                    "other sinks keep logging. Further failures of this sink are not reported.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )

@@ -1,0 +1,60 @@
+"""JSON Lines sink: one object per step, flushed (and fsync'd) before ``log`` returns.
+
+The file survives any crash: every step whose ``log`` returned is on disk. A run that resumes
+appends to the same file; if the previous process died in the middle of writing a line, a
+newline is added first so the torn line stays on its own and readers can skip it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from nemo_moe_metrics.sinks.base import Metrics, finite_or_none, is_table
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class JsonlSink:
+    """Append ``{"step": n, ...metrics}`` lines to ``path``; NaN/inf are written as ``null``."""
+
+    def __init__(self, path: Path, *, fsync: bool = True) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fsync = fsync
+        torn = (
+            self.path.exists()
+            and self.path.stat().st_size > 0
+            and not _ends_with_newline(self.path)
+        )
+        self._file = self.path.open("a", encoding="utf-8")
+        if torn:
+            self._file.write("\n")
+            self._flush()
+
+    def log(self, metrics: Metrics, step: int) -> None:
+        """Write one line for ``step`` and make it durable before returning."""
+        record: dict[str, object] = {"step": int(step)}
+        for key, value in metrics.items():
+            record[key] = value if is_table(key) else finite_or_none(value)
+        # allow_nan=False: a NaN inside a table row is a bug upstream, not something to hide.
+        self._file.write(json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n")
+        self._flush()
+
+    def close(self) -> None:
+        """Flush and close the file."""
+        if not self._file.closed:
+            self._flush()
+            self._file.close()
+
+    def _flush(self) -> None:
+        self._file.flush()
+        if self._fsync:
+            os.fsync(self._file.fileno())
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"

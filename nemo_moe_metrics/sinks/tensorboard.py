@@ -1,0 +1,29 @@
+"""TensorBoard sink: scalars only; tables never become one series per expert."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nemo_moe_metrics.sinks.base import Metrics, is_table
+
+
+class TensorBoardSink:
+    """Write every scalar metric with ``add_scalar``; flush each step so a crash loses nothing."""
+
+    def __init__(self, log_dir: Path) -> None:
+        # Imported here: torch.utils.tensorboard pulls in tensorboard, which is slow to import.
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = Path(log_dir)
+        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    def log(self, metrics: Metrics, step: int) -> None:
+        """Add one point per scalar key; skip tables (they live in JSONL and W&B)."""
+        for key, value in metrics.items():
+            if not is_table(key):
+                self._writer.add_scalar(key, value, global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        self._writer.close()

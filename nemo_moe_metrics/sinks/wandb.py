@@ -1,0 +1,74 @@
+"""Weights & Biases sink: scalars, and each table as a ``wandb.Table`` with every row kept.
+
+W&B truncates a logged table to ``wandb.Table.MAX_ROWS`` rows (10,000 by default), which is
+fewer than one step of a 40-layer, 256-expert model (10,240 rows). The sink raises that
+class-wide limit to the size of the table it is about to log, so no row is lost.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from nemo_moe_metrics.metric_names import TABLE_COLUMNS
+from nemo_moe_metrics.sinks.base import Metrics, is_table
+
+
+class WandbSink:
+    """One W&B run per sink; ``mode`` is ``offline`` (no account needed), ``online`` or ``disabled``."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        mode: str,
+        project: str,
+        run_name: str,
+        config: dict[str, Any] | None = None,
+        table_every: int = 1,
+    ) -> None:
+        if isinstance(table_every, bool) or not isinstance(table_every, int) or table_every < 1:
+            raise ValueError(f"table_every must be an int >= 1, got {table_every!r}")
+        # A 64 x 256 table costs W&B 0.5 to 1 s of host time per log (type inference and two
+        # serialisations); big runs can send it every N steps. Scalars always go every step.
+        self.table_every = table_every
+        # Imported here: wandb is heavy and optional for users who log elsewhere.
+        import wandb
+
+        self._wandb = wandb
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            mode=mode,
+            dir=str(run_dir),
+            project=project,
+            name=run_name,
+            config=config or {},
+            # create_new: several sinks (tests, sweeps) may live in one process.
+            reinit="create_new",
+            # console="off": the training script's stdout stays untouched.
+            settings=wandb.Settings(console="off", silent=True),
+        )
+
+    def log(self, metrics: Metrics, step: int) -> None:
+        """Log scalars (and tables when ``step`` is a multiple of ``table_every``) for ``step``."""
+        data: dict[str, Any] = {}
+        for key, value in metrics.items():
+            if is_table(key):
+                if step % self.table_every:
+                    continue
+                if len(value) > self._wandb.Table.MAX_ROWS:
+                    self._wandb.Table.MAX_ROWS = len(value)
+                # optional=False: cells are validated numbers, never None; W&B's per-row type
+                # inference is then about 5x cheaper (0.25 s instead of 1.5 s for 64 x 256).
+                data[key] = self._wandb.Table(
+                    columns=list(TABLE_COLUMNS[key]), data=value, optional=False
+                )
+            else:
+                data[key] = value
+        # commit=True: the row is written now, not held back until the next step arrives.
+        self.run.log(data, step=step, commit=True)
+
+    def close(self) -> None:
+        """Finish the run (offline: the files are complete on disk afterwards)."""
+        self.run.finish()

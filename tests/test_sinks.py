@@ -1,0 +1,188 @@
+"""JSONL sink, metric validation, fan-out and the rank rule of build_sinks."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+
+from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.config import LoggerConfig
+from nemo_moe_metrics.report import read_metrics
+from nemo_moe_metrics.sinks import METRICS_FILE, RUN_FILE, MultiSink, NullSink, build_sinks
+from nemo_moe_metrics.sinks.jsonl import JsonlSink
+
+REPO = Path(__file__).resolve().parent.parent
+JSONL_ONLY = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_jsonl_writes_one_object_per_step_with_table_rows(tmp_path):
+    table = [[0, e, 10 * e, 100 * e / 280] for e in range(8)]
+    sink = build_sinks(JSONL_ONLY, tmp_path, run_name="r")
+    sink.log({mn.MAX_OVER_IDEAL: 1.25, mn.TOKENS: 512, mn.EXPERT_LOADS: table}, step=3)
+    sink.log({mn.MAX_OVER_IDEAL: 1.5}, step=4)
+    sink.close()
+    assert _lines(tmp_path / METRICS_FILE) == [
+        {"step": 3, mn.MAX_OVER_IDEAL: 1.25, mn.TOKENS: 512, mn.EXPERT_LOADS: table},
+        {"step": 4, mn.MAX_OVER_IDEAL: 1.5},
+    ]
+
+
+def test_jsonl_keeps_every_completed_step_when_the_process_is_killed(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        from nemo_moe_metrics.sinks.jsonl import JsonlSink
+        sink = JsonlSink({str(tmp_path / METRICS_FILE)!r})
+        for step in range(5):
+            sink.log({{"train_perf/tokens": 100 + step}}, step)
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-run: no close(), no atexit
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True)
+    assert proc.returncode == -9, proc.stderr
+    assert _lines(tmp_path / METRICS_FILE) == [
+        {"step": s, "train_perf/tokens": 100 + s} for s in range(5)
+    ]
+
+
+def test_resume_after_a_torn_line_appends_on_a_fresh_line(tmp_path):
+    path = tmp_path / METRICS_FILE
+    good = '{"step":0,"moe/max_over_ideal":1.1}\n{"step":1,"moe/max_over_ideal":1.2}\n'
+    path.write_text(good + '{"step":2,"moe/max_ov')  # killed in the middle of step 2's line
+    sink = JsonlSink(path)
+    sink.log({mn.MAX_OVER_IDEAL: 1.3}, step=2)
+    sink.close()
+    with pytest.warns(UserWarning, match="skipped 1 unreadable line"):
+        records = read_metrics(path)
+    assert [(r["step"], r[mn.MAX_OVER_IDEAL]) for r in records] == [(0, 1.1), (1, 1.2), (2, 1.3)]
+
+
+def test_resumed_run_appends_and_readers_drop_the_abandoned_steps(tmp_path):
+    # First run logs steps 0..3 and dies; the second resumes from a checkpoint at step 2.
+    for values in ({0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}, {2: 30.0, 3: 40.0, 4: 50.0}):
+        sink = build_sinks(JSONL_ONLY, tmp_path, run_name="r")
+        for step, v in values.items():
+            sink.log({mn.MAX_OVER_IDEAL: v}, step)
+        sink.close()
+    assert len(_lines(tmp_path / METRICS_FILE)) == 7  # appended, nothing overwritten
+    records = read_metrics(tmp_path / METRICS_FILE)
+    assert [(r["step"], r[mn.MAX_OVER_IDEAL]) for r in records] == [
+        (0, 1.0),
+        (1, 2.0),
+        (2, 30.0),
+        (3, 40.0),
+        (4, 50.0),
+    ]
+
+
+def test_restart_earlier_than_the_last_step_discards_the_later_abandoned_steps(tmp_path):
+    for values in ({0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}, {2: 30.0}):
+        sink = build_sinks(JSONL_ONLY, tmp_path, run_name="r")
+        for step, v in values.items():
+            sink.log({mn.MAX_OVER_IDEAL: v}, step)
+        sink.close()
+    records = read_metrics(tmp_path / METRICS_FILE)
+    assert [(r["step"], r[mn.MAX_OVER_IDEAL]) for r in records] == [(0, 1.0), (1, 2.0), (2, 30.0)]
+
+
+def test_nan_and_inf_are_written_as_json_null(tmp_path):
+    sink = JsonlSink(tmp_path / METRICS_FILE)
+    sink.log({mn.aux_loss_key("z_loss"): math.nan, mn.MFU: math.inf, mn.TOKENS: 1}, step=0)
+    sink.close()
+    text = (tmp_path / METRICS_FILE).read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert _lines(tmp_path / METRICS_FILE) == [
+        {"step": 0, "moe/z_loss": None, "train_perf/mfu": None, "train_perf/tokens": 1}
+    ]
+
+
+def test_tensor_value_is_refused_with_the_fix_in_the_message(tmp_path):
+    import torch
+
+    sink = MultiSink([JsonlSink(tmp_path / METRICS_FILE)])
+    with pytest.raises(TypeError, match=r"moe/max_over_ideal.*torch.Tensor.*synchronisation"):
+        sink.log({mn.MAX_OVER_IDEAL: torch.tensor(1.0)}, step=0)
+
+
+def test_list_under_a_non_table_key_is_refused(tmp_path):
+    sink = MultiSink([JsonlSink(tmp_path / METRICS_FILE)])
+    with pytest.raises(TypeError, match=r"'moe/max_over_ideal' is a list.*TABLE_COLUMNS"):
+        sink.log({mn.MAX_OVER_IDEAL: [1.0, 2.0]}, step=0)
+
+
+def test_table_row_of_wrong_width_is_refused(tmp_path):
+    sink = MultiSink([JsonlSink(tmp_path / METRICS_FILE)])
+    with pytest.raises(ValueError, match=r"row 1 .*4 values \['layer', 'expert'"):
+        sink.log({mn.EXPERT_LOADS: [[0, 0, 5, 50.0], [0, 1, 5]]}, step=0)
+
+
+def test_nan_in_a_table_cell_is_refused_before_any_sink_writes(tmp_path):
+    sink = MultiSink([JsonlSink(tmp_path / METRICS_FILE)])
+    with pytest.raises(ValueError, match=r"row 0 column 'load_percent' is nan.*not NaN"):
+        sink.log({mn.EXPERT_LOADS: [[0, 0, 0, math.nan]]}, step=0)
+    assert (tmp_path / METRICS_FILE).read_text() == ""
+
+
+def test_negative_step_is_refused(tmp_path):
+    sink = MultiSink([JsonlSink(tmp_path / METRICS_FILE)])
+    with pytest.raises(ValueError, match="non-negative int"):
+        sink.log({mn.TOKENS: 1}, step=-1)
+
+
+class _BrokenSink:
+    """A backend whose every call fails, as a full disk or a dead service would."""
+
+    calls = 0
+
+    def log(self, metrics, step):
+        self.calls += 1
+        raise OSError("disk full")
+
+    def close(self):
+        raise OSError("disk full")
+
+
+def test_a_failing_sink_warns_once_and_the_others_keep_every_step(tmp_path):
+    broken = _BrokenSink()
+    sink = MultiSink([broken, JsonlSink(tmp_path / METRICS_FILE)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            sink.log({mn.TOKENS: step}, step)
+        sink.close()
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "_BrokenSink.log failed (OSError: disk full)" in messages[0]
+    assert broken.calls == 3
+    assert [r["step"] for r in _lines(tmp_path / METRICS_FILE)] == [0, 1, 2]
+
+
+def test_rank_other_than_zero_gets_a_null_sink_that_writes_nothing(tmp_path):
+    sink = build_sinks(LoggerConfig(), tmp_path / "run", run_name="r", rank=1)
+    sink.log({mn.TOKENS: 1}, 0)
+    sink.close()
+    assert isinstance(sink, NullSink)
+    assert not (tmp_path / "run").exists()
+
+
+def test_build_sinks_records_the_model_shape_in_run_json(tmp_path):
+    config = {"policy": {"model": {"num_layers": 6, "num_experts": 32, "moe_router_topk": 4}}}
+    build_sinks(JSONL_ONLY, tmp_path, run_name="tiny-moe", config=config).close()
+    meta = json.loads((tmp_path / RUN_FILE).read_text())
+    assert (meta["run_name"], meta["num_layers"], meta["num_experts"], meta["moe_router_topk"]) == (
+        "tiny-moe",
+        6,
+        32,
+        4,
+    )
+    assert meta["config"] == config

@@ -1,0 +1,63 @@
+"""W&B offline: the 64 x 256 expert table keeps every row; a W&B that cannot start is survivable."""
+
+import json
+import warnings
+
+import pytest
+
+from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.config import LoggerConfig
+from nemo_moe_metrics.sinks import METRICS_FILE, build_sinks
+
+
+def test_wandb_table_keeps_all_rows_of_64_layers_by_256_experts(tmp_path):
+    n_layers, n_experts = 64, 256
+    rows = [
+        [la, e, (la * 7 + e * 13) % 101, round(100 * ((la * 7 + e * 13) % 101) / 12345, 6)]
+        for la in range(n_layers)
+        for e in range(n_experts)
+    ]
+    assert len(rows) > 10_000  # more than W&B's default table limit
+    cfg = LoggerConfig(jsonl_enabled=False, tensorboard_enabled=False, wandb_mode="offline")
+    sink = build_sinks(cfg, tmp_path, run_name="wide", config={"a": 1})
+    sink.log({mn.EXPERT_LOADS: rows, mn.MAX_OVER_IDEAL: 1.75}, step=5)
+    run = sink.sinks[0].run
+    assert run.summary[mn.MAX_OVER_IDEAL] == 1.75
+    sink.close()
+
+    files = list((tmp_path / "wandb").glob("offline-run-*/files/media/table/moe/expert_loads_*"))
+    assert len(files) == 1, files
+    table = json.loads(files[0].read_text())
+    assert table["columns"] == list(mn.EXPERT_LOAD_COLUMNS)
+    assert len(table["data"]) == n_layers * n_experts
+    assert table["data"] == rows
+
+
+def test_wandb_that_cannot_start_warns_and_jsonl_keeps_logging(tmp_path):
+    (tmp_path / "wandb").write_text("a file where W&B wants its directory")
+    cfg = LoggerConfig(tensorboard_enabled=False, wandb_mode="offline")
+    with pytest.warns(RuntimeWarning, match=r"W&B sink could not start .*wandb_enabled=false"):
+        sink = build_sinks(cfg, tmp_path, run_name="r")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing more to say once W&B is left out
+        sink.log({mn.TOKENS: 7}, step=0)
+        sink.close()
+    assert json.loads((tmp_path / METRICS_FILE).read_text()) == {"step": 0, mn.TOKENS: 7}
+
+
+def test_wandb_table_every_n_steps_keeps_scalars_every_step(tmp_path):
+    cfg = LoggerConfig(jsonl_enabled=False, tensorboard_enabled=False, wandb_mode="offline")
+    sink = build_sinks(cfg, tmp_path, run_name="r", wandb_table_every=2)
+    run = sink.sinks[0].run
+    for step in range(4):
+        sink.log({mn.EXPERT_LOADS: [[0, 0, step, 100.0]], mn.TOKENS: step}, step)
+        assert run.summary[mn.TOKENS] == step
+    sink.close()
+    files = (tmp_path / "wandb").glob("offline-run-*/files/media/table/moe/expert_loads_*")
+    tokens = sorted(json.loads(f.read_text())["data"][0][2] for f in files)
+    assert tokens == [0, 2]
+
+
+def test_wandb_table_every_zero_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="wandb_table_every must be >= 1"):
+        build_sinks(LoggerConfig(), tmp_path, run_name="r", wandb_table_every=0)
