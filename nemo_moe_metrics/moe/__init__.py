@@ -1,0 +1,1 @@
+"""MoE metrics: router hooks, aux-loss metrics, balance statistics, cross-rank reduction."""

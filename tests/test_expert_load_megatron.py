@@ -1,0 +1,213 @@
+"""Expert-load counting on a real megatron-core GPTModel (CPU, gloo): 1 rank and EP=2 on 2 ranks.
+
+Expected counts come from the experts' own dispatch: a pre-hook on each layer's SequentialMLP
+records ``tokens_per_expert`` (tokens the dispatcher actually hands to the local experts, from
+every EP rank with the allgather dispatcher), or from the routing map with padding removed in
+numpy. One spawn per world size runs several checks.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from dist import ok_values, run_ranks
+
+RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "sft_moe_tiny.yaml"
+BATCH = 2
+
+
+def _build(ep_size, recompute=None):
+    from nemo_moe_metrics.config import load_recipe
+    from nemo_moe_metrics.megatron.model import build_gpt_model, init_distributed
+
+    overrides = [f"policy.megatron_cfg.expert_model_parallel_size={ep_size}"]
+    if recompute:
+        overrides.append(f"policy.megatron_cfg.recompute_granularity={recompute}")
+    recipe = load_recipe(RECIPE, overrides)
+    init_distributed(recipe.policy.megatron_cfg)
+    return build_gpt_model(recipe.policy.model, recipe.policy.megatron_cfg), recipe.policy.model
+
+
+def _dispatch_probe(model):
+    """Records each MoE layer's tokens_per_expert (local experts) at every experts forward."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    seen = {}
+
+    def make(layer):
+        def pre(module, args):
+            seen.setdefault(layer, []).append(np.asarray(args[1].tolist(), dtype=np.int64))
+
+        return pre
+
+    handles = []
+    for name, m in model.named_modules():
+        if isinstance(m, SequentialMLP):
+            layer = int(name.split("layers.")[1].split(".")[0])  # local index == global (PP=1)
+            handles.append(m.register_forward_pre_hook(make(layer)))
+    return seen, handles
+
+
+def _step(model, model_cfg, seed, padding_mask=None):
+    import torch
+
+    from nemo_moe_metrics.megatron.model import causal_attention_mask
+
+    s = model_cfg.seq_length
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, model_cfg.vocab_size, (BATCH, s), generator=g)
+    pos = torch.arange(s).expand(BATCH, s)
+    kwargs = {} if padding_mask is None else {"padding_mask": padding_mask}
+    loss = model(tokens, pos, causal_attention_mask(s), labels=tokens, **kwargs).mean()
+    if torch.is_grad_enabled():
+        loss.backward()
+
+
+def _single_rank(rank, world_size):
+    import torch
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from nemo_moe_metrics.moe.hooks import ExpertLoadCollector
+
+    model, cfg = _build(1)
+    s, out = cfg.seq_length, {}
+    collector = ExpertLoadCollector.attach(model)
+    out["layer_ids"] = collector.layer_ids
+
+    # Two training microbatches; expected = the experts' dispatched tokens.
+    seen, probes = _dispatch_probe(model)
+    for mb in range(2):
+        _step(model, cfg, seed=mb)
+    loads = collector.export()
+    out["counts"], out["routed"] = loads.counts.tolist(), loads.routed_tokens.tolist()
+    out["dispatched"] = {k: np.sum(v, axis=0).tolist() for k, v in seen.items()}
+    for h in probes:
+        h.remove()
+
+    # Eval and no_grad forwards add nothing.
+    model.eval()
+    _step(model, cfg, seed=5)
+    model.train()
+    with torch.no_grad():
+        _step(model, cfg, seed=6)
+    out["after_eval"] = collector.export().counts.tolist()
+
+    # Padding (True = padding in megatron's code): only real tokens count.
+    maps = {}
+
+    def grab(module, args, kwargs, output):
+        maps.setdefault(module.layer_number - 1, []).append(output[1].clone())
+
+    grabs = [
+        m.register_forward_hook(grab, with_kwargs=True)
+        for m in model.modules()
+        if isinstance(m, TopKRouter)
+    ]
+    pad = torch.zeros(BATCH, s, dtype=torch.bool)
+    pad[0, 20:] = True
+    pad[1, 9:] = True
+    _step(model, cfg, seed=7, padding_mask=pad)
+    loads = collector.export()
+    valid = (~pad).transpose(0, 1).reshape(-1).numpy()  # routing rows are [s, b] flattened
+    out["pad_counts"] = loads.counts.tolist()
+    out["pad_routed"] = loads.routed_tokens.tolist()
+    out["pad_expected"] = [maps[k][0].numpy()[valid].sum(axis=0).tolist() for k in loads.layer_ids]
+    out["pad_valid"] = int(valid.sum())
+    for h in grabs:
+        h.remove()
+
+    # Recompute (full, reentrant checkpoint) vs none on identical weights and tokens.
+    reference = collector
+    for mb in range(2):
+        _step(model, cfg, seed=10 + mb)
+    out["plain"] = reference.export().counts.tolist()
+    reference.detach()
+    state = model.state_dict()
+    recomputed, _ = _build(1, recompute="full")
+    recomputed.load_state_dict(state)
+    out["recompute_layers"] = recomputed.config.recompute_granularity
+    collector = ExpertLoadCollector.attach(recomputed)
+    calls = []
+    raw = [
+        m.register_forward_hook(lambda *a: calls.append(1))
+        for m in recomputed.modules()
+        if isinstance(m, TopKRouter)
+    ]
+    for mb in range(2):
+        _step(recomputed, cfg, seed=10 + mb)
+    out["recomputed"] = collector.export().counts.tolist()
+    out["raw_router_calls"] = len(calls)
+    for h in raw:
+        h.remove()
+    return out
+
+
+@pytest.fixture(scope="module")
+def single():
+    (result,) = ok_values(run_ranks(_single_rank, 1, timeout=150))
+    return result
+
+
+def test_layer_ids_are_global_zero_based_moe_layers(single):
+    assert single["layer_ids"] == [1, 2, 3]  # moe_layer_freq [0, 1, 1, 1]
+
+
+def test_counts_equal_experts_dispatched_tokens(single):
+    assert single["counts"] == [single["dispatched"][k] for k in (1, 2, 3)]
+
+
+def test_counts_sum_to_tokens_times_topk(single):
+    tokens = 2 * BATCH * 32
+    assert single["routed"] == [tokens] * 3
+    assert [sum(row) for row in single["counts"]] == [tokens * 2] * 3
+
+
+def test_eval_and_no_grad_forwards_add_nothing(single):
+    assert single["after_eval"] == [[0] * 8] * 3
+
+
+def test_padding_tokens_are_not_counted(single):
+    assert single["pad_valid"] == 20 + 9
+    assert single["pad_routed"] == [29] * 3
+    assert single["pad_counts"] == single["pad_expected"]
+    assert [sum(r) for r in single["pad_counts"]] == [29 * 2] * 3
+
+
+def test_full_recompute_counts_equal_no_recompute(single):
+    assert single["recompute_layers"] == "full"
+    # The trap is real: each router ran twice per microbatch (forward + replay in backward).
+    assert single["raw_router_calls"] == 3 * 2 * 2
+    assert single["recomputed"] == single["plain"]
+    assert [sum(r) for r in single["recomputed"]] == [2 * BATCH * 32 * 2] * 3
+
+
+def _expert_parallel(rank, world_size):
+    from nemo_moe_metrics.moe.hooks import ExpertLoadCollector
+
+    model, cfg = _build(2)
+    collector = ExpertLoadCollector.attach(model)
+    seen, _ = _dispatch_probe(model)
+    for mb in range(2):
+        _step(model, cfg, seed=100 * rank + mb)  # each rank its own tokens
+    loads = collector.export()
+    return {
+        "counts": loads.counts.tolist(),
+        "routed": loads.routed_tokens.tolist(),
+        "layer_ids": loads.layer_ids,
+        "local_dispatched": {k: np.sum(v, axis=0).tolist() for k, v in seen.items()},
+    }
+
+
+@pytest.mark.timeout(200)
+def test_expert_parallel_two_ranks_reduced_counts_equal_owners_dispatch():
+    results = ok_values(run_ranks(_expert_parallel, 2, timeout=180))
+    assert results[0]["counts"] == results[1]["counts"], "export must be identical on every rank"
+    # Rank r owns experts [4r, 4r+4); with the allgather dispatcher its local experts receive
+    # tokens from both ranks, so the owner's dispatch is the global count of its experts.
+    expected = [
+        results[0]["local_dispatched"][k] + results[1]["local_dispatched"][k] for k in (1, 2, 3)
+    ]
+    assert results[0]["counts"] == expected
+    tokens = 2 * 2 * BATCH * 32  # 2 ranks x 2 microbatches
+    assert results[0]["routed"] == [tokens] * 3
+    assert [sum(r) for r in results[0]["counts"]] == [tokens * 2] * 3
