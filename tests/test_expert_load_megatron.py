@@ -116,6 +116,22 @@ def _single_rank(rank, world_size):
     for h in grabs:
         h.remove()
 
+    # The megatron router's hook path (with a padding mask) makes no host sync.
+    from test_expert_load_nosync import Chunk, no_host_sync
+
+    router = next(m for m in model.modules() if isinstance(m, TopKRouter))
+    wrapped = Chunk(router)
+    probe = ExpertLoadCollector.attach(wrapped)
+    x = torch.randn(s, BATCH, cfg.hidden_size)
+    with no_host_sync():
+        router_map = wrapped(x, padding_mask=pad.transpose(0, 1))[1]
+    probe_loads = probe.export()
+    probe.detach()
+    out["nosync_counts"] = probe_loads.counts.tolist()
+    out["nosync_routed"] = probe_loads.routed_tokens.tolist()
+    out["nosync_expected"] = router_map.numpy()[valid].sum(axis=0).tolist()
+    out["nosync_layer"] = probe_loads.layer_ids
+
     # Recompute (full, reentrant checkpoint) vs none on identical weights and tokens.
     reference = collector
     for mb in range(2):
@@ -171,6 +187,12 @@ def test_padding_tokens_are_not_counted(single):
     assert single["pad_routed"] == [29] * 3
     assert single["pad_counts"] == single["pad_expected"]
     assert [sum(r) for r in single["pad_counts"]] == [29 * 2] * 3
+
+
+def test_megatron_router_hook_makes_no_host_sync(single):
+    assert single["nosync_layer"] == [1]
+    assert single["nosync_counts"] == [single["nosync_expected"]]
+    assert single["nosync_routed"] == [29]
 
 
 def test_full_recompute_counts_equal_no_recompute(single):
