@@ -16,13 +16,15 @@ RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "sft_
 BATCH = 2
 
 
-def _build(ep_size, recompute=None):
+def _build(ep_size, recompute=None, capacity=None):
     from nemo_moe_metrics.config import load_recipe
     from nemo_moe_metrics.megatron.model import build_gpt_model, init_distributed
 
     overrides = [f"policy.megatron_cfg.expert_model_parallel_size={ep_size}"]
     if recompute:
         overrides.append(f"policy.megatron_cfg.recompute_granularity={recompute}")
+    if capacity:
+        overrides.append(f"policy.model.moe_expert_capacity_factor={capacity}")
     recipe = load_recipe(RECIPE, overrides)
     init_distributed(recipe.policy.megatron_cfg)
     return build_gpt_model(recipe.policy.model, recipe.policy.megatron_cfg), recipe.policy.model
@@ -155,6 +157,17 @@ def _single_rank(rank, world_size):
     out["raw_router_calls"] = len(calls)
     for h in raw:
         h.remove()
+    collector.detach()
+
+    # A capacity factor drops assignments: counts follow the dispatch, not the top-k choice.
+    dropping, _ = _build(1, capacity=0.5)
+    collector = ExpertLoadCollector.attach(dropping)
+    seen, _ = _dispatch_probe(dropping)
+    _step(dropping, cfg, seed=20)
+    loads = collector.export()
+    out["drop_counts"] = loads.counts.tolist()
+    out["drop_dispatched"] = [np.sum(seen[k], axis=0).tolist() for k in (1, 2, 3)]
+    out["drop_routed"] = loads.routed_tokens.tolist()
     return out
 
 
@@ -201,6 +214,22 @@ def test_full_recompute_counts_equal_no_recompute(single):
     assert single["raw_router_calls"] == 3 * 2 * 2
     assert single["recomputed"] == single["plain"]
     assert [sum(r) for r in single["recomputed"]] == [2 * BATCH * 32 * 2] * 3
+
+
+def test_capacity_dropped_assignments_are_not_counted(single):
+    from nemo_moe_metrics import metric_names as mn
+    from nemo_moe_metrics.moe.balance import ExpertLoads, expert_load_metrics
+
+    assert single["drop_counts"] == single["drop_dispatched"]
+    tokens = BATCH * 32
+    assert single["drop_routed"] == [tokens] * 3
+    # Capacity per expert = 0.5 * tokens * topk / experts = 8: at most 8 per expert survive.
+    assert all(max(row) <= 8 for row in single["drop_counts"])
+    kept = sum(sum(row) for row in single["drop_counts"])
+    assert kept < 3 * tokens * 2
+    loads = ExpertLoads([1, 2, 3], np.array(single["drop_counts"]), np.array([tokens] * 3), 2)
+    metrics = expert_load_metrics(loads, per_layer=False, table=False)
+    assert metrics[mn.DROPPED_FRACTION] == pytest.approx(1 - kept / (3 * tokens * 2))
 
 
 def _expert_parallel(rank, world_size):
