@@ -140,6 +140,7 @@ class ExpertLoadReducer:
         self._layout: tuple[list[int], list[int], int] | None = None
         self._signature: Signature | None = None
         self._index: torch.Tensor | None = None
+        self._index_on: dict[torch.device, torch.Tensor] = {}  # a host-to-device copy syncs
         self._size = 0
 
     def _agree(self, sig: Signature, world: int) -> None:
@@ -180,7 +181,9 @@ class ExpertLoadReducer:
             flat = torch.cat(
                 [*(c.to(device) for c in counts), *(t.reshape(1).to(device) for t in tokens)]
             )
-            payload.index_copy_(0, self._index.to(device), flat)
+            if device not in self._index_on:
+                self._index_on[device] = self._index.to(device)
+            payload.index_copy_(0, self._index_on[device], flat)
         payload[-2] = 1
         payload[-1] = int(changed)
         if world > 1:
