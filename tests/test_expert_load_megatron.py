@@ -1,4 +1,4 @@
-"""Expert-load counting on a real megatron-core GPTModel (CPU, gloo): 1 rank and EP=2 on 2 ranks.
+"""Expert-load counting on a real megatron-core GPTModel (CPU, gloo): 1 rank, EP=2 and PP=2.
 
 Expected counts come from the experts' own dispatch: a pre-hook on each layer's SequentialMLP
 records ``tokens_per_expert`` (tokens the dispatcher actually hands to the local experts, from
@@ -16,11 +16,14 @@ RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "sft_
 BATCH = 2
 
 
-def _build(ep_size, recompute=None, capacity=None):
+def _build(ep_size, recompute=None, capacity=None, pipeline=1):
     from nemo_moe_metrics.config import load_recipe
     from nemo_moe_metrics.megatron.model import build_gpt_model, init_distributed
 
-    overrides = [f"policy.megatron_cfg.expert_model_parallel_size={ep_size}"]
+    overrides = [
+        f"policy.megatron_cfg.expert_model_parallel_size={ep_size}",
+        f"policy.megatron_cfg.pipeline_model_parallel_size={pipeline}",
+    ]
     if recompute:
         overrides.append(f"policy.megatron_cfg.recompute_granularity={recompute}")
     if capacity:
@@ -45,7 +48,7 @@ def _dispatch_probe(model):
     handles = []
     for name, m in model.named_modules():
         if isinstance(m, SequentialMLP):
-            layer = int(name.split("layers.")[1].split(".")[0])  # local index == global (PP=1)
+            layer = int(name.split("layers.")[1].split(".")[0])  # stage-local index
             handles.append(m.register_forward_pre_hook(make(layer)))
     return seen, handles
 
@@ -232,33 +235,94 @@ def test_capacity_dropped_assignments_are_not_counted(single):
     assert metrics[mn.DROPPED_FRACTION] == pytest.approx(1 - kept / (3 * tokens * 2))
 
 
-def _expert_parallel(rank, world_size):
+def _pipeline_step(model, model_cfg, seed):
+    """Two microbatches through megatron-core's own pipeline schedule (1F1B)."""
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from nemo_moe_metrics.megatron.cpu_shims import cpu_device_mode
+    from nemo_moe_metrics.megatron.model import causal_attention_mask
+
+    s = model_cfg.seq_length
+    g = torch.Generator().manual_seed(seed)
+    batches = iter(
+        [torch.randint(0, model_cfg.vocab_size, (BATCH, s), generator=g) for _ in range(2)]
+    )
+    pos = torch.arange(s).expand(BATCH, s)
+
+    def forward_step(data, model):
+        tokens = next(data)
+        out = model(tokens, pos, causal_attention_mask(s), labels=tokens)
+        return out, lambda o: (o.mean(), {})
+
+    with cpu_device_mode():
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=batches, model=[model],
+            num_microbatches=2, seq_length=s, micro_batch_size=BATCH, forward_only=False,
+        )  # fmt: skip
+
+
+def _two_rank_layouts(rank, world_size):
     from nemo_moe_metrics.moe.hooks import ExpertLoadCollector
 
+    out = {}
+    # Expert parallel 2: each rank routes its own tokens over all 8 experts, owns 4.
     model, cfg = _build(2)
     collector = ExpertLoadCollector.attach(model)
     seen, _ = _dispatch_probe(model)
     for mb in range(2):
-        _step(model, cfg, seed=100 * rank + mb)  # each rank its own tokens
+        _step(model, cfg, seed=100 * rank + mb)
     loads = collector.export()
-    return {
+    out["ep"] = {
         "counts": loads.counts.tolist(),
         "routed": loads.routed_tokens.tolist(),
-        "layer_ids": loads.layer_ids,
         "local_dispatched": {k: np.sum(v, axis=0).tolist() for k, v in seen.items()},
     }
+    collector.detach()
+
+    # Pipeline parallel 2 (same processes, new layout): stage 0 holds layers 0-1, stage 1 2-3.
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    # Megatron keeps this scale in a class attribute; the direct calls above left a 0-d one
+    # that the schedule cannot copy its [1] scale into.
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    model, cfg = _build(1, pipeline=2)
+    collector = ExpertLoadCollector.attach(model)
+    seen, _ = _dispatch_probe(model)  # keyed by stage-local layer index
+    _pipeline_step(model, cfg, seed=0)
+    loads = collector.export()
+    out["pp"] = {
+        "local_ids": collector.layer_ids,
+        "layer_ids": loads.layer_ids,
+        "counts": loads.counts.tolist(),
+        "local_dispatched": {k + 2 * rank: np.sum(v, axis=0).tolist() for k, v in seen.items()},
+    }
+    return out
 
 
-@pytest.mark.timeout(200)
-def test_expert_parallel_two_ranks_reduced_counts_equal_owners_dispatch():
-    results = ok_values(run_ranks(_expert_parallel, 2, timeout=180))
-    assert results[0]["counts"] == results[1]["counts"], "export must be identical on every rank"
+@pytest.fixture(scope="module")
+def two_ranks():
+    return ok_values(run_ranks(_two_rank_layouts, 2, timeout=200))
+
+
+@pytest.mark.timeout(240)
+def test_expert_parallel_two_ranks_reduced_counts_equal_owners_dispatch(two_ranks):
+    r0, r1 = two_ranks[0]["ep"], two_ranks[1]["ep"]
+    assert r0["counts"] == r1["counts"], "export must be identical on every rank"
     # Rank r owns experts [4r, 4r+4); with the allgather dispatcher its local experts receive
     # tokens from both ranks, so the owner's dispatch is the global count of its experts.
-    expected = [
-        results[0]["local_dispatched"][k] + results[1]["local_dispatched"][k] for k in (1, 2, 3)
-    ]
-    assert results[0]["counts"] == expected
+    expected = [r0["local_dispatched"][k] + r1["local_dispatched"][k] for k in (1, 2, 3)]
+    assert r0["counts"] == expected
     tokens = 2 * 2 * BATCH * 32  # 2 ranks x 2 microbatches
-    assert results[0]["routed"] == [tokens] * 3
-    assert [sum(r) for r in results[0]["counts"]] == [tokens * 2] * 3
+    assert r0["routed"] == [tokens] * 3
+    assert [sum(r) for r in r0["counts"]] == [tokens * 2] * 3
+
+
+def test_pipeline_stages_use_global_layer_ids_and_meet_in_a_union(two_ranks):
+    p0, p1 = two_ranks[0]["pp"], two_ranks[1]["pp"]
+    assert p0["local_ids"] == [1] and p1["local_ids"] == [2, 3]
+    assert p0["layer_ids"] == p1["layer_ids"] == [1, 2, 3]
+    assert p0["counts"] == p1["counts"]
+    dispatched = {**p0["local_dispatched"], **p1["local_dispatched"]}
+    assert p0["counts"] == [dispatched[k] for k in (1, 2, 3)]
+    assert [sum(r) for r in p0["counts"]] == [2 * BATCH * 32 * 2] * 3
