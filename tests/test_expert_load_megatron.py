@@ -326,3 +326,33 @@ def test_pipeline_stages_use_global_layer_ids_and_meet_in_a_union(two_ranks):
     dispatched = {**p0["local_dispatched"], **p1["local_dispatched"]}
     assert p0["counts"] == [dispatched[k] for k in (1, 2, 3)]
     assert [sum(r) for r in p0["counts"]] == [2 * BATCH * 32 * 2] * 3
+
+
+def _data_times_expert(rank, world_size):
+    from megatron.core import parallel_state
+
+    from nemo_moe_metrics.moe.hooks import ExpertLoadCollector
+
+    model, cfg = _build(2)  # 4 ranks: expert parallel 2 x data parallel 2
+    collector = ExpertLoadCollector.attach(model)
+    seen, _ = _dispatch_probe(model)
+    _step(model, cfg, seed=100 * rank)
+    loads = collector.export()
+    return {
+        "counts": loads.counts.tolist(),
+        "ep_rank": parallel_state.get_expert_model_parallel_rank(),
+        "local_dispatched": {k: np.sum(v, axis=0).tolist() for k, v in seen.items()},
+    }
+
+
+@pytest.mark.timeout(240)
+def test_data_times_expert_parallel_four_ranks_sums_every_replica():
+    results = ok_values(run_ranks(_data_times_expert, 4, timeout=200))
+    assert all(r["counts"] == results[0]["counts"] for r in results)
+    assert sorted(r["ep_rank"] for r in results) == [0, 0, 1, 1]
+    expected = np.zeros((3, 8), dtype=np.int64)
+    for r in results:  # each owner saw its EP group's tokens for its 4 experts
+        for i, layer in enumerate((1, 2, 3)):
+            expected[i, 4 * r["ep_rank"] : 4 * r["ep_rank"] + 4] += r["local_dispatched"][layer]
+    assert results[0]["counts"] == expected.tolist()
+    assert expected.sum(axis=1).tolist() == [4 * BATCH * 32 * 2] * 3
