@@ -1,0 +1,187 @@
+"""Expert-load balance statistics: pure numpy functions, no torch.distributed.
+
+Input is an :class:`ExpertLoads` (already reduced over ranks); output is a flat metric dict with
+keys from :mod:`nemo_moe_metrics.metric_names`. A layer that routed no tokens reports 0 for every
+statistic (there is nothing to judge), never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from nemo_moe_metrics import metric_names as mn
+
+
+@dataclass(frozen=True)
+class ExpertLoads:
+    """Reduced expert assignment counts of one training step (identical on every rank).
+
+    ``counts[i, e]``: token assignments of global layer ``layer_ids[i]`` to expert ``e``
+    (after capacity dropping; a token routed to k experts counts k times).
+    ``routed_tokens[i]``: non-padding tokens the router of that layer saw.
+    ``topk``: experts per token. Layers with fewer experts than ``counts.shape[1]`` are padded
+    with zeros on the right; ``num_experts[i]`` says how many columns are real.
+    """
+
+    layer_ids: list[int]
+    counts: np.ndarray
+    routed_tokens: np.ndarray
+    topk: int
+    num_experts: list[int] | None = None
+
+    def experts_of(self, i: int) -> int:
+        """Number of real experts of row ``i``."""
+        return self.num_experts[i] if self.num_experts is not None else int(self.counts.shape[1])
+
+
+def _check_counts(counts: np.ndarray) -> np.ndarray:
+    c = np.asarray(counts)
+    if c.ndim != 1:
+        raise ValueError(f"expected a 1-D per-expert count vector, got shape {c.shape}")
+    if c.size == 0:
+        raise ValueError("a layer needs at least one expert; got an empty count vector")
+    if np.any(c < 0):
+        raise ValueError(f"expert counts must be >= 0, got {c.tolist()}")
+    return c.astype(np.float64)
+
+
+def max_over_ideal(counts: np.ndarray) -> float:
+    """Busiest expert over the ideal (uniform) load: ``max(c) / mean(c)``; 1 is perfect, 0 if empty."""
+    c = _check_counts(counts)
+    total = c.sum()
+    return float(c.max() * c.size / total) if total > 0 else 0.0
+
+
+def min_over_ideal(counts: np.ndarray) -> float:
+    """Least-loaded expert over the ideal load: ``min(c) / mean(c)``; 1 is perfect, 0 if empty."""
+    c = _check_counts(counts)
+    total = c.sum()
+    return float(c.min() * c.size / total) if total > 0 else 0.0
+
+
+def coefficient_of_variation(counts: np.ndarray) -> float:
+    """Population standard deviation over mean of the per-expert counts; 0 is perfect."""
+    c = _check_counts(counts)
+    mean = c.mean()
+    return float(c.std() / mean) if mean > 0 else 0.0
+
+
+def normalized_entropy(counts: np.ndarray) -> float:
+    """Entropy of the load distribution over ``log(E)``: 1 is uniform, 0 is one expert (or empty)."""
+    c = _check_counts(counts)
+    total = c.sum()
+    if total <= 0:
+        return 0.0
+    if c.size == 1:
+        return 1.0
+    p = c[c > 0] / total
+    return float(-(p * np.log(p)).sum() / math.log(c.size))
+
+
+def zero_token_experts(counts: np.ndarray) -> int:
+    """Experts that received no token; 0 for a layer that routed no tokens at all."""
+    c = _check_counts(counts)
+    return int((c == 0).sum()) if c.sum() > 0 else 0
+
+
+def ep_rank_loads(counts: np.ndarray, ep_size: int) -> np.ndarray:
+    """Tokens per expert-parallel rank, experts placed as megatron-core does: contiguous blocks.
+
+    EP rank ``r`` holds experts ``[r * E/ep, (r+1) * E/ep)``.
+    """
+    c = _check_counts(counts)
+    if ep_size < 1 or c.size % ep_size:
+        raise ValueError(
+            f"ep_size={ep_size} must be >= 1 and divide the number of experts ({c.size}); "
+            "pass the expert_model_parallel_size the model was built with"
+        )
+    return c.reshape(ep_size, -1).sum(axis=1)
+
+
+def ep_imbalance(counts: np.ndarray, ep_size: int) -> float:
+    """Busiest EP rank's tokens over the mean EP rank (the all-to-all straggler); 0 if empty."""
+    return max_over_ideal(ep_rank_loads(counts, ep_size))
+
+
+def dropped_fraction(counts: np.ndarray, routed_tokens: int, topk: int) -> float:
+    """``1 - assignments / (tokens * topk)``: share of top-k choices dropped by expert capacity.
+
+    Exactly 0 without a capacity factor (nothing is dropped); 0 for a layer that saw no tokens.
+    """
+    c = _check_counts(counts)
+    wanted = float(routed_tokens) * topk
+    if routed_tokens < 0 or topk < 1:
+        raise ValueError(f"routed_tokens must be >= 0 and topk >= 1, got {routed_tokens}, {topk}")
+    return float(1.0 - c.sum() / wanted) if wanted > 0 else 0.0
+
+
+def load_percent(counts: np.ndarray) -> np.ndarray:
+    """Each expert's share of the layer's assignments in percent (sums to 100; zeros if empty)."""
+    c = _check_counts(counts)
+    total = c.sum()
+    return c * (100.0 / total) if total > 0 else np.zeros_like(c)
+
+
+def layer_statistics(
+    counts: np.ndarray, routed_tokens: int, topk: int, ep_size: int = 1
+) -> dict[str, float]:
+    """Every per-layer statistic of ``metric_names.LAYER_STATS`` for one layer."""
+    return {
+        "max_over_ideal": max_over_ideal(counts),
+        "min_over_ideal": min_over_ideal(counts),
+        "coefficient_of_variation": coefficient_of_variation(counts),
+        "normalized_entropy": normalized_entropy(counts),
+        "zero_token_experts": float(zero_token_experts(counts)),
+        "ep_imbalance": ep_imbalance(counts, ep_size),
+        "dropped_fraction": dropped_fraction(counts, routed_tokens, topk),
+    }
+
+
+def expert_load_metrics(
+    loads: ExpertLoads, *, per_layer: bool, table: bool, ep_size: int = 1
+) -> dict[str, float | list]:
+    """Balance summaries (and optionally per-layer values and the expert table) of one step.
+
+    Summaries: ``moe/max_over_ideal`` and ``moe/ep_imbalance`` are means over MoE layers that
+    routed tokens this step, ``..._max`` the worst layer; ``moe/dead_experts`` counts
+    (layer, expert) pairs with no token; ``moe/dropped_fraction`` is over all layers together.
+    Returns ``{}`` when there is no MoE layer.
+    """
+    counts = np.asarray(loads.counts)
+    n = len(loads.layer_ids)
+    if counts.ndim != 2 or counts.shape[0] != n or len(loads.routed_tokens) != n:
+        raise ValueError(
+            f"ExpertLoads is inconsistent: {n} layer ids, counts shape {counts.shape}, "
+            f"{len(loads.routed_tokens)} routed-token entries; build it with export_expert_loads"
+        )
+    if n == 0:
+        return {}
+    out: dict[str, float | list] = {}
+    stats = []
+    rows: list[list] = []
+    for i, layer in enumerate(loads.layer_ids):
+        c = counts[i, : loads.experts_of(i)]
+        s = layer_statistics(c, int(loads.routed_tokens[i]), loads.topk, ep_size)
+        stats.append((c.sum() > 0, s))
+        if per_layer:
+            for name, value in s.items():
+                out[mn.layer_stat_key(layer, name)] = value
+        if table:
+            pct = load_percent(c)
+            rows += [[int(layer), e, int(c[e]), float(pct[e])] for e in range(c.size)]
+    active = [s for ok, s in stats if ok]
+    out[mn.MAX_OVER_IDEAL] = (
+        float(np.mean([s["max_over_ideal"] for s in active])) if active else 0.0
+    )
+    out[mn.MAX_OVER_IDEAL_MAX] = max((s["max_over_ideal"] for s in active), default=0.0)
+    out[mn.EP_IMBALANCE] = float(np.mean([s["ep_imbalance"] for s in active])) if active else 0.0
+    out[mn.EP_IMBALANCE_MAX] = max((s["ep_imbalance"] for s in active), default=0.0)
+    out[mn.DEAD_EXPERTS] = float(sum(s["zero_token_experts"] for _, s in stats))
+    wanted = float(np.asarray(loads.routed_tokens, dtype=np.float64).sum()) * loads.topk
+    out[mn.DROPPED_FRACTION] = float(1.0 - counts.sum() / wanted) if wanted > 0 else 0.0
+    if table:
+        out[mn.EXPERT_LOADS] = rows
+    return out

@@ -1,0 +1,309 @@
+"""Router forward hooks that count expert assignments on the device, without host syncs.
+
+How counting works (details and limits: docs/en/expert_load.md):
+
+- ``ExpertLoadCollector.attach(model_chunks)`` finds every known router (megatron-core
+  ``TopKRouter``, the Hugging Face MoE routers, or a class given to :func:`register_router`)
+  and adds one forward hook per router plus a pre/post hook pair on each model chunk.
+- The chunk hooks mark a *training forward*: the chunk is in ``train()`` mode, autograd is on at
+  the chunk's entry and we are not inside a backward pass. Routers count only inside such a
+  forward. This is what makes activation recomputation safe: megatron's ``full`` recompute runs
+  the first forward with grad disabled inside a checkpoint function (still inside the chunk's
+  training forward: counted) and replays it during backward (the chunk forward is over and
+  autograd's graph task is active: not counted). Reference-model / rollout log-probs under
+  ``torch.no_grad()`` or ``eval()`` are never counted.
+- Counts accumulate as int64 per layer on the router's device; the hook path only launches
+  device ops (no ``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero`` or branching on values).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from nemo_moe_metrics.moe.balance import ExpertLoads
+
+# counts_fn(module, args, kwargs, output) -> (counts, tokens):
+#   counts: per-expert integer counts [E], or a boolean assignment map [T, E] (summed over T);
+#   tokens: tokens the router saw (non-padding), a 0-d integer tensor or a Python int.
+CountsFn = Callable[[nn.Module, tuple, dict, Any], tuple[torch.Tensor, "torch.Tensor | int"]]
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """How to read one router class: counts, number of experts, top-k and global layer id."""
+
+    counts_fn: CountsFn
+    num_experts: Callable[[nn.Module], int]
+    topk: Callable[[nn.Module], int]
+    layer_id: Callable[[nn.Module, str], int] | None = None
+
+
+def _megatron_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    # TopKRouter.forward(input, padding_mask=None) -> (probs, routing_map [T, E] bool), the map
+    # after capacity dropping. In the code (not the docstring) padding_mask is True = padding:
+    # routing() masks with `routing_map & ~padding_mask` and counts `(~padding_mask).sum()`.
+    routing_map = output[1]
+    padding_mask = kwargs.get("padding_mask", args[1] if len(args) > 1 else None)
+    if padding_mask is None:
+        return routing_map.sum(dim=0), routing_map.shape[0]
+    valid = ~padding_mask.reshape(-1).bool()
+    return (routing_map & valid.unsqueeze(-1)).sum(dim=0), valid.sum()
+
+
+def _topk_index_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    # Hugging Face routers return (router_logits, topk_weights, topk_indices): count the indices
+    # (never topk(router_logits): DeepSeek-V3 adds a bias and a group mask first).
+    indices = output[2]
+    flat = indices.reshape(-1).to(torch.int64)
+    # scatter_add_ with a fixed size: bincount/one_hot would read max(indices) on the host.
+    counts = torch.zeros(module.num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return counts, indices.shape[0]
+
+
+def _megatron_layer_id(module: nn.Module, name: str) -> int:
+    number = getattr(module, "layer_number", None)
+    if number is None:
+        raise ValueError(
+            f"megatron router {name!r} has no layer_number; build it inside a TransformerLayer "
+            "(MoELayer.set_layer_number) so its global layer index is known"
+        )
+    return int(number) - 1
+
+
+_MEGATRON = RouterSpec(
+    counts_fn=_megatron_counts,
+    num_experts=lambda m: int(m.config.num_moe_experts),
+    topk=lambda m: int(m.topk),
+    layer_id=_megatron_layer_id,
+)
+_HF = RouterSpec(
+    counts_fn=_topk_index_counts,
+    num_experts=lambda m: int(m.num_experts),
+    topk=lambda m: int(m.top_k),
+)
+
+# Built-in routers by "module.Class" so nothing is imported to recognise them.
+_BUILTIN: dict[str, RouterSpec] = {
+    "megatron.core.transformer.moe.router.TopKRouter": _MEGATRON,
+    **{
+        f"transformers.models.{mod}.modeling_{mod}.{cls}": _HF
+        for mod, cls in [
+            ("qwen3_moe", "Qwen3MoeTopKRouter"),
+            ("qwen3_next", "Qwen3NextTopKRouter"),
+            ("qwen3_5_moe", "Qwen3_5MoeTopKRouter"),
+            ("mixtral", "MixtralTopKRouter"),
+            ("olmoe", "OlmoeTopKRouter"),
+            ("deepseek_v3", "DeepseekV3TopkRouter"),
+            ("gpt_oss", "GptOssTopKRouter"),
+        ]
+    },
+}
+_REGISTERED: dict[type, RouterSpec] = {}
+
+
+def register_router(
+    router_cls: type,
+    counts_fn: CountsFn,
+    *,
+    num_experts: Callable[[nn.Module], int] | None = None,
+    topk: Callable[[nn.Module], int] | None = None,
+    layer_id: Callable[[nn.Module, str], int] | None = None,
+) -> None:
+    """Count the routers of class ``router_cls`` (and subclasses) with ``counts_fn``.
+
+    ``counts_fn(module, args, kwargs, output)`` returns ``(counts, tokens)``: per-expert integer
+    counts ``[E]`` or a boolean assignment map ``[T, E]``, and the number of (non-padding) tokens
+    routed, as a 0-d tensor or int. It must not synchronise with the host. ``num_experts`` and
+    ``topk`` default to the attributes ``num_experts`` and ``top_k``/``topk``; ``layer_id(module,
+    qualified_name)`` defaults to the integer after ``layers.`` in the module's name.
+    """
+    if not isinstance(router_cls, type) or not callable(counts_fn):
+        raise TypeError("register_router(router_cls, counts_fn): pass a class and a callable")
+    _REGISTERED[router_cls] = RouterSpec(
+        counts_fn=counts_fn,
+        num_experts=num_experts or (lambda m: int(m.num_experts)),
+        topk=topk or (lambda m: int(getattr(m, "top_k", getattr(m, "topk", 0)))),
+        layer_id=layer_id,
+    )
+
+
+def _spec_for(module: nn.Module) -> RouterSpec | None:
+    for cls in type(module).__mro__:
+        if cls in _REGISTERED:
+            return _REGISTERED[cls]
+        spec = _BUILTIN.get(f"{cls.__module__}.{cls.__qualname__}")
+        if spec is not None:
+            return spec
+    return None
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)(?:\.|$)")
+
+
+def _name_layer_id(name: str) -> int:
+    found = _LAYER_RE.findall(name)
+    if not found:
+        raise ValueError(
+            f"cannot tell the layer index of router {name!r} from its name; pass "
+            "layer_id=lambda module, name: ... to register_router"
+        )
+    return int(found[-1])
+
+
+def _in_backward() -> bool:
+    # Inside autograd's backward (where checkpointing replays forwards) the engine has a graph
+    # task. Compiled graphs never replay Python hooks, and dynamo cannot trace this call.
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
+class _LayerAccumulator:
+    """Device int64 counts [E] and routed tokens [] of one router."""
+
+    def __init__(self, layer_id: int, num_experts: int, topk: int, device: torch.device):
+        self.layer_id = layer_id
+        self.num_experts = num_experts
+        self.topk = topk
+        self.counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+        self.tokens = torch.zeros((), dtype=torch.int64, device=device)
+
+    def add(self, counts: torch.Tensor, tokens: torch.Tensor | int) -> None:
+        if counts.dtype == torch.bool or counts.dim() == 2:
+            counts = counts.sum(dim=0)
+        if counts.device != self.counts.device:  # the model moved after attach
+            self.counts = self.counts.to(counts.device)
+            self.tokens = self.tokens.to(counts.device)
+        self.counts.add_(counts.to(torch.int64))
+        self.tokens.add_(tokens)
+
+
+class ExpertLoadCollector:
+    """Per-layer expert assignment counts of the training forwards of one step, on device."""
+
+    def __init__(self, chunks: list[nn.Module], routers: list[tuple[str, nn.Module, RouterSpec]]):
+        """Use :meth:`attach`; this hooks the given routers and chunks."""
+        self._active_depth = 0  # > 0 inside a training forward of a chunk
+        self._entered: list[bool] = []
+        self._handles: list[Any] = []
+        self._accs: list[_LayerAccumulator] = []
+        self._reducers: dict[Any, Any] = {}
+        self.sequence_parallel = False
+        seen: dict[int, str] = {}
+        for name, module, spec in routers:
+            layer = spec.layer_id(module, name) if spec.layer_id else _name_layer_id(name)
+            if layer in seen:
+                raise ValueError(
+                    f"routers {seen[layer]!r} and {name!r} both claim global layer {layer}; "
+                    "pass each model chunk once, or give register_router a layer_id function"
+                )
+            seen[layer] = name
+            experts, topk = spec.num_experts(module), spec.topk(module)
+            if experts < 1 or topk < 1:
+                raise ValueError(f"router {name!r}: num_experts={experts}, topk={topk}; need >= 1")
+            param = next(module.parameters(), None)
+            device = param.device if param is not None else torch.device("cpu")
+            acc = _LayerAccumulator(layer, experts, topk, device)
+            self._accs.append(acc)
+            self._handles.append(
+                module.register_forward_hook(self._router_hook(acc, spec), with_kwargs=True)
+            )
+            cfg = getattr(module, "config", None)
+            self.sequence_parallel |= bool(getattr(cfg, "sequence_parallel", False))
+        for chunk in chunks:
+            self._handles.append(chunk.register_forward_pre_hook(self._enter))
+            self._handles.append(chunk.register_forward_hook(self._leave, always_call=True))
+        self._accs.sort(key=lambda a: a.layer_id)
+
+    @classmethod
+    def attach(cls, model_chunks: nn.Module | Iterable[nn.Module]) -> ExpertLoadCollector | None:
+        """Hook every MoE router in the chunks; None (and no hooks at all) when there is none.
+
+        Multi-token-prediction routers (under a module named ``mtp``) are skipped.
+        """
+        chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+        if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
+            raise TypeError("attach() takes an nn.Module or a list of nn.Module model chunks")
+        routers = []
+        for chunk in chunks:
+            for name, module in chunk.named_modules():
+                spec = _spec_for(module)
+                if spec is None or "mtp" in name.split("."):
+                    continue
+                routers.append((name, module, spec))
+        if not routers:
+            return None
+        return cls(chunks, routers)
+
+    # -- hooks (hot path: Python flags and device ops only) --------------------------------
+    def _enter(self, chunk: nn.Module, args: tuple) -> None:
+        training = chunk.training and torch.is_grad_enabled() and not _in_backward()
+        self._entered.append(training)
+        if training:
+            self._active_depth += 1
+
+    def _leave(self, chunk: nn.Module, args: tuple, output: Any) -> None:
+        if self._entered and self._entered.pop():
+            self._active_depth -= 1
+
+    def _router_hook(self, acc: _LayerAccumulator, spec: RouterSpec):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self._active_depth > 0 and module.training and not _in_backward():
+                counts, tokens = spec.counts_fn(module, args, kwargs, output)
+                acc.add(counts, tokens)
+
+        return hook
+
+    # -- step boundary -----------------------------------------------------------------------
+    @property
+    def layer_ids(self) -> list[int]:
+        """Global 0-based layer index of each hooked router, ascending."""
+        return [a.layer_id for a in self._accs]
+
+    @property
+    def num_experts(self) -> list[int]:
+        """Experts per hooked layer, in ``layer_ids`` order."""
+        return [a.num_experts for a in self._accs]
+
+    @property
+    def topk(self) -> int:
+        """Experts per token (the same for every hooked layer; checked)."""
+        ks = {a.topk for a in self._accs}
+        if len(ks) != 1:
+            raise ValueError(f"routers disagree on top-k: {sorted(ks)}; one top-k per model")
+        return ks.pop()
+
+    def local_counts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This rank's device accumulators (per-layer counts [E] and tokens []), not copied."""
+        return [a.counts for a in self._accs], [a.tokens for a in self._accs]
+
+    def reset(self) -> None:
+        """Zero the device accumulators (start of a new step)."""
+        for a in self._accs:
+            a.counts.zero_()
+            a.tokens.zero_()
+
+    def export(self, group: Any = None, *, contribute: bool | None = None) -> ExpertLoads:
+        """Reduce over ``group`` (default: world), reset, return loads identical on every rank.
+
+        One host synchronisation; the first call per group also agrees on the layer signature.
+        """
+        from nemo_moe_metrics.moe.reduction import ExpertLoadReducer
+
+        if group not in self._reducers:
+            self._reducers[group] = ExpertLoadReducer(group)
+        return self._reducers[group].export(self, contribute=contribute)
+
+    def detach(self) -> None:
+        """Remove every hook this collector added."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

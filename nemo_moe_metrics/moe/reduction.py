@@ -1,0 +1,237 @@
+"""The collectives for expert counts: agree on a layer signature once, then one summing all_reduce.
+
+Global view: the union of all ranks' layers by global layer id. Ranks holding different tokens
+(data, context, expert parallel, and tensor parallel with sequence parallel) are summed;
+tensor-parallel replicas without sequence parallel count once (``contribute``); pipeline stages
+hold different layers and meet in the union.
+
+Every rank, with or without MoE layers, keeps one :class:`ExpertLoadReducer` per group and calls
+:meth:`ExpertLoadReducer.export` at the same points. The first export gathers each rank's
+signature (pipeline stage, top-k, layer ids, experts per layer) and validates it; a mismatch
+raises the same :class:`ExpertLoadSignatureError` on every rank. Later exports make exactly one
+``all_reduce`` and one device-to-host copy, with guard slots that catch a rank whose layers
+changed since (re-attaching a collector to another model).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nemo_moe_metrics.moe.balance import ExpertLoads
+
+_GUARD = 2  # [participants, ranks whose signature changed]
+
+
+class ExpertLoadSignatureError(RuntimeError):
+    """Ranks disagree on which MoE layers exist or how many experts they have."""
+
+
+@dataclass(frozen=True)
+class Signature:
+    """One rank's view: pipeline stage, top-k (None without MoE), ``(layer_id, experts)`` pairs."""
+
+    stage: int
+    topk: int | None
+    layers: tuple[tuple[int, int], ...]
+
+
+def local_signature(collector: Any, stage: int) -> Signature:
+    """The signature of a collector (or of a rank without MoE layers when it is None)."""
+    if collector is None:
+        return Signature(stage, None, ())
+    return Signature(
+        stage, collector.topk, tuple(zip(collector.layer_ids, collector.num_experts, strict=True))
+    )
+
+
+def check_signatures(signatures: list[Signature]) -> tuple[list[int], list[int], int]:
+    """Validate all ranks' signatures; returns the global ``(layer_ids, experts, topk)``.
+
+    Rules: a layer id has one expert count everywhere; ranks in the same pipeline stage hold the
+    same layers; ranks in different stages hold disjoint layers; one top-k. Pure: every rank
+    runs it on the same gathered list, so every rank raises the same error.
+    """
+    experts: dict[int, dict[int, list[int]]] = {}
+    for rank, sig in enumerate(signatures):
+        for layer, e in sig.layers:
+            experts.setdefault(layer, {}).setdefault(e, []).append(rank)
+    problems = []
+    for layer in sorted(experts):
+        if len(experts[layer]) > 1:
+            seen = "; ".join(f"{e} experts on ranks {r}" for e, r in sorted(experts[layer].items()))
+            problems.append(f"layer {layer} has {seen}")
+    by_stage: dict[int, dict[frozenset, list[int]]] = {}
+    for rank, sig in enumerate(signatures):
+        ids = frozenset(layer for layer, _ in sig.layers)
+        by_stage.setdefault(sig.stage, {}).setdefault(ids, []).append(rank)
+    for stage, groups in sorted(by_stage.items()):
+        if len(groups) > 1:
+            seen = "; ".join(f"ranks {r} hold layers {sorted(ids)}" for ids, r in groups.items())
+            problems.append(f"pipeline stage {stage} ranks hold different MoE layers: {seen}")
+    stage_layers = {s: set().union(*g) for s, g in by_stage.items()}
+    stages = sorted(stage_layers)
+    for i, a in enumerate(stages):
+        for b in stages[i + 1 :]:
+            common = stage_layers[a] & stage_layers[b]
+            if common:
+                problems.append(f"pipeline stages {a} and {b} both hold layers {sorted(common)}")
+    topks = {sig.topk for sig in signatures if sig.topk is not None}
+    if len(topks) > 1:
+        problems.append(f"ranks disagree on top-k: {sorted(topks)}")
+    if problems:
+        raise ExpertLoadSignatureError(
+            "expert-load export: ranks disagree on the MoE layer signature, refusing to sum "
+            "unrelated layers: " + " | ".join(problems) + ". Every rank must attach the "
+            "collector to the same model (its own pipeline stage's chunks) before the first export."
+        )
+    layer_ids = sorted(experts)
+    return layer_ids, [next(iter(experts[k])) for k in layer_ids], (topks.pop() if topks else 0)
+
+
+def _megatron_parallel_state():
+    # Only consult megatron when the program already uses it (importing it is slow).
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        return ps
+    return None
+
+
+def default_stage() -> int:
+    """This rank's pipeline stage from megatron-core's parallel state, else 0."""
+    ps = _megatron_parallel_state()
+    return ps.get_pipeline_model_parallel_rank() if ps is not None else 0
+
+
+def default_contribute(collector: Any) -> bool:
+    """False on tensor-parallel replicas (TP rank > 0 without sequence parallel): count once."""
+    ps = _megatron_parallel_state()
+    if ps is None or collector is None or collector.sequence_parallel:
+        return True
+    return (
+        ps.get_tensor_model_parallel_world_size() == 1 or ps.get_tensor_model_parallel_rank() == 0
+    )
+
+
+def _world(group: Any) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _collective_device(group: Any, collector: Any) -> torch.device:
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class ExpertLoadReducer:
+    """Reduces expert counts over one process group; holds the agreed layout between steps."""
+
+    def __init__(self, group: Any = None, *, stage: int | None = None):
+        """``group``: ranks to sum over (default world); ``stage``: pipeline stage override."""
+        self.group = group
+        self.stage = stage
+        self._layout: tuple[list[int], list[int], int] | None = None
+        self._signature: Signature | None = None
+        self._index: torch.Tensor | None = None
+        self._index_on: dict[torch.device, torch.Tensor] = {}  # a host-to-device copy syncs
+        self._size = 0
+
+    def _agree(self, sig: Signature, world: int) -> None:
+        if world > 1:
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, sig, group=self.group)
+        else:
+            gathered = [sig]
+        layer_ids, experts, topk = check_signatures(gathered)
+        self._layout, self._signature = (layer_ids, experts, topk), sig
+        offsets = np.concatenate([[0], np.cumsum(experts)]).astype(np.int64)
+        n_counts = int(offsets[-1])
+        pos = {layer: i for i, layer in enumerate(layer_ids)}
+        # Where this rank's flat [counts of each local layer..., tokens of each local layer...]
+        # land in the global payload [all counts..., all tokens..., guard].
+        index = [int(offsets[pos[layer]]) + j for layer, e in sig.layers for j in range(e)] + [
+            n_counts + pos[layer] for layer, _ in sig.layers
+        ]
+        self._index = torch.tensor(index, dtype=torch.int64)
+        self._size = n_counts + len(layer_ids) + _GUARD
+
+    def export(self, collector: Any, *, contribute: bool | None = None) -> ExpertLoads:
+        """Sum this step's counts over the group, reset the collector, return the global loads."""
+        world, _ = _world(self.group)
+        stage = self.stage if self.stage is not None else default_stage()
+        sig = local_signature(collector, stage)
+        if self._layout is None:
+            self._agree(sig, world)
+        assert self._layout is not None and self._index is not None
+        layer_ids, experts, topk = self._layout
+        if contribute is None:
+            contribute = default_contribute(collector)
+        device = _collective_device(self.group, collector)
+        payload = torch.zeros(self._size, dtype=torch.int64, device=device)
+        changed = sig != self._signature
+        if collector is not None and contribute and not changed and self._index.numel():
+            counts, tokens = collector.local_counts()
+            flat = torch.cat(
+                [*(c.to(device) for c in counts), *(t.reshape(1).to(device) for t in tokens)]
+            )
+            if device not in self._index_on:
+                self._index_on[device] = self._index.to(device)
+            payload.index_copy_(0, self._index_on[device], flat)
+        payload[-2] = 1
+        payload[-1] = int(changed)
+        if world > 1:
+            dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=self.group)
+        values = payload.cpu().numpy()  # the one host synchronisation of the step
+        if collector is not None:
+            collector.reset()
+        if values[-2] != world or values[-1] != 0:
+            raise ExpertLoadSignatureError(
+                f"expert-load export: {int(values[-1])} rank(s) changed their MoE layers since "
+                f"the first export ({int(values[-2])} of {world} ranks took part); keep one "
+                "collector per model for the whole run, or create new reducers on every rank"
+            )
+        n_counts = int(sum(experts))
+        width = max(experts, default=0)
+        counts = np.zeros((len(layer_ids), width), dtype=np.int64)
+        start = 0
+        for i, e in enumerate(experts):
+            counts[i, :e] = values[start : start + e]
+            start += e
+        routed = values[n_counts : n_counts + len(layer_ids)].astype(np.int64)
+        return ExpertLoads(
+            layer_ids=list(layer_ids),
+            counts=counts,
+            routed_tokens=routed,
+            topk=topk,
+            num_experts=list(experts),
+        )
+
+
+def export_expert_loads(
+    collector: Any,
+    group: Any = None,
+    *,
+    reducer: ExpertLoadReducer | None = None,
+    contribute: bool | None = None,
+) -> ExpertLoads:
+    """End-of-step export usable on every rank, also those whose collector is None (no MoE).
+
+    A rank with a collector may omit ``reducer`` (the collector keeps one per group). A rank
+    without MoE layers must pass the same ``ExpertLoadReducer(group)`` every step: it remembers
+    the layout agreed at the first export, so all ranks make the same collectives.
+    """
+    if reducer is not None:
+        return reducer.export(collector, contribute=contribute)
+    if collector is None:
+        raise TypeError(
+            "export_expert_loads(None, group) needs reducer=ExpertLoadReducer(group), created "
+            "once at setup and passed every step, so this rank keeps the agreed layout"
+        )
+    return collector.export(group, contribute=contribute)
