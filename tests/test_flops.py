@@ -258,6 +258,14 @@ def test_text_config_is_unwrapped():
     assert wrapped == inner
 
 
+def test_multimodal_pretrained_config_uses_its_text_config():
+    transformers = pytest.importorskip("transformers")
+    cfg = load_fixture("qwen3.5-35b-a3b")
+    text = {k: v for k, v in cfg["text_config"].items() if k != "model_type"}
+    hf = transformers.Qwen3_5MoeConfig(text_config=text)
+    assert get_flops_estimator(hf)([300]).total == get_flops_estimator(cfg)([300]).total
+
+
 def test_pretrained_config_matches_its_config_json():
     transformers = pytest.importorskip("transformers")
     cfg = load_fixture("qwen3-30b-a3b")
