@@ -178,13 +178,16 @@ def validate_seq_lens(seq_lens: Any) -> np.ndarray:
         )
     if not isinstance(seq_lens, np.ndarray):
         seq_lens = list(seq_lens)
-        for i, value in enumerate(seq_lens):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(
-                    f"seq_lens[{i}] = {value!r} is not an integer; sequence lengths are "
-                    "token counts (non-negative ints)"
-                )
-        arr = np.asarray(seq_lens, dtype=np.int64) if seq_lens else np.zeros(0, np.int64)
+        # numpy converts in C; the Python scan below runs only to name a bad entry.
+        arr = np.asarray(seq_lens) if seq_lens else np.zeros(0, np.int64)
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            for i, value in enumerate(seq_lens):
+                if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                    raise TypeError(
+                        f"seq_lens[{i}] = {value!r} is not an integer; sequence lengths are "
+                        "token counts (non-negative ints)"
+                    )
+            raise TypeError(f"seq_lens must hold integers, got dtype {arr.dtype}")
     else:
         arr = seq_lens
         if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):

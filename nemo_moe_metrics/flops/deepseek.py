@@ -1,4 +1,4 @@
-"""DeepSeek-V3 (and V3-shaped models such as Kimi-K2): MLA, dense first layers, shared experts."""
+"""DeepSeek-V3: multi-head latent attention, dense first layers, shared and routed experts."""
 
 from __future__ import annotations
 
