@@ -14,6 +14,8 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nemo_moe_metrics.flops import (
     FlopsBreakdown,
@@ -502,3 +504,29 @@ def test_megatron_style_differs_from_ours_by_the_diagonal_only_on_a_dense_model(
     width = cfg["num_attention_heads"] * 2 * 128
     diagonal = 3 * 2 * cfg["num_hidden_layers"] * width * t / 2
     assert est([t]).total - megatron_style_flops(est, t) == pytest.approx(diagonal, rel=1e-9)
+
+
+# --- properties ---------------------------------------------------------------------------
+
+_lengths = st.lists(st.integers(min_value=0, max_value=70_000), max_size=20)
+_GPT_OSS = get_flops_estimator(load_fixture("gpt-oss-120b"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(a=_lengths, b=_lengths)
+def test_batches_add_up_sequence_by_sequence(a, b):
+    for causal in (True, False):
+        joined = _GPT_OSS(a + b, causal=causal).total
+        split = _GPT_OSS(a, causal=causal).total + _GPT_OSS(b, causal=causal).total
+        assert joined == pytest.approx(split, rel=1e-12, abs=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=_lengths)
+def test_causal_never_exceeds_full_and_window_never_exceeds_causal(lengths):
+    causal = _GPT_OSS(lengths).by_component["attention_core"]
+    full = _GPT_OSS(lengths, causal=False).by_component["attention_core"]
+    unwindowed = get_flops_estimator(
+        {**load_fixture("gpt-oss-120b"), "layer_types": ["full_attention"] * 36}
+    )(lengths).by_component["attention_core"]
+    assert causal <= unwindowed <= full
