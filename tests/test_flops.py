@@ -26,6 +26,7 @@ from nemo_moe_metrics.flops import (
     register_flops_estimator,
     registered_model_types,
     resolve_peak_flops,
+    try_get_flops_estimator,
 )
 from nemo_moe_metrics.flops import registry as registry_module
 
@@ -224,6 +225,13 @@ def test_unknown_model_type_lists_registered_types_and_how_to_register():
     text = str(err.value)
     assert "'mamba2'" in text and "qwen3_moe" in text and "register_flops_estimator(" in text
     assert isinstance(err.value, ValueError)
+
+
+def test_try_get_warns_and_returns_none_for_unknown_types_only():
+    with pytest.warns(UserWarning, match="FLOP metrics disabled.*'mamba2'"):
+        assert try_get_flops_estimator({"model_type": "mamba2"}) is None
+    with pytest.raises(ValueError, match="no 'intermediate_size'"):
+        try_get_flops_estimator({k: v for k, v in _llama().items() if k != "intermediate_size"})
 
 
 def test_config_without_model_type_is_unknown():

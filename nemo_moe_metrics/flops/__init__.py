@@ -26,6 +26,7 @@ from nemo_moe_metrics.flops.registry import (
     get_flops_estimator,
     register_flops_estimator,
     registered_model_types,
+    try_get_flops_estimator,
 )
 
 __all__ = [
@@ -47,4 +48,5 @@ __all__ = [
     "register_flops_estimator",
     "registered_model_types",
     "resolve_peak_flops",
+    "try_get_flops_estimator",
 ]

@@ -116,6 +116,19 @@ def get_flops_estimator(config: Any, *, vocab_size: int | None = None) -> FlopsE
     return factory(data)
 
 
+def try_get_flops_estimator(config: Any, *, vocab_size: int | None = None) -> FlopsEstimator | None:
+    """The estimator, or None after a warning when the model type has no formula.
+
+    For the training integration: call it once at setup and omit the FLOP metrics on None
+    (never report 0). Other configuration errors still raise.
+    """
+    try:
+        return get_flops_estimator(config, vocab_size=vocab_size)
+    except UnknownModelTypeError as err:
+        warnings.warn(f"FLOP metrics disabled: {err}", stacklevel=2)
+        return None
+
+
 for _name in ("llama", "mistral", "qwen2", "qwen3"):
     _REGISTRY[_name] = hf_dense.dense_decoder
 _REGISTRY.update(
