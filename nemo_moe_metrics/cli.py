@@ -39,6 +39,53 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_flops(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from nemo_moe_metrics.flops import (
+        UnknownModelTypeError,
+        fixture_names,
+        get_flops_estimator,
+        load_fixture,
+    )
+
+    path = Path(args.config)
+    try:
+        if path.is_file():
+            config = json.loads(path.read_text())
+        elif args.config.lower() in fixture_names():
+            config = load_fixture(args.config)
+        else:
+            raise ConfigError(
+                f"--config {args.config!r} is neither a config.json file nor a shipped model; "
+                f"shipped: {', '.join(fixture_names())}"
+            )
+        estimate = get_flops_estimator(config, vocab_size=args.vocab_size)(
+            args.seq_lens, causal=args.causal
+        )
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{args.config} is not valid JSON: {err}") from err
+    except (UnknownModelTypeError, ValueError, TypeError) as err:
+        raise ConfigError(str(err)) from err
+    if args.json:
+        print(json.dumps(estimate.to_dict(), indent=2))
+        return 0
+    tokens = sum(args.seq_lens)
+    print(
+        f"{len(args.seq_lens)} sequences, {tokens} tokens, "
+        f"{'causal' if args.causal else 'full (non-causal)'} attention; training FLOPs (fwd+bwd)"
+    )
+    print(f"{'component':<30} {'FLOPs':>12} {'share':>7}")
+    for name, value in estimate.by_component.items():
+        share = value / estimate.total if estimate.total else 0.0
+        print(f"{name:<30} {value:>12.4e} {share:>7.1%}")
+    print(f"{'total':<30} {estimate.total:>12.4e}")
+    if tokens:
+        print(f"{'per token':<30} {estimate.total / tokens:>12.4e}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one subcommand per job."""
     parser = argparse.ArgumentParser(
@@ -57,6 +104,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps", type=_parse_steps, default=None, help="one step N or a window FIRST:LAST"
     )
     report.set_defaults(func=_cmd_report)
+    flops = sub.add_parser("flops", help="estimate training FLOPs of a model for a batch")
+    flops.add_argument(
+        "--config", required=True, help="config.json path or a shipped model, e.g. qwen3-30b-a3b"
+    )
+    flops.add_argument(
+        "--seq-lens", type=int, nargs="+", required=True, help="token count of each sequence"
+    )
+    flops.add_argument(
+        "--causal",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="count only attended (causal/window) pairs (default) or the full T x T products",
+    )
+    flops.add_argument("--vocab-size", type=int, default=None, help="override the lm_head width")
+    flops.add_argument("--json", action="store_true", help="print {total, by_component} as JSON")
+    flops.set_defaults(func=_cmd_flops)
     return parser
 
 

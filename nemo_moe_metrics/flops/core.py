@@ -1,0 +1,324 @@
+"""Model shapes, the vectorised FLOP arithmetic and the estimator object.
+
+Conventions (stated once, used everywhere in this package):
+
+- One multiply-add is 2 FLOPs: a ``[T, k] @ [k, n]`` matmul costs ``2 * T * k * n``.
+- Training FLOPs are ``3 x forward``: the backward pass computes the input gradient and the
+  weight gradient, each as expensive as the forward matmul.
+- Counted: every matmul with a weight (projections, MLPs, experts actually routed to, routers,
+  gates, the lm_head), the attention score and value products, the Gated DeltaNet short
+  convolution and its recurrence (see ``linear_attention_core`` below).
+- Not counted: embedding lookups, norms, activations, softmax, rotary embeddings, residual
+  adds, biases, the loss. They are memory-bound and together well under 1% of the total for
+  the models this package targets.
+- Packed batches: attention is summed per sequence, never estimated on the packed total.
+
+This module is pure numpy arithmetic: no torch, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Component keys of FlopsBreakdown.by_component (the issue's contract; keep stable).
+ATTENTION_PROJECTIONS = "attention_projections"
+ATTENTION_CORE = "attention_core"
+LINEAR_ATTENTION_PROJECTIONS = "linear_attention_projections"
+LINEAR_ATTENTION_CONV = "linear_attention_conv"
+LINEAR_ATTENTION_CORE = "linear_attention_core"
+DENSE_MLP = "dense_mlp"
+ROUTER = "router"
+ROUTED_EXPERTS = "routed_experts"
+SHARED_EXPERTS = "shared_experts"
+LM_HEAD = "lm_head"
+COMPONENTS: tuple[str, ...] = (
+    ATTENTION_PROJECTIONS,
+    ATTENTION_CORE,
+    LINEAR_ATTENTION_PROJECTIONS,
+    LINEAR_ATTENTION_CONV,
+    LINEAR_ATTENTION_CORE,
+    DENSE_MLP,
+    ROUTER,
+    ROUTED_EXPERTS,
+    SHARED_EXPERTS,
+    LM_HEAD,
+)
+
+# Forward + backward = 3 x forward; a multiply-add = 2 FLOPs.
+TRAINING_MULTIPLIER = 3.0
+FLOPS_PER_MAC = 2.0
+# Recurrent-equivalent Gated DeltaNet forward cost per token and value head, in units of
+# key_dim * value_dim multiply-adds: read S^T k, write the delta outer product, read S^T q.
+GDN_CORE_MACS_PER_STATE_ELEMENT = 3.0
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """A softmax attention layer: its projection weights and its score/value product sizes.
+
+    ``window`` is the number of keys a query sees under a sliding window (itself included,
+    the Hugging Face convention); None means full causal attention.
+    """
+
+    projection_params: int
+    num_heads: int
+    qk_head_dim: int
+    v_head_dim: int
+    window: int | None = None
+
+
+@dataclass(frozen=True)
+class LinearAttentionLayer:
+    """A Gated DeltaNet layer: projections, depthwise causal conv, gated delta recurrence."""
+
+    projection_params: int
+    conv_channels: int
+    conv_kernel: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+
+
+@dataclass(frozen=True)
+class DenseMLP:
+    """A dense MLP; ``params`` are its matmul weights (3 x hidden x width for SwiGLU)."""
+
+    params: int
+
+
+@dataclass(frozen=True)
+class MoEMLP:
+    """A routed MoE block: router, ``top_k`` of ``num_experts`` experts, optional shared part.
+
+    ``shared_params`` includes a shared-expert gate (hidden x 1) where the model has one.
+    """
+
+    router_params: int
+    expert_params: int
+    num_experts: int
+    top_k: int
+    shared_params: int = 0
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer: a token mixer and a feed-forward block."""
+
+    mixer: AttentionLayer | LinearAttentionLayer
+    ffn: DenseMLP | MoEMLP
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Everything the FLOP and parameter arithmetic needs about a decoder-only model."""
+
+    model_type: str
+    hidden_size: int
+    layers: tuple[Layer, ...]
+    vocab_size: int
+    tied_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError(f"{self.model_type}: a model needs at least one layer")
+        if self.vocab_size < 0 or self.hidden_size <= 0:
+            raise ValueError(
+                f"{self.model_type}: hidden_size must be > 0 and vocab_size >= 0, got "
+                f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}"
+            )
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameters implied by a ModelShape (matmul weights + embeddings; norms/biases excluded)."""
+
+    total: int
+    active: int
+    embedding: int
+
+
+@dataclass
+class FlopsBreakdown:
+    """Training FLOPs of one batch: ``total`` and the same FLOPs split by component."""
+
+    total: float
+    by_component: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form: ``{"total": ..., "by_component": {...}}``."""
+        return {"total": self.total, "by_component": dict(self.by_component)}
+
+
+def validate_seq_lens(seq_lens: Any) -> np.ndarray:
+    """Sequence lengths as a 1-D float64 array; a clear error for anything else.
+
+    Accepts a list/tuple of ints, a numpy integer array or a CPU integer torch tensor.
+    """
+    if isinstance(seq_lens, (int, np.integer)) and not isinstance(seq_lens, bool):
+        raise TypeError(
+            f"seq_lens must be a sequence of per-sequence token counts, got the single int "
+            f"{int(seq_lens)}; for one sequence pass [{int(seq_lens)}]"
+        )
+    if type(seq_lens).__module__.startswith("torch"):
+        device = getattr(seq_lens, "device", None)
+        if device is not None and getattr(device, "type", "cpu") != "cpu":
+            raise TypeError(
+                f"seq_lens is a torch tensor on {device}; reading it would synchronise the "
+                "device: pass a CPU tensor or a list of ints (e.g. collected once per step)"
+            )
+        seq_lens = seq_lens.numpy()
+    if isinstance(seq_lens, (str, bytes)) or not isinstance(seq_lens, (Iterable, np.ndarray)):
+        raise TypeError(
+            f"seq_lens must be a list, tuple, numpy array or CPU torch tensor of ints, got "
+            f"{type(seq_lens).__name__}"
+        )
+    if not isinstance(seq_lens, np.ndarray):
+        seq_lens = list(seq_lens)
+        # numpy converts in C; the Python scan below runs only to name a bad entry.
+        arr = np.asarray(seq_lens) if seq_lens else np.zeros(0, np.int64)
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            for i, value in enumerate(seq_lens):
+                if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                    raise TypeError(
+                        f"seq_lens[{i}] = {value!r} is not an integer; sequence lengths are "
+                        "token counts (non-negative ints)"
+                    )
+            raise TypeError(f"seq_lens must hold integers, got dtype {arr.dtype}")
+    else:
+        arr = seq_lens
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(
+                f"seq_lens has dtype {arr.dtype}; sequence lengths are token counts: pass an "
+                "integer array (e.g. lengths.astype(np.int64))"
+            )
+    if arr.ndim != 1:
+        raise ValueError(
+            f"seq_lens must be 1-D (one length per sequence), got shape {tuple(arr.shape)}; "
+            "flatten it or pass the per-sequence lengths of the packed batch"
+        )
+    negative = np.flatnonzero(arr < 0)
+    if negative.size:
+        i = int(negative[0])
+        raise ValueError(f"seq_lens[{i}] = {int(arr[i])} is negative; lengths must be >= 0")
+    return arr.astype(np.float64)
+
+
+def attended_pairs(lengths: np.ndarray, *, causal: bool, window: int | None) -> float:
+    """Query-key pairs whose score (and value product) is computed, summed over sequences.
+
+    Non-causal: the full ``L x L`` block per sequence. Causal: ``L(L+1)/2``. Causal with a
+    sliding window of ``w`` keys (self included): ``sum_i min(i+1, w)``.
+    """
+    if not causal:
+        return float(np.sum(lengths * lengths))
+    if window is None:
+        return float(np.sum(lengths * (lengths + 1.0) / 2.0))
+    w = float(window)
+    inside = np.minimum(lengths, w)
+    # The first min(L, w) queries see i+1 keys; the remaining ones see exactly w.
+    return float(np.sum(inside * (inside + 1.0) / 2.0 + (lengths - inside) * w))
+
+
+class FlopsEstimator:
+    """Training FLOPs of a model for a batch of sequence lengths: ``est(seq_lens, causal=...)``.
+
+    Built from a ModelShape; the per-token costs are summed once here so a call is a handful
+    of numpy reductions over the lengths, whatever the batch size.
+    """
+
+    def __init__(self, shape: ModelShape) -> None:
+        self.shape = shape
+        per_token: dict[str, float] = {}
+        # Attention core per (heads x (qk + v) dims), grouped by window so each distinct
+        # window costs one vectorised reduction per call.
+        self._attention_groups: dict[int | None, float] = {}
+        for layer in shape.layers:
+            mixer, ffn = layer.mixer, layer.ffn
+            if isinstance(mixer, AttentionLayer):
+                _add(per_token, ATTENTION_PROJECTIONS, mixer.projection_params)
+                width = mixer.num_heads * (mixer.qk_head_dim + mixer.v_head_dim)
+                self._attention_groups[mixer.window] = (
+                    self._attention_groups.get(mixer.window, 0.0) + width
+                )
+            else:
+                _add(per_token, LINEAR_ATTENTION_PROJECTIONS, mixer.projection_params)
+                _add(per_token, LINEAR_ATTENTION_CONV, mixer.conv_channels * mixer.conv_kernel)
+                _add(
+                    per_token,
+                    LINEAR_ATTENTION_CORE,
+                    GDN_CORE_MACS_PER_STATE_ELEMENT
+                    * mixer.num_value_heads
+                    * mixer.key_head_dim
+                    * mixer.value_head_dim,
+                )
+            if isinstance(ffn, DenseMLP):
+                _add(per_token, DENSE_MLP, ffn.params)
+            else:
+                _add(per_token, ROUTER, ffn.router_params)
+                _add(per_token, ROUTED_EXPERTS, ffn.top_k * ffn.expert_params)
+                if ffn.shared_params:
+                    _add(per_token, SHARED_EXPERTS, ffn.shared_params)
+        if shape.vocab_size:
+            _add(per_token, LM_HEAD, shape.hidden_size * shape.vocab_size)
+        # Per-token multiply-adds -> training FLOPs per token.
+        scale = TRAINING_MULTIPLIER * FLOPS_PER_MAC
+        self._per_token = {k: v * scale for k, v in per_token.items()}
+        self._components = [
+            c
+            for c in COMPONENTS
+            if c in per_token or (c == ATTENTION_CORE and self._attention_groups)
+        ]
+
+    @property
+    def components(self) -> list[str]:
+        """The by_component keys this model produces, in the canonical order."""
+        return list(self._components)
+
+    def __call__(self, seq_lens: Any, *, causal: bool = True) -> FlopsBreakdown:
+        """Training FLOPs (forward + backward) of a batch of sequences of these lengths."""
+        lengths = validate_seq_lens(seq_lens)
+        tokens = float(np.sum(lengths))
+        out = {c: 0.0 for c in self._components}
+        for key, flops_per_token in self._per_token.items():
+            out[key] = flops_per_token * tokens
+        scale = TRAINING_MULTIPLIER * FLOPS_PER_MAC
+        for window, width in self._attention_groups.items():
+            out[ATTENTION_CORE] += (
+                scale * width * attended_pairs(lengths, causal=causal, window=window)
+            )
+        return FlopsBreakdown(total=float(sum(out.values())), by_component=out)
+
+    def flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
+        """Training FLOPs per token of one sequence of ``seq_len`` tokens."""
+        if seq_len <= 0:
+            raise ValueError(f"seq_len must be > 0, got {seq_len}")
+        return self([seq_len], causal=causal).total / seq_len
+
+    def parameter_counts(self) -> ParameterCounts:
+        """Total and per-token active parameters implied by the shape (embeddings included)."""
+        shape = self.shape
+        embedding = shape.hidden_size * shape.vocab_size * (1 if shape.tied_embeddings else 2)
+        total = active = embedding
+        for layer in shape.layers:
+            mixer, ffn = layer.mixer, layer.ffn
+            mixer_params = mixer.projection_params
+            if isinstance(mixer, LinearAttentionLayer):
+                mixer_params += mixer.conv_channels * mixer.conv_kernel
+            total += mixer_params
+            active += mixer_params
+            if isinstance(ffn, DenseMLP):
+                total += ffn.params
+                active += ffn.params
+            else:
+                common = ffn.router_params + ffn.shared_params
+                total += common + ffn.num_experts * ffn.expert_params
+                active += common + ffn.top_k * ffn.expert_params
+        return ParameterCounts(total=total, active=active, embedding=embedding)
+
+
+def _add(acc: dict[str, float], key: str, value: float) -> None:
+    acc[key] = acc.get(key, 0.0) + float(value)

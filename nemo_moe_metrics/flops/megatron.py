@@ -1,0 +1,186 @@
+"""megatron-core ``TransformerConfig`` (and ``MLATransformerConfig``) as built by GPTModel.
+
+Reads: GQA (``num_query_groups``, ``kv_channels``), ``attention_output_gate``, MLA,
+sliding windows (``window_size``, ``window_attn_skip_freq``), Gated DeltaNet
+(``experimental_attention_variant="gated_delta_net"``, ``linear_attention_freq``), SwiGLU
+(``gated_linear_unit``), MoE (``moe_layer_freq``, ``moe_ffn_hidden_size``,
+``moe_shared_expert_intermediate_size``, ``moe_shared_expert_gate``). Multi-token prediction
+layers (``mtp_num_layers``) are not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from nemo_moe_metrics.flops.components import (
+    ConfigReader,
+    dense_mlp,
+    gated_delta_net,
+    gqa_attention,
+    mla_attention,
+    moe_block,
+)
+from nemo_moe_metrics.flops.core import FlopsEstimator, Layer, ModelShape
+
+MEGATRON_MODEL_TYPE = "megatron_gpt"
+
+
+def is_megatron_config(config: Any) -> bool:
+    """True for a megatron-core TransformerConfig (or subclass) instance, without importing it."""
+    return dataclasses.is_dataclass(config) and any(
+        cls.__name__ == "TransformerConfig" and cls.__module__.startswith("megatron.core")
+        for cls in type(config).__mro__
+    )
+
+
+def megatron_config_to_dict(config: Any, vocab_size: int | None) -> dict[str, Any]:
+    """The config's fields as a plain dict, plus ``vocab_size`` and ``model_type``.
+
+    A TransformerConfig has no vocabulary: ``vocab_size`` must be given explicitly (0 leaves
+    the output layer out on purpose).
+    """
+    if vocab_size is None:
+        raise ValueError(
+            "a megatron-core TransformerConfig has no vocabulary size: pass "
+            "vocab_size=<padded vocab size> to get_flops_estimator to count the output layer, "
+            "or vocab_size=0 to leave the lm_head out deliberately"
+        )
+    out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    out["vocab_size"] = int(vocab_size)
+    out["model_type"] = MEGATRON_MODEL_TYPE
+    return out
+
+
+def _pattern(value: Any, num_layers: int, name: str, *, int_rule) -> list[int]:
+    if isinstance(value, int):
+        return [int_rule(i, value) for i in range(num_layers)]
+    if isinstance(value, (list, tuple)):
+        if len(value) != num_layers:
+            raise ValueError(f"{name} has {len(value)} entries but num_layers is {num_layers}")
+        return [int(v) for v in value]
+    raise ValueError(
+        f"{name}={value!r} is not an int or a list; pass the evaluated per-layer pattern"
+    )
+
+
+def megatron_gpt(config: Mapping[str, Any]) -> FlopsEstimator:
+    """Factory for a megatron-core GPT model described by TransformerConfig fields."""
+    cfg = ConfigReader(config, MEGATRON_MODEL_TYPE)
+    hidden = int(cfg.require("hidden_size"))
+    n = int(cfg.require("num_layers"))
+    heads = int(cfg.require("num_attention_heads"))
+    gated = bool(cfg.get("gated_linear_unit", False))
+    if cfg.get("mtp_num_layers"):
+        warnings.warn(
+            "mtp_num_layers is set: multi-token-prediction layers are not counted in the "
+            "FLOP estimate",
+            stacklevel=3,
+        )
+
+    # Token mixers.
+    if cfg.get("multi_latent_attention", False):
+        qk = int(cfg.require("qk_head_dim"))
+        rope = int(cfg.require("qk_pos_emb_head_dim"))
+        base = mla_attention(
+            hidden,
+            heads,
+            q_lora_rank=cfg.get("q_lora_rank"),
+            kv_lora_rank=int(cfg.require("kv_lora_rank")),
+            qk_nope_head_dim=qk,
+            qk_rope_head_dim=rope,
+            v_head_dim=int(cfg.require("v_head_dim")),
+        )
+        attention = [base] * n
+    else:
+        groups = int(cfg.get("num_query_groups", heads))
+        kv = int(cfg.get("kv_channels", hidden // heads))
+        window = cfg.get("window_size")
+        skip = cfg.get("window_attn_skip_freq")
+        attention = []
+        for layer_number in range(1, n + 1):
+            layer_window = None
+            if window is not None and _is_window_layer(skip, layer_number):
+                left, right = (int(window[0]), int(window[1]))
+                if right not in (0, -1):
+                    raise ValueError(f"window_size={window}: only causal windows are supported")
+                # (left, 0): a query sees itself and `left` earlier tokens; -1 is unbounded.
+                layer_window = None if left < 0 else left + 1
+            attention.append(
+                gqa_attention(
+                    hidden,
+                    heads,
+                    groups,
+                    kv,
+                    output_gate=bool(cfg.get("attention_output_gate", False)),
+                    window=layer_window,
+                )
+            )
+    variant = cfg.get("experimental_attention_variant")
+    if variant == "gated_delta_net":
+        linear = _pattern(
+            cfg.require("linear_attention_freq"),
+            n,
+            "linear_attention_freq",
+            int_rule=lambda i, f: 0 if (i + 1) % f == 0 else 1,
+        )
+        gdn = gated_delta_net(
+            hidden,
+            num_key_heads=int(cfg.require("linear_num_key_heads")),
+            num_value_heads=int(cfg.require("linear_num_value_heads")),
+            key_head_dim=int(cfg.require("linear_key_head_dim")),
+            value_head_dim=int(cfg.require("linear_value_head_dim")),
+            conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+        )
+        mixers = [gdn if linear[i] else attention[i] for i in range(n)]
+    elif variant is None:
+        mixers = attention
+    else:
+        raise ValueError(
+            f"experimental_attention_variant={variant!r} has no FLOP formula here; register "
+            "your own factory with register_flops_estimator('megatron_gpt', ...)"
+        )
+
+    # Feed-forward blocks.
+    experts = cfg.get("num_moe_experts")
+    if experts:
+        is_moe = _pattern(
+            cfg.get("moe_layer_freq", 1),
+            n,
+            "moe_layer_freq",
+            int_rule=lambda i, f: 1 if i % f == 0 else 0,
+        )
+        moe = moe_block(
+            hidden,
+            num_experts=int(experts),
+            top_k=int(cfg.require("moe_router_topk")),
+            expert_width=int(cfg.first("moe_ffn_hidden_size", "ffn_hidden_size")),
+            shared_width=int(cfg.get("moe_shared_expert_intermediate_size", 0)),
+            shared_gate=bool(cfg.get("moe_shared_expert_gate", False)),
+            gated=gated,
+        )
+    else:
+        is_moe = [0] * n
+        moe = None
+    dense = dense_mlp(hidden, int(cfg.require("ffn_hidden_size")), gated=gated)
+    layers = tuple(Layer(mixers[i], moe if is_moe[i] else dense) for i in range(n))
+    return FlopsEstimator(
+        ModelShape(
+            MEGATRON_MODEL_TYPE,
+            hidden,
+            layers,
+            cfg.vocab_size(),
+            tied_embeddings=bool(cfg.get("share_embeddings_and_output_weights", False)),
+        )
+    )
+
+
+def _is_window_layer(skip_freq: Any, layer_number: int) -> bool:
+    # megatron-core's rule (transformer/utils.py): 1-based layer numbers.
+    if skip_freq is None:
+        return True
+    if isinstance(skip_freq, int):
+        return layer_number % skip_freq != 0
+    return bool(skip_freq[layer_number - 1])

@@ -1,0 +1,148 @@
+"""model_type -> estimator factory, and config normalisation (HF object, config.json, megatron)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from nemo_moe_metrics.flops import deepseek, hf_dense, hf_moe, megatron, qwen_hybrid
+from nemo_moe_metrics.flops.core import FlopsEstimator
+
+Factory = Callable[[Mapping[str, Any]], FlopsEstimator]
+
+_REGISTRY: dict[str, Factory] = {}
+
+
+class UnknownModelTypeError(ValueError):
+    """No FLOP formula is registered for the config's model_type."""
+
+
+def register_flops_estimator(model_type: str, factory: Factory) -> None:
+    """Register ``factory(config_dict) -> estimator`` for ``model_type``; a second call replaces.
+
+    The factory receives the config as a plain dict (``text_config`` unwrapped, ``vocab_size``
+    overridden when given); for a megatron-core TransformerConfig the dict holds its fields plus
+    ``vocab_size`` and ``model_type="megatron_gpt"``. It returns a callable
+    ``est(seq_lens, *, causal=True) -> FlopsBreakdown``, usually
+    ``FlopsEstimator(ModelShape(...))``.
+    """
+    if not isinstance(model_type, str) or not model_type:
+        raise ValueError(f"model_type must be a non-empty string, got {model_type!r}")
+    if not callable(factory):
+        raise TypeError(
+            f"factory for {model_type!r} must be callable, got {type(factory).__name__}"
+        )
+    if model_type in _REGISTRY:
+        warnings.warn(
+            f"register_flops_estimator: replacing the estimator registered for {model_type!r}",
+            stacklevel=2,
+        )
+    _REGISTRY[model_type] = factory
+
+
+def registered_model_types() -> list[str]:
+    """The model types with a registered estimator, sorted."""
+    return sorted(_REGISTRY)
+
+
+def _unknown(model_type: Any) -> UnknownModelTypeError:
+    what = "has no model_type" if model_type is None else f"has model_type {model_type!r}"
+    return UnknownModelTypeError(
+        f"the config {what}, which has no FLOP estimator. Registered types: "
+        f"{', '.join(registered_model_types())}. Register one with "
+        "nemo_moe_metrics.flops.register_flops_estimator('<model_type>', factory), where "
+        "factory(config_dict) returns FlopsEstimator(ModelShape(...)) or any callable "
+        "est(seq_lens, *, causal=True) -> FlopsBreakdown"
+    )
+
+
+def normalise_config(config: Any, *, vocab_size: int | None = None) -> dict[str, Any]:
+    """Any supported config as the plain dict factories receive (see register_flops_estimator)."""
+    if megatron.is_megatron_config(config):
+        return megatron.megatron_config_to_dict(config, vocab_size)
+    if hasattr(config, "to_dict") and hasattr(config, "model_type"):
+        # transformers PretrainedConfig: to_dict() holds defaults the class derived in __init__.
+        outer_type = getattr(config, "model_type", None)
+        text = getattr(config, "text_config", None)
+        if text is not None and hasattr(text, "to_dict"):
+            config = text
+        data = config.to_dict()
+        # attribute_map aliases (Qwen3MoeConfig stores num_experts as num_local_experts):
+        # expose both spellings so factories can read the config.json names.
+        for alias, target in getattr(config, "attribute_map", {}).items():
+            if data.get(alias) is None and data.get(target) is not None:
+                data[alias] = data[target]
+        if text is not None:
+            data["_outer_model_type"] = outer_type
+    elif isinstance(config, Mapping):
+        data = dict(config)
+        text = data.get("text_config")
+        if isinstance(text, Mapping):
+            outer_type = data.get("model_type")
+            data = dict(text)
+            data["_outer_model_type"] = outer_type
+    else:
+        raise TypeError(
+            "config must be a transformers PretrainedConfig, a config.json dict or a "
+            f"megatron-core TransformerConfig, got {type(config).__name__}"
+        )
+    if data.get("model_type") is None and data.get("_outer_model_type") is not None:
+        data["model_type"] = data["_outer_model_type"]
+    if vocab_size is not None:
+        if vocab_size < 0:
+            raise ValueError(f"vocab_size must be >= 0, got {vocab_size}")
+        data["vocab_size"] = int(vocab_size)
+    return data
+
+
+def get_flops_estimator(config: Any, *, vocab_size: int | None = None) -> FlopsEstimator:
+    """The FLOP estimator for a model config; UnknownModelTypeError when none is registered.
+
+    ``config``: a transformers PretrainedConfig, a config.json dict (``text_config`` is
+    unwrapped) or a megatron-core TransformerConfig (then ``vocab_size`` is required: it sizes
+    the lm_head; 0 leaves the lm_head out). ``vocab_size`` also overrides a HF config's value.
+    """
+    data = normalise_config(config, vocab_size=vocab_size)
+    model_type = data.get("model_type")
+    factory = _REGISTRY.get(model_type) if isinstance(model_type, str) else None
+    if factory is None:
+        # Multimodal wrappers: the text config's own type (e.g. qwen3_5_moe_text) may be
+        # registered under the outer name only.
+        outer = data.get("_outer_model_type")
+        factory = _REGISTRY.get(outer) if isinstance(outer, str) else None
+        if factory is None:
+            raise _unknown(model_type)
+    return factory(data)
+
+
+def try_get_flops_estimator(config: Any, *, vocab_size: int | None = None) -> FlopsEstimator | None:
+    """The estimator, or None after a warning when the model type has no formula.
+
+    For the training integration: call it once at setup and omit the FLOP metrics on None
+    (never report 0). Other configuration errors still raise.
+    """
+    try:
+        return get_flops_estimator(config, vocab_size=vocab_size)
+    except UnknownModelTypeError as err:
+        warnings.warn(f"FLOP metrics disabled: {err}", stacklevel=2)
+        return None
+
+
+for _name in ("llama", "mistral", "qwen2", "qwen3"):
+    _REGISTRY[_name] = hf_dense.dense_decoder
+_REGISTRY.update(
+    {
+        "qwen3_moe": hf_moe.qwen3_moe,
+        "mixtral": hf_moe.mixtral,
+        "olmoe": hf_moe.olmoe,
+        "gpt_oss": hf_moe.gpt_oss,
+        "deepseek_v3": deepseek.deepseek_v3,
+        "qwen3_next": qwen_hybrid.qwen3_next,
+        "qwen3_5": qwen_hybrid.qwen3_5,
+        "qwen3_5_text": qwen_hybrid.qwen3_5,
+        "qwen3_5_moe": qwen_hybrid.qwen3_5_moe,
+        "qwen3_5_moe_text": qwen_hybrid.qwen3_5_moe,
+        megatron.MEGATRON_MODEL_TYPE: megatron.megatron_gpt,
+    }
+)
