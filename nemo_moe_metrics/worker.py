@@ -86,27 +86,22 @@ class PolicyMetrics:
 
         estimator, peak = None, None
         if self.cfg.track_flops:
-            from nemo_moe_metrics.flops import (
-                UnknownModelTypeError,
-                get_flops_estimator,
-                peak_flops_per_second,
-            )
+            from nemo_moe_metrics.flops import resolve_peak_flops, try_get_flops_estimator
 
-            try:
-                estimator = get_flops_estimator(transformer_config, vocab_size=self.vocab_size)
-            except UnknownModelTypeError as err:
-                log.warning("track_flops: no FLOP metrics for this model (%s)", err)
+            # Unknown model type: one warning and no FLOP keys, never a reported 0.
+            estimator = try_get_flops_estimator(transformer_config, vocab_size=self.vocab_size)
+            device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
             if estimator is not None:
-                peak = self.cfg.peak_flops_per_gpu
-                if peak is None and torch.cuda.is_available():
-                    peak = peak_flops_per_second(torch.cuda.get_device_name())
+                peak = resolve_peak_flops(device_name, self.cfg.peak_flops_per_gpu)
         data_group = None
         if dist.is_initialized():
             from megatron.core import parallel_state
 
             if parallel_state.model_parallel_is_initialized():
                 data_group = parallel_state.get_data_parallel_group(with_context_parallel=False)
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        )
         return StepMeter(
             flops_estimator=estimator, peak_flops_per_gpu=peak, device=device, data_group=data_group
         )
