@@ -1,0 +1,185 @@
+"""Launch the per-rank entrypoint through nemo-run: local torchrun today, Slurm on a GPU cluster.
+
+The same :func:`train_script` (``torchrun -m nemo_moe_metrics.train --recipe R --output-dir D``)
+runs under :func:`local_executor` (CPU ranks with gloo) and :func:`slurm_executor` (GPU nodes
+with NCCL). ``NEMORUN_HOME`` is pointed inside the run directory, so nothing is written to ``~``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from nemo_moe_metrics.config import ConfigError, load_recipe
+
+NEMORUN_DIR = "nemo_run"
+
+
+def run_dir_for(recipe_path: str | Path, overrides: list[str], output_dir: str | Path) -> Path:
+    """``output_dir/<recipe name>``: where a run of this recipe writes (validates the recipe)."""
+    recipe = load_recipe(recipe_path, overrides)
+    return Path(output_dir).resolve() / recipe.name
+
+
+def use_nemorun_home(path: str | Path) -> None:
+    """Point nemo-run's home (experiment metadata, logs) at ``path``, here and in children."""
+    import nemo_run.config as nemo_run_config
+
+    os.environ["NEMORUN_HOME"] = str(path)
+    nemo_run_config.set_nemorun_home(str(path))
+
+
+def train_script(recipe_path: str | Path, overrides: list[str], run_dir: str | Path) -> Any:
+    """A ``run.Script`` running ``python -m nemo_moe_metrics.train`` with the recipe."""
+    import nemo_run as run
+
+    args = ["--recipe", str(Path(recipe_path).resolve()), "--output-dir", str(run_dir)]
+    return run.Script(
+        path="nemo_moe_metrics.train", m=True, entrypoint="python", args=args + list(overrides)
+    )
+
+
+def local_executor(nproc: int) -> Any:
+    """``nproc`` ranks on this machine under torchrun (gloo on CPU, NCCL on GPUs)."""
+    import nemo_run as run
+
+    if nproc < 1:
+        raise ValueError(f"nproc must be at least 1, got {nproc}")
+    env = {"WANDB_MODE": os.environ.get("WANDB_MODE", "offline"), "OMP_NUM_THREADS": "1"}
+    # Children import the package from where this process found it (editable or source tree).
+    src_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, os.environ.get("PYTHONPATH")) if p)
+    return run.LocalExecutor(ntasks_per_node=nproc, launcher="torchrun", env_vars=env)
+
+
+def launch_local(
+    recipe_path: str | Path,
+    overrides: list[str],
+    nproc: int,
+    output_dir: str | Path,
+) -> Path:
+    """Train the recipe on ``nproc`` local torchrun ranks via nemo-run; returns the run directory.
+
+    Blocks until the job ends; raises RuntimeError (naming the log) if it did not succeed.
+    """
+    import nemo_run as run
+
+    run_dir = run_dir_for(recipe_path, overrides, output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    use_nemorun_home(run_dir / NEMORUN_DIR)
+    # torchrun lives next to this interpreter; a venv used without activation lacks it on PATH.
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+    script = train_script(recipe_path, overrides, run_dir)
+    with run.Experiment(run_dir.name, executor=local_executor(nproc), log_level="WARN") as exp:
+        exp.add(script, name="train", tail_logs=False)
+        exp.run(sequential=True, detach=False, tail_logs=False)
+    # The experiment waits for its jobs when the block exits; Job.state is then final
+    # (exp.status() is not supported for local jobs).
+    states = [str(job.state) for job in exp.jobs]
+    if not states or any("SUCCEEDED" not in s for s in states):
+        logs = sorted((run_dir / NEMORUN_DIR).rglob("combined.log"))
+        where = f"; see {logs[-1]}" if logs else f"; see {run_dir / NEMORUN_DIR}"
+        raise RuntimeError(f"training job did not succeed (status {states or 'unknown'}){where}")
+    return run_dir
+
+
+def slurm_executor(
+    *,
+    account: str,
+    partition: str,
+    nodes: int = 1,
+    gpus_per_node: int = 8,
+    time: str = "01:00:00",
+    container_image: str | None = None,
+    container_mounts: list[str] | None = None,
+    job_dir: str | Path = "slurm_jobs",
+    env_vars: dict[str, str] | None = None,
+) -> Any:
+    """A ``run.SlurmExecutor`` for GPU clusters: one torchrun per node, one rank per GPU.
+
+    Submit from a login node (``LocalTunnel``); wrap in ``run.SSHTunnel`` to submit remotely.
+    """
+    import nemo_run as run
+
+    executor = run.SlurmExecutor(
+        account=account,
+        partition=partition,
+        nodes=nodes,
+        ntasks_per_node=1,  # torchrun spawns the per-GPU ranks itself
+        gpus_per_node=gpus_per_node,
+        time=time,
+        container_image=container_image,
+        container_mounts=list(container_mounts or []),
+        tunnel=run.LocalTunnel(job_dir=str(Path(job_dir).resolve())),
+        packager=run.Packager(),
+        env_vars={"WANDB_MODE": "offline", **(env_vars or {})},
+    )
+    executor.launcher = "torchrun"
+    executor.torchrun_nproc_per_node = gpus_per_node
+    return executor
+
+
+def slurm_dry_run(
+    recipe_path: str | Path,
+    overrides: list[str],
+    output_dir: str | Path,
+    **executor_kwargs: Any,
+) -> str:
+    """The sbatch script and srun/torchrun command nemo-run would submit (nothing is submitted).
+
+    ``recipe_path`` and ``output_dir`` are used as given: on the cluster they are read relative
+    to the packaged code directory (the container's working directory).
+    """
+    import nemo_run as run
+    from nemo_run.run.torchx_backend.launcher import CONSOLE
+
+    name = load_recipe(recipe_path, overrides).name
+    job_dir = Path(executor_kwargs.pop("job_dir", Path(output_dir) / name / "slurm_jobs"))
+    use_nemorun_home(job_dir / NEMORUN_DIR)
+    executor = slurm_executor(job_dir=job_dir, **executor_kwargs)
+    args = ["--recipe", str(recipe_path), "--output-dir", str(Path(output_dir) / name)]
+    script = run.Script(
+        path="nemo_moe_metrics.train", m=True, entrypoint="python", args=args + list(overrides)
+    )
+    # nemo-run prints the dry run on its rich console; capture it wide enough not to wrap.
+    old_width = CONSOLE.width
+    CONSOLE.width = 400
+    try:
+        with (
+            CONSOLE.capture() as captured,
+            run.Experiment(name, executor=executor, log_level="WARN") as exp,
+        ):
+            exp.add(script, name="train", tail_logs=False)
+            exp.dryrun(log=True, delete_exp_dir=True)
+    finally:
+        CONSOLE.width = old_width
+    return "\n".join(line.rstrip() for line in captured.get().splitlines())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m nemo_moe_metrics.launch --recipe R [--nproc N] [--output-dir D] [k=v ...]``."""
+    parser = argparse.ArgumentParser(prog="python -m nemo_moe_metrics.launch")
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--output-dir", default="runs")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    try:
+        run_dir = launch_local(args.recipe, args.overrides, args.nproc, args.output_dir)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(run_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
