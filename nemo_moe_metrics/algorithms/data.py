@@ -8,8 +8,10 @@ Tasks (all verifiable without a model):
   vocabulary) with a random start ``a`` and stride ``d``: the next token follows from the context.
 - DPO, preference pairs sharing a progression prompt: chosen continues the progression,
   rejected is random tokens.
-- GRPO, copy task: the response should repeat the prompt; reward = fraction of response tokens
-  equal to the prompt token at the same position.
+- GRPO, copy task: the response should repeat the prompt. Per response token, reward 1 for the
+  prompt token at the same position, 0.5 for a different token of the same parity, else 0;
+  averaged over the response. Exact copying is the only optimum, and the parity credit gives
+  a random policy (about 0.25) reward differences within a group to learn from.
 """
 
 from __future__ import annotations
@@ -151,8 +153,13 @@ def copy_prompts(num_prompts: int, prompt_length: int, vocab_size: int, g: torch
 
 
 def copy_reward(prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
-    """Per-sequence token accuracy of ``responses`` against the prompts they should copy."""
+    """Per-sequence copy score in [0, 1]: 1 per exact token, 0.5 per same-parity token."""
+    if prompts.shape[0] != responses.shape[0]:
+        raise ValueError(f"{prompts.shape[0]} prompts but {responses.shape[0]} responses")
     n = min(prompts.shape[1], responses.shape[1])
     if n == 0:
         raise ValueError("empty prompt or response: nothing to score")
-    return (responses[:, :n] == prompts[:, :n]).float().mean(dim=1)
+    target, got = prompts[:, :n], responses[:, :n]
+    exact = (got == target).float()
+    parity = ((got - target) % 2 == 0).float()
+    return (0.5 * parity + 0.5 * exact).mean(dim=1)
