@@ -87,6 +87,7 @@ def _single_rank(rank, world_size, parallel):
         torch.cat([b.lengths for b in batches]),
         torch.cat([b.prompt_lengths for b in batches]),
     )
+    pad_check = _aux_losses_ignore_padding_contents(worker, batches[0])
     lp_init = worker.logprobs(batches[0])
     worker.snapshot_reference()
     marks = {"start": (len(probe.calls), len(probe.router_calls))}
@@ -122,8 +123,29 @@ def _single_rank(rank, world_size, parallel):
             "prompts": prompts,
             "sampled": sampled,
             "bad_batch_error": bad,
+            "pad_check": pad_check,
         }
     )
+
+
+def _aux_losses_ignore_padding_contents(worker, batch):
+    """Tracker aux losses of one training-mode forward, with padding filled two ways."""
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
+
+    out = []
+    for fill, use_mask in ((3, True), (90, True), (3, False), (90, False)):
+        tokens = batch.tokens.clone()
+        tokens[batch.padding_mask()] = fill
+        clear_aux_losses_tracker()
+        worker.model.train()
+        worker._forward(worker.model, tokens, batch.padding_mask() if use_mask else None)
+        tracker = get_moe_layer_wise_logging_tracker()
+        out.append({k: v["values"].clone() for k, v in tracker.items()})
+    clear_aux_losses_tracker()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -211,6 +233,16 @@ def test_generate_keeps_prompts_and_never_samples_padding(runs):
     assert s["sampled"].shape == (4, 11)
     assert torch.equal(s["sampled"][:, :6], s["prompts"])
     assert (s["sampled"] != 0).all()
+
+
+def test_padding_mask_keeps_padding_out_of_router_aux_losses(runs):
+    # Megatron's padding_mask is True at padding: with it, what the padding holds cannot
+    # change the aux losses; without it, it does (so the check has teeth).
+    masked_a, masked_b, plain_a, plain_b = runs[1]["pad_check"]
+    assert set(masked_a) >= {"load_balancing_loss", "z_loss"}
+    for name in ("load_balancing_loss", "z_loss"):
+        torch.testing.assert_close(masked_a[name], masked_b[name])
+        assert not torch.allclose(plain_a[name], plain_b[name]), name
 
 
 def test_bad_batch_size_names_micro_batch_size(runs):

@@ -6,6 +6,8 @@ normalised within each group; the clipped policy-gradient loss trains on the res
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from nemo_moe_metrics import metric_names as names
@@ -74,12 +76,14 @@ def run_grpo(recipe: Recipe, worker, log_fn: LogFn) -> None:
         batch.extras[ADVANTAGES] = group_advantages(rewards, cfg.num_generations)
         batch.extras[OLD_LOGPROBS] = worker.logprobs(batch)
         result = worker.train(batch, grpo_loss)
-        own = dp_mean(
-            {
-                names.TRAIN_REWARD: float(rewards.mean()),
-                names.TRAIN_REWARD_STD: float(rewards.std()),
-            },
+        # Mean and (population) std over every rank's rollouts, not a mean of per-rank stds.
+        moments = dp_mean(
+            {"r": float(rewards.mean()), "r2": float((rewards**2).mean())},
             worker.dp_group,
             worker.dp_size,
         )
+        own = {
+            names.TRAIN_REWARD: moments["r"],
+            names.TRAIN_REWARD_STD: math.sqrt(max(moments["r2"] - moments["r"] ** 2, 0.0)),
+        }
         log_fn(merge_step_metrics(own, result), step)
