@@ -222,7 +222,10 @@ if __name__ == "__main__":
 
 
 # What the live progress bar shows, from the latest JSONL line: (key, label, format).
-PROGRESS_FIELDS: list[tuple[str, str, str]] = [(names.TRAIN_LOSS, "loss", "{:.4f}")]
+PROGRESS_FIELDS: list[tuple[str, str, str]] = [
+    (names.TRAIN_LOSS, "loss", "{:.4f}"),
+    (names.TRAIN_REWARD, "reward", "{:.3f}"),  # GRPO: its on-policy loss is about 0
+]
 
 
 def _read_new_lines(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:

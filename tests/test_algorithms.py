@@ -148,6 +148,13 @@ def test_masks_on_a_hand_made_batch():
     assert b.target_mask().tolist() == [[True, True, False], [False, True, True]]
 
 
+def test_sequence_batch_rejects_lengths_beyond_the_padded_width():
+    from nemo_moe_metrics.algorithms.data import SequenceBatch
+
+    with pytest.raises(ValueError, match=r"lengths must lie in \[1, 4\]"):
+        SequenceBatch(torch.ones(2, 4, dtype=torch.long), torch.tensor([4, 5]), torch.zeros(2))
+
+
 def test_dpo_pairs_share_prompt_and_differ_in_response():
     from nemo_moe_metrics.algorithms.data import dpo_batch, generator
 

@@ -114,6 +114,7 @@ def test_describe_step_shows_loss_and_skips_missing_fields():
 
     assert describe_step({"step": 0, "train/loss": 1.23456}) == "loss 1.2346"
     assert describe_step({"step": 0}) == ""
+    assert describe_step({"train/loss": 0.0, "train/reward": 0.25}) == "loss 0.0000  reward 0.250"
 
 
 def test_jsonl_writer_flushes_each_step_and_converts_tensors(tmp_path):

@@ -45,7 +45,10 @@ class SequenceBatch:
             t = getattr(self, name)
             if t.shape != (b,):
                 raise ValueError(f"{name} must have shape ({b},), got {tuple(t.shape)}")
-        if b and (int(self.lengths.min()) < 1 or int(self.lengths.max()) > s):
+        # Value checks read the tensors on the host: only where that is free (CPU), never as a
+        # device synchronisation.
+        on_cpu = self.lengths.device.type == "cpu"
+        if b and on_cpu and (int(self.lengths.min()) < 1 or int(self.lengths.max()) > s):
             raise ValueError(f"lengths must lie in [1, {s}] (the padded width); fix the batch")
         for name, t in self.extras.items():
             if t.shape[0] != b:
@@ -55,13 +58,13 @@ class SequenceBatch:
         return self.tokens.shape[0]
 
     def slice(self, start: int, stop: int) -> SequenceBatch:
-        """Sequences ``start:stop`` (a microbatch), extras included."""
-        return SequenceBatch(
-            self.tokens[start:stop],
-            self.lengths[start:stop],
-            self.prompt_lengths[start:stop],
-            {k: v[start:stop] for k, v in self.extras.items()},
-        )
+        """Sequences ``start:stop`` (a microbatch), extras included; no re-validation."""
+        part = object.__new__(SequenceBatch)
+        part.tokens = self.tokens[start:stop]
+        part.lengths = self.lengths[start:stop]
+        part.prompt_lengths = self.prompt_lengths[start:stop]
+        part.extras = {k: v[start:stop] for k, v in self.extras.items()}
+        return part
 
     def padding_mask(self) -> torch.Tensor:
         """``[b, s]`` bool, True at padding positions (megatron-core's convention)."""
