@@ -99,6 +99,7 @@ class MegatronPolicyWorker:
         loss function's metrics (each averaged over microbatches and data-parallel ranks), plus
         ``hooks.finish_step(...)``'s dict unchanged.
         """
+        from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         n, mbs = len(batch), self.micro_batch_size
@@ -126,6 +127,9 @@ class MegatronPolicyWorker:
                 )
             self._allreduce_grads()
             self.optimizer.step()
+            # What megatron-core's finalize_model_grads does at the end of a global batch besides
+            # the gradient sync: reset the routers' per-batch state (global aux-loss counts).
+            reset_model_temporary_tensors(self.transformer_config, [self.model])
         hook_metrics = (
             self.hooks.finish_step(num_microbatches=num_microbatches)
             if self.hooks is not None
