@@ -194,3 +194,27 @@ def test_merge_rejects_a_key_clash():
     assert merged == {"train/reward": 1.0, "moe/x": 2.0}
     with pytest.raises(ValueError, match="train/loss"):
         merge_step_metrics({"train/loss": 1.0}, {"train/loss": 2.0})
+
+
+def test_dpo_rejects_odd_micro_batch_before_training():
+    from nemo_moe_metrics.algorithms.dpo import run_dpo
+    from nemo_moe_metrics.config import load_recipe
+
+    recipe = load_recipe(
+        CONFIGS / "dpo_moe_tiny.yaml",
+        ["policy.train_micro_batch_size=1", "policy.train_global_batch_size=8"],
+    )
+    with pytest.raises(ValueError, match="must both be even"):
+        run_dpo(recipe, worker=None, log_fn=print)
+
+
+def test_grpo_rejects_partial_groups_before_sampling():
+    from nemo_moe_metrics.algorithms.grpo import run_grpo
+    from nemo_moe_metrics.config import load_recipe
+
+    recipe = load_recipe(
+        CONFIGS / "grpo_moe_tiny.yaml",
+        ["policy.train_global_batch_size=6", "grpo.num_generations=4"],
+    )
+    with pytest.raises(ValueError, match="multiple of grpo.num_generations=4"):
+        run_grpo(recipe, worker=None, log_fn=print)

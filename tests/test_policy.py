@@ -268,3 +268,12 @@ def test_logged_loss_is_the_data_parallel_mean(runs):
     assert parallel[0]["result"]["train/loss"] == pytest.approx(
         s["result16"]["train/loss"], rel=1e-5
     )
+
+
+def test_pipeline_parallel_is_rejected_before_any_process_group():
+    from nemo_moe_metrics.config import load_recipe
+    from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
+
+    recipe = load_recipe(RECIPE, ["policy.megatron_cfg.pipeline_model_parallel_size=2"])
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size=1"):
+        MegatronPolicyWorker(recipe)

@@ -60,8 +60,6 @@ class MegatronPolicyWorker:
 
     def __init__(self, recipe: Recipe, *, hooks: Any | None = None) -> None:
         """Join the process group, build the model and AdamW, then attach ``hooks``."""
-        from megatron.core import parallel_state
-
         mcfg = recipe.policy.megatron_cfg
         if mcfg.pipeline_model_parallel_size != 1 or mcfg.context_parallel_size != 1:
             raise ValueError(
@@ -69,6 +67,8 @@ class MegatronPolicyWorker:
                 "whole model on each rank: set policy.megatron_cfg.pipeline_model_parallel_size=1 "
                 "and context_parallel_size=1 (expert parallelism is supported)"
             )
+        from megatron.core import parallel_state
+
         self.recipe = recipe
         self.micro_batch_size = recipe.policy.train_micro_batch_size
         init_distributed(mcfg, seed=recipe.training.seed)
