@@ -16,6 +16,9 @@ SFT_STEPS = 4
 
 
 def _run_loops(rank, world_size):
+    # One intra-op thread per rank: tests/dist.py sets OMP_NUM_THREADS after torch is
+    # imported, and two spinning threads per rank on a shared 2-core machine cost 10x.
+    torch.set_num_threads(1)
     from nemo_moe_metrics.algorithms import run_algorithm
     from nemo_moe_metrics.config import load_recipe
     from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker

@@ -46,6 +46,9 @@ def _tensors(state):
 
 
 def _parallel_step(rank, world_size):
+    # One intra-op thread per rank: tests/dist.py sets OMP_NUM_THREADS after torch is
+    # imported, and two spinning threads per rank on a shared 2-core machine cost 10x.
+    torch.set_num_threads(1)
     from nemo_moe_metrics.algorithms.sft import sft_loss
     from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
 
@@ -60,6 +63,9 @@ def _parallel_step(rank, world_size):
 
 
 def _single_rank(rank, world_size, parallel):
+    # One intra-op thread per rank: tests/dist.py sets OMP_NUM_THREADS after torch is
+    # imported, and two spinning threads per rank on a shared 2-core machine cost 10x.
+    torch.set_num_threads(1)
     from nemo_moe_metrics.algorithms.data import SequenceBatch, copy_prompts, generator
     from nemo_moe_metrics.algorithms.sft import sft_loss
     from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
