@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -101,10 +102,25 @@ def launch_local(
     # (exp.status() is not supported for local jobs).
     states = [str(job.state) for job in exp.jobs]
     if not states or any("SUCCEEDED" not in s for s in states):
-        logs = sorted((run_dir / NEMORUN_DIR).rglob("combined.log"))
-        where = f"; see {logs[-1]}" if logs else f"; see {run_dir / NEMORUN_DIR}"
-        raise RuntimeError(f"training job did not succeed (status {states or 'unknown'}){where}")
+        logs = sorted((run_dir / NEMORUN_DIR).rglob("combined.log"), key=os.path.getmtime)
+        where = f"; full log: {logs[-1]}" if logs else f"; see {run_dir / NEMORUN_DIR}"
+        cause = _first_rank_error(logs[-1]) if logs else None
+        raise RuntimeError(
+            f"training job did not succeed (status {states or 'unknown'})"
+            + (f"\n  {cause}" if cause else "")
+            + where
+        )
     return run_dir
+
+
+def _first_rank_error(log: Path) -> str | None:
+    # torchrun prefixes rank output with "[defaultN]:"; the first exception line names the cause.
+    pattern = re.compile(r"^(?:\[default\d+\]:)?(\w+(?:Error|Exception)\b.*)$")
+    for line in log.read_text(errors="replace").splitlines():
+        m = pattern.match(line)
+        if m and not m[1].startswith("ChildFailedError"):
+            return m[1]
+    return None
 
 
 def slurm_executor(
