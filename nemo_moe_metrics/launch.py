@@ -151,7 +151,7 @@ def slurm_executor(
         container_image=container_image,
         container_mounts=list(container_mounts or []),
         tunnel=run.LocalTunnel(job_dir=str(Path(job_dir).resolve())),
-        packager=run.Packager(),
+        packager=run.GitArchivePackager(),  # ships the repository at HEAD to the cluster
         env_vars={"WANDB_MODE": "offline", **(env_vars or {})},
     )
     executor.launcher = "torchrun"
