@@ -41,7 +41,6 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_flops(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from nemo_moe_metrics.flops import (
         UnknownModelTypeError,
@@ -86,6 +85,14 @@ def _cmd_flops(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from nemo_moe_metrics.launch import run_with_progress
+
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
+    return run_with_progress(args.recipe, args.overrides, args.nproc, args.output_dir)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one subcommand per job."""
     parser = argparse.ArgumentParser(
@@ -120,6 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
     flops.add_argument("--vocab-size", type=int, default=None, help="override the lm_head width")
     flops.add_argument("--json", action="store_true", help="print {total, by_component} as JSON")
     flops.set_defaults(func=_cmd_flops)
+    run = sub.add_parser(
+        "run", help="train a recipe on local torchrun ranks via nemo-run, with live progress"
+    )
+    run.add_argument("recipe", help="YAML recipe, e.g. examples/configs/grpo_moe_tiny.yaml")
+    run.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    run.add_argument("--nproc", type=int, default=2, help="ranks to launch (default 2)")
+    run.add_argument(
+        "--output-dir", default="runs", help="runs go to DIR/<recipe name>/ (default runs/)"
+    )
+    run.set_defaults(func=_cmd_run)
     return parser
 
 

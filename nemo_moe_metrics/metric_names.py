@@ -107,3 +107,28 @@ def documented_key_patterns() -> list[str]:
     keys += [f"{MOE_PREFIX}layer_{{i}}/{stat}" for stat in LAYER_STATS]
     keys += [EXPERT_LOADS, *THROUGHPUT_KEYS, *FLOPS_KEYS]
     return keys
+
+
+# Keys the reference worker and the SFT/DPO/GRPO loops log next to the moe/ and train_perf/ keys.
+TRAIN_LOSS = "train/loss"
+TRAIN_NUM_MICROBATCHES = "train/num_microbatches"
+TRAIN_NUM_SEQUENCES = "train/num_sequences"
+TRAIN_TOKEN_ACCURACY = "train/token_accuracy"
+TRAIN_REWARD = "train/reward"
+TRAIN_REWARD_STD = "train/reward_std"
+TRAIN_CLIP_FRACTION = "train/clip_fraction"
+TRAIN_CHOSEN_REWARD = "train/chosen_reward"
+TRAIN_REJECTED_REWARD = "train/rejected_reward"
+TRAIN_PREFERENCE_ACCURACY = "train/preference_accuracy"
+ALGORITHM_KEYS = (
+    TRAIN_LOSS,
+    TRAIN_NUM_MICROBATCHES,
+    TRAIN_NUM_SEQUENCES,
+    TRAIN_TOKEN_ACCURACY,
+    TRAIN_REWARD,
+    TRAIN_REWARD_STD,
+    TRAIN_CLIP_FRACTION,
+    TRAIN_CHOSEN_REWARD,
+    TRAIN_REJECTED_REWARD,
+    TRAIN_PREFERENCE_ACCURACY,
+)

@@ -1,0 +1,20 @@
+"""SFT, DPO and GRPO loops over the reference Megatron policy worker, on synthetic data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nemo_moe_metrics.algorithms.common import LogFn
+
+
+def run_algorithm(recipe: Any, worker: Any, log_fn: LogFn) -> None:
+    """Run the loop the recipe's ``algorithm`` names."""
+    from nemo_moe_metrics.algorithms.dpo import run_dpo
+    from nemo_moe_metrics.algorithms.grpo import run_grpo
+    from nemo_moe_metrics.algorithms.sft import run_sft
+
+    loops = {"sft": run_sft, "dpo": run_dpo, "grpo": run_grpo}
+    loops[recipe.algorithm](recipe, worker, log_fn)
+
+
+__all__ = ["LogFn", "run_algorithm"]

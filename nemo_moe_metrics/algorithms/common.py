@@ -1,0 +1,40 @@
+"""What the three loops share: the log callback type, merging, and a data-parallel mean."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+LogFn = Callable[[dict[str, Any], int], None]
+
+
+def merge_step_metrics(own: dict[str, Any], worker: dict[str, Any]) -> dict[str, Any]:
+    """The loop's own keys plus the worker's dict, its keys unchanged; a clash is an error.
+
+    The worker's ``moe/`` and ``train_perf/`` keys go through exactly once, never re-prefixed.
+    """
+    clash = sorted(set(own) & set(worker))
+    if clash:
+        raise ValueError(f"loop and worker both produced {clash}; rename the loop's keys")
+    merged = dict(worker)
+    merged.update(own)
+    return merged
+
+
+def dp_mean(values: dict[str, float], group: Any, size: int) -> dict[str, float]:
+    """Mean of scalar values over the data-parallel ranks (one all-reduce; identity at size 1)."""
+    if size == 1 or not values:
+        return dict(values)
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return dict(zip(keys, (t / size).tolist(), strict=True))
+
+
+def masked_sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence mean of ``values`` over ``mask`` (``[b, t]`` -> ``[b]``), 0 where empty."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
