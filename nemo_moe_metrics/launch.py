@@ -233,14 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 # What the live progress bar shows, from the latest JSONL line: (key, label, format).
 PROGRESS_FIELDS: list[tuple[str, str, str]] = [
     (names.TRAIN_LOSS, "loss", "{:.4f}"),
     (names.TRAIN_REWARD, "reward", "{:.3f}"),  # GRPO: its on-policy loss is about 0
+    (names.TOKENS_PER_SECOND, "tok/s", "{:.0f}"),
+    (names.MAX_OVER_IDEAL, "max/ideal", "{:.2f}"),
 ]
 
 
@@ -324,8 +322,14 @@ def run_with_progress(
         console.print(f"[red]run failed (exit {proc.returncode}); last lines of {log_path}:")
         console.print("\n".join(tail), markup=False, highlight=False)
         return proc.returncode
-    scalars = {k: v for k, v in last.items() if isinstance(v, (int, float)) and k != "step"}
     console.print(f"[green]done[/green]: {run_dir}  (last step {last.get('step')})")
-    for key in sorted(scalars):
-        console.print(f"  {key:<48} {scalars[key]:.6g}", highlight=False)
+    if metrics_path.is_file():
+        from nemo_moe_metrics.report import render_report
+
+        # The pictures and the summary a user looks at first.
+        console.print(render_report(run_dir), markup=False, highlight=False)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

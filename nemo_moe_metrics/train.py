@@ -1,74 +1,31 @@
 """Per-rank training entrypoint: ``python -m nemo_moe_metrics.train --recipe R --output-dir D``.
 
 torchrun (through nemo-run, see :mod:`nemo_moe_metrics.launch`) starts one of these per rank.
-Every rank builds the policy worker and runs the recipe's loop; rank 0 writes
-``D/metrics.jsonl`` (one JSON object per step, flushed each step) and ``D/recipe.yaml``.
+Every rank builds the policy worker (with the metrics integration the recipe's flags ask for)
+and runs the recipe's loop; rank 0 writes the sinks the recipe enables (``D/metrics.jsonl``,
+``D/tensorboard/``, ``D/wandb/``) and ``D/recipe.yaml``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from nemo_moe_metrics.config import ConfigError, Recipe, dump_recipe, load_recipe
+from nemo_moe_metrics.sinks import build_sinks
+from nemo_moe_metrics.worker import PolicyMetrics
 
-METRICS_FILE = "metrics.jsonl"
 
-
-def to_jsonable(value: Any) -> Any:
-    """Plain JSON values from tensors, numpy scalars and nested containers; NaN/inf -> None."""
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu().tolist()
-    elif hasattr(value, "item") and callable(value.item) and not isinstance(value, (list, dict)):
-        value = value.item()
-    if isinstance(value, dict):
-        return {str(k): to_jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
+def make_hooks(recipe: Recipe) -> PolicyMetrics | None:
+    """The metrics integration the flags ask for; None when every metric flag is off."""
+    cfg = recipe.policy.megatron_cfg.metrics()
+    if not (cfg.track_moe_metrics or cfg.track_throughput):
         return None
-    return value
-
-
-class JsonlWriter:
-    """A minimal ``log(metrics, step)`` / ``close()`` sink: one JSON line per step, flushed."""
-
-    def __init__(self, path: str | Path) -> None:
-        """Open ``path`` for writing (truncating), creating its folder."""
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("w", encoding="utf-8")
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        """Append ``{"step": step, **metrics}`` and flush, so a tailing reader sees it now."""
-        self._file.write(json.dumps({"step": step, **to_jsonable(metrics)}) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        """Close the file."""
-        self._file.close()
-
-
-class NullWriter:
-    """The sink of ranks other than 0: logs nothing."""
-
-    def log(self, metrics: dict[str, Any], step: int) -> None:
-        """Do nothing."""
-
-    def close(self) -> None:
-        """Do nothing."""
-
-
-def make_hooks(recipe: Recipe) -> Any | None:
-    """The metrics hooks for the worker (the metrics integration plugs in here); None = none."""
-    return None
+    return PolicyMetrics(cfg, vocab_size=recipe.policy.model.vocab_size)
 
 
 def train(recipe: Recipe, output_dir: str | Path) -> None:
@@ -84,15 +41,17 @@ def train(recipe: Recipe, output_dir: str | Path) -> None:
     if rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
-    writer = (
-        JsonlWriter(output_dir / METRICS_FILE)
-        if rank == 0 and recipe.logger.jsonl_enabled
-        else NullWriter()
+    sink = build_sinks(
+        recipe.logger,
+        output_dir,
+        run_name=recipe.name,
+        config=recipe.model_dump(mode="json"),
+        rank=rank,
     )
     try:
-        run_algorithm(recipe, worker, writer.log)
+        run_algorithm(recipe, worker, sink.log)
     finally:
-        writer.close()
+        sink.close()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

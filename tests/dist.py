@@ -28,6 +28,11 @@ def _child(fn, rank, world_size, port, args, results, env):
         OMP_NUM_THREADS="1",
         **env,
     )
+    import torch
+
+    # OMP_NUM_THREADS is read when torch is imported, which the test module already did: one
+    # intra-op thread per rank, or ranks oversubscribe the 2-core machine many times over.
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
         results.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException as err:  # noqa: BLE001 - report every failure to the parent

@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from nemo_moe_metrics import metric_names as names
+
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "examples" / "configs" / "grpo_moe_tiny.yaml"
+DPO = ROOT / "examples" / "configs" / "dpo_moe_tiny.yaml"
 
 
 def _cli(*args, env=None, timeout=240):
@@ -26,16 +29,15 @@ def _cli(*args, env=None, timeout=240):
     )
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_run_two_torchrun_ranks_expert_parallel_writes_one_line_per_step(tmp_path):
+def _launch(tmp_path, recipe, *overrides):
     home = tmp_path / "home"
-    home.mkdir()
+    home.mkdir(exist_ok=True)
     env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
     proc = _cli(
         "run",
-        str(GRPO),
+        str(recipe),
         "training.max_steps=2",
+        *overrides,
         "--nproc",
         "2",
         "--output-dir",
@@ -43,18 +45,74 @@ def test_run_two_torchrun_ranks_expert_parallel_writes_one_line_per_step(tmp_pat
         env=env,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, home
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_counts_match_training_tokens(rows, topk=2, moe_layers=(1, 2, 3)):
+    # Independent of the expert-load code path: the throughput meter counts the real tokens of
+    # the training microbatches from the batch itself. Every training token is routed to top-k
+    # experts in every MoE layer; reference, rollout and scoring forwards must add nothing.
+    for row in rows:
+        per_layer: dict[int, int] = {}
+        for layer, _expert, tokens, _pct in row[names.EXPERT_LOADS]:
+            per_layer[layer] = per_layer.get(layer, 0) + tokens
+        assert sorted(per_layer) == list(moe_layers)
+        expected = row[names.TOKENS] * topk
+        assert expected > 0
+        assert all(total == expected for total in per_layer.values()), (row["step"], per_layer)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_grpo_two_torchrun_ranks_writes_every_metric_and_artifact(tmp_path):
+    proc, home = _launch(tmp_path, GRPO)
     run_dir = tmp_path / "runs" / "grpo_moe_tiny"
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
     assert all(math.isfinite(r["train/loss"]) and 0 <= r["train/reward"] <= 1 for r in rows)
     assert all(r["train/num_microbatches"] == 4 for r in rows)
+    for row in rows:
+        for key in (names.aux_loss_key("load_balancing_loss"), names.aux_loss_key("z_loss")):
+            assert math.isfinite(row[key]) and row[key] > 0, key
+        assert set(names.BALANCE_SUMMARY_KEYS) <= set(row)
+        assert set(names.THROUGHPUT_KEYS) <= set(row)
+        # CPU: FLOPs and TFLOP/s yes, MFU no (no known peak).
+        assert set(names.FLOPS_KEYS) - {names.MFU} <= set(row) and names.MFU not in row
+        # Per-layer keys only with moe_per_layer_logging, and never a doubled prefix.
+        assert not [k for k in row if "_layer_" in k or k.startswith("moe/layer_")]
+        assert not [k for k in row if k.startswith("moe/moe/") or "/moe/" in k]
+    _check_counts_match_training_tokens(rows)
     # The recipe in the run directory is the one that ran, override included.
     assert "max_steps: 2" in (run_dir / "recipe.yaml").read_text()
-    # The progress bar reached the last step and the summary names the run directory.
-    assert "2/2" in proc.stdout and str(run_dir) in proc.stdout
-    # nemo-run kept its state inside the run directory, nothing in the home directory.
+    for artifact in ("expert_load_heatmap.png", "max_over_ideal.png"):
+        assert (run_dir / artifact).stat().st_size > 10_000
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((run_dir / "wandb").glob("offline-run-*"))
+    # The progress bar reached the last step; the summary names the run and its balance.
+    assert "2/2" in proc.stdout and str(run_dir) in proc.stdout and "max/ideal" in proc.stdout
+    # nemo-run kept its state inside the run directory, not in the home directory.
     assert (run_dir / "nemo_run" / "experiments").is_dir()
-    assert list(home.iterdir()) == []
+    assert not (home / ".nemo_run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dpo_per_layer_logging_and_reference_forwards_not_counted(tmp_path):
+    _launch(tmp_path, DPO, "policy.megatron_cfg.moe_per_layer_logging=true")
+    rows = _rows(tmp_path / "runs" / "dpo_moe_tiny")
+    assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:
+        for layer in (1, 2, 3):
+            assert names.aux_loss_layer_key("load_balancing_loss", layer) in row
+            assert names.layer_stat_key(layer, "max_over_ideal") in row
+        # The dense first layer has no MoE values.
+        assert names.aux_loss_layer_key("load_balancing_loss", 0) not in row
+        assert names.layer_stat_key(0, "max_over_ideal") not in row
+    _check_counts_match_training_tokens(rows)
 
 
 def test_slurm_recipe_dry_run_shows_sbatch_and_torchrun_command(tmp_path):
@@ -128,16 +186,5 @@ def test_describe_step_shows_loss_and_skips_missing_fields():
     assert describe_step({"step": 0, "train/loss": 1.23456}) == "loss 1.2346"
     assert describe_step({"step": 0}) == ""
     assert describe_step({"train/loss": 0.0, "train/reward": 0.25}) == "loss 0.0000  reward 0.250"
-
-
-def test_jsonl_writer_flushes_each_step_and_converts_tensors(tmp_path):
-    import torch
-
-    from nemo_moe_metrics.train import JsonlWriter
-
-    writer = JsonlWriter(tmp_path / "m.jsonl")
-    writer.log({"a": torch.tensor(1.5), "t": [[0, 1, 2, 50.0]], "n": float("nan")}, 0)
-    # Readable before close: a tailing progress bar sees each step as it lands.
-    row = json.loads((tmp_path / "m.jsonl").read_text())
-    writer.close()
-    assert row == {"step": 0, "a": 1.5, "t": [[0, 1, 2, 50.0]], "n": None}
+    row = {names.TOKENS_PER_SECOND: 812.4, names.MAX_OVER_IDEAL: 1.234}
+    assert describe_step(row) == "tok/s 812  max/ideal 1.23"
