@@ -214,13 +214,16 @@ def _slurm_experiment(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m nemo_moe_metrics.launch --recipe R [--nproc N] [--output-dir D] [k=v ...]``."""
-    parser = argparse.ArgumentParser(prog="python -m nemo_moe_metrics.launch")
-    parser.add_argument("--recipe", required=True)
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--output-dir", default="runs")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
+    """``python -m nemo_moe_metrics.launch RECIPE [k=v ...] [--nproc N] [--output-dir D]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m nemo_moe_metrics.launch",
+        description="Train a recipe on local torchrun ranks through nemo-run.",
+    )
+    parser.add_argument("recipe", help="YAML recipe")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--output-dir", default="runs", help="default runs/")
+    args = parser.parse_intermixed_args(argv)  # overrides may come before or after options
     try:
         run_dir = launch_local(args.recipe, args.overrides, args.nproc, args.output_dir)
     except ConfigError as err:
@@ -287,7 +290,7 @@ def run_with_progress(
     metrics_path = run_dir / "metrics.jsonl"
     metrics_path.unlink(missing_ok=True)  # never show a previous run's steps
     log_path = run_dir / "launch.log"
-    cmd = [sys.executable, "-m", "nemo_moe_metrics.launch", "--recipe", str(recipe_path)]
+    cmd = [sys.executable, "-m", "nemo_moe_metrics.launch", str(recipe_path)]
     cmd += ["--nproc", str(nproc), "--output-dir", str(Path(output_dir).resolve()), *overrides]
     env = dict(os.environ)
     src_root = str(Path(__file__).resolve().parent.parent)

@@ -468,7 +468,8 @@ def _throughput_lines(recs: list[dict[str, Any]]) -> list[str]:
     perf = []
     tflops = _last(recs, mn.TFLOPS_PER_GPU)
     if tflops is not None:
-        perf.append(f"{tflops:.1f} TFLOP/s per GPU")
+        # A tiny CPU model runs at GFLOP/s: three significant digits, not "0.0".
+        perf.append(f"{tflops:.3g} TFLOP/s per GPU")
     mfu = _last(recs, mn.MFU)
     if mfu is not None:
         perf.append(f"MFU {mfu:.1%}")

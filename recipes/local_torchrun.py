@@ -8,34 +8,11 @@ The run lands in ``<output-dir>/<recipe name>/`` (``metrics.jsonl``, ``recipe.ya
 nemo-run's state under ``nemo_run/``, so nothing is written to the home directory).
 """
 
-from __future__ import annotations
-
-import argparse
 import sys
 
-from nemo_moe_metrics.config import ConfigError
-from nemo_moe_metrics.launch import launch_local
-
-
-def main() -> int:
-    """Parse the command line and launch."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("recipe", help="YAML recipe")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
-    parser.add_argument("--output-dir", default="runs", help="default runs/")
-    args = parser.parse_args()
-    try:
-        run_dir = launch_local(args.recipe, args.overrides, args.nproc, args.output_dir)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except RuntimeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    print(f"run directory: {run_dir}")
-    return 0
-
+from nemo_moe_metrics.launch import main
 
 if __name__ == "__main__":
+    # The executor and script are built in nemo_moe_metrics.launch (local_executor,
+    # train_script, launch_local): run.LocalExecutor(ntasks_per_node=N, launcher="torchrun").
     sys.exit(main())
