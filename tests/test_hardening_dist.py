@@ -183,7 +183,10 @@ def test_zero_token_step_exports_zeros_and_no_nan(runs, world):
 def test_rank_that_dies_before_the_export_gives_the_others_a_clear_error_fast(runs):
     (survivor,) = _ok(runs[2])
     err = survivor["error"]
-    assert err["type"] == "RuntimeError" and "Connection closed by peer" in err["text"]
+    # Usually gloo sees the closed socket at once; if the dying rank is slow to tear down
+    # (a loaded machine), the shortened timeout fires first. Either way: an error, not a hang.
+    assert err["type"] == "RuntimeError"
+    assert "Connection closed by peer" in err["text"] or "Timed out" in err["text"], err["text"]
     assert err["seconds"] < FAIL_TIMEOUT_S * 2
     assert any("another rank failed earlier or skipped finish_step" in n for n in err["notes"])
 
