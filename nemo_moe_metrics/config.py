@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -22,7 +22,8 @@ class ConfigError(ValueError):
 class StrictModel(BaseModel):
     """Base model: unknown keys are rejected with a 'did you mean' suggestion."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: an infinite peak or coefficient passes "> 0" and poisons every rate.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -37,7 +38,17 @@ class StrictModel(BaseModel):
                 raise ValueError(
                     f"unknown key '{key}'{hint} (valid keys: {', '.join(sorted(known))})"
                 )
+            # Lax pydantic reads true as 1: `num_layers: true` would silently build one layer.
+            if isinstance(data[key], bool) and not _allows_bool(cls.model_fields[key].annotation):
+                raise ValueError(f"{key} takes no true/false value, got {str(data[key]).lower()}")
         return data
+
+
+def _allows_bool(annotation: Any) -> bool:
+    """Whether a field's type accepts a bool as itself (bool, or a union or list with bool)."""
+    if annotation is bool or annotation is Any:
+        return True
+    return any(_allows_bool(arg) for arg in get_args(annotation))
 
 
 class MetricsConfig(StrictModel):
@@ -165,7 +176,8 @@ class ModelConfig(StrictModel):
 class PolicyConfig(StrictModel):
     """``policy``: the model being trained and how its batches are cut into microbatches."""
 
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    # Required: a recipe that forgets its model must not silently train the tiny demo model.
+    model: ModelConfig
     megatron_cfg: MegatronConfig = Field(default_factory=MegatronConfig)
     train_global_batch_size: int = Field(8, ge=1, description="Sequences per optimizer step.")
     train_micro_batch_size: int = Field(2, ge=1, description="Sequences per microbatch.")
@@ -219,7 +231,7 @@ class Recipe(StrictModel):
 
     name: str = "run"
     algorithm: Literal["sft", "dpo", "grpo"] = "sft"
-    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    policy: PolicyConfig
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
@@ -244,7 +256,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 prefix = ".".join(parts[: depth + 1])
                 raise ConfigError(f"override '{item}': '{prefix}' is a value, not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(raw)
+        try:
+            node[parts[-1]] = yaml.safe_load(raw)
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or type(err).__name__
+            raise ConfigError(
+                f"override '{item}': the value of '{key.strip()}' is not valid YAML ({problem}); "
+                "quote it, e.g. key='\"text\"', or write a YAML value such as 3, true or [1, 2]"
+            ) from None
     return result
 
 
@@ -253,6 +272,11 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "missing":
+            msg = (
+                f"section or key '{where}' is missing; add it to the recipe (the example recipes "
+                "in examples/configs/ show every section)"
+            )
         lines.append(f"  {where}: {msg}")
     return "\n".join(lines)
 

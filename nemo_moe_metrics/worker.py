@@ -133,7 +133,24 @@ class PolicyMetrics:
             self._meter.add_sequences(seq_lens)
 
     def finish_step(self, num_microbatches: int) -> dict[str, Any]:
-        """Reduce across ranks and return the step's metrics; collective, same dict on every rank."""
+        """Reduce across ranks and return the step's metrics; collective, same dict on every rank.
+
+        Any error keeps its type and gains a note naming the export and the likely cause, so a
+        collective timeout or a closed connection (a rank that failed earlier) reads as such.
+        """
+        try:
+            return self._finish_step(num_microbatches)
+        except Exception as err:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            err.add_note(
+                f"nemo_moe_metrics: PolicyMetrics.finish_step failed on rank {rank} during the "
+                "metrics export, a collective every rank must join after each step. A timeout or "
+                "'Connection closed by peer' here means another rank failed earlier or skipped "
+                "finish_step: look for the first error in the other ranks' logs."
+            )
+            raise
+
+    def _finish_step(self, num_microbatches: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if self._track_moe:
             from nemo_moe_metrics.moe.aux_loss import aux_loss_metrics

@@ -49,7 +49,9 @@ def init_distributed(
         pipeline_model_parallel_size=megatron_cfg.pipeline_model_parallel_size,
         context_parallel_size=megatron_cfg.context_parallel_size,
         expert_model_parallel_size=megatron_cfg.expert_model_parallel_size,
-        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+        # Fractional minutes: megatron's groups get the same timeout as the world group
+        # (int minutes turned 5 s into 60 s, so a rank missing a collective stalled the rest).
+        distributed_timeout_minutes=timeout_s / 60,
     )
     if cuda_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)

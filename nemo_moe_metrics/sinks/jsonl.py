@@ -29,6 +29,9 @@ class JsonlSink:
             and not _ends_with_newline(self.path)
         )
         self._file = self.path.open("a", encoding="utf-8")
+        # Set when a write failed part-way (disk full): the next line starts on a fresh line so
+        # the torn fragment cannot swallow it.
+        self._torn = False
         if torn:
             self._file.write("\n")
             self._flush()
@@ -39,8 +42,14 @@ class JsonlSink:
         for key, value in metrics.items():
             record[key] = value if is_table(key) else finite_or_none(value)
         # allow_nan=False: a NaN inside a table row is a bug upstream, not something to hide.
-        self._file.write(json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n")
-        self._flush()
+        line = json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n"
+        try:
+            self._file.write("\n" + line if self._torn else line)
+            self._flush()
+        except OSError:
+            self._torn = True
+            raise
+        self._torn = False
 
     def close(self) -> None:
         """Flush and close the file."""
