@@ -2,11 +2,12 @@
 
 Rank side (spawned gloo ranks, one torch thread each):
 
-1. Step overhead (:func:`step_rank`, one rank): two identical megatron-core MoE GPTModels (same
-   weights, same batches), one with :class:`~nemo_moe_metrics.worker.PolicyMetrics` on (every
-   flag), one with every flag off, each trained by megatron-core's own
-   ``get_forward_backward_func()`` schedule plus AdamW. Steps alternate off/on and on/off (ABBA),
-   so slow drifts of a shared machine hit both alike. One rank on one core leaves the second core
+1. Step overhead (:func:`step_rank`, one rank): one megatron-core MoE GPTModel trained by
+   megatron-core's own ``get_forward_backward_func()`` schedule plus AdamW, stepped alternately
+   under a :class:`~nemo_moe_metrics.worker.PolicyMetrics` with every flag on (its hooks in
+   place) and one with every flag off (the hooks removed, so the model runs as never hooked).
+   Steps alternate off/on and on/off (ABBA) on the same batch, so slow drifts of a shared machine
+   hit both alike. One rank on one core leaves the second core
    to the machine's other load; two ranks filling both cores made every preemption land on a
    step (A/A ratios from 0.85 to 1.5 under a load average of 2-4).
 2. Host reads (counted, not timed): one more step of each model under
@@ -50,7 +51,10 @@ class StepModel:
     topk: int = 4
     moe_ffn_hidden_size: int = 256
     vocab_size: int = 2048
-    seq_length: int = 128
+    # The issue's example uses 2 x 512 tokens per microbatch: about 2.9 s a step on one core
+    # here. 2 x 64 gives about 550 ms ("a few hundred ms"), so more pairs fit and a burst of
+    # other load more often covers both steps of a pair. --seq-length 512 runs the example.
+    seq_length: int = 64
     micro_batch_size: int = 2
     num_microbatches: int = 4
 
@@ -90,6 +94,7 @@ def _child(fn, rank, world_size, port, args, results, threads):
     # megatron-core's notices about optional CUDA libraries, repeated by every rank.
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
     warnings.filterwarnings("ignore", message=r"full scope is deprecated")
+    warnings.filterwarnings("ignore", message=r"Using a large number of experts")
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -170,17 +175,51 @@ def export_rank(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any]:
 
 
 class _Variant:
-    """One model with its optimizer and its PolicyMetrics (all flags on, or all off)."""
+    """The step-bench model under one PolicyMetrics: every flag on, or every flag off."""
 
-    def __init__(self, name: str, model: nn.Module, metrics: Any) -> None:
+    def __init__(self, name: str, metrics: Any) -> None:
         self.name = name
-        self.model = model
         self.metrics = metrics
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         self.counter: Any = None  # a HostReadCounter while counting
 
 
+class _PackageHooks:
+    """Removes and restores the forward hooks nemo_moe_metrics put on a model.
+
+    Off-steps run the model exactly as an unhooked one (no hooks: ``nn.Module`` takes its fast
+    path), on-steps with the hooks ``PolicyMetrics.attach`` registered, in their order.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._saved = []
+        for module in model.modules():
+            for hooks in (module._forward_hooks, module._forward_pre_hooks):
+                ours = [i for i, fn in hooks.items() if _is_package_hook(fn)]
+                if ours:
+                    self._saved.append((hooks, list(hooks.items()), ours))
+        self.count = sum(len(ours) for _, _, ours in self._saved)
+
+    def enable(self, on: bool) -> None:
+        for hooks, items, ours in self._saved:
+            if on:
+                hooks.clear()
+                hooks.update(items)
+            else:
+                for hook_id in ours:
+                    hooks.pop(hook_id, None)
+
+
+def _is_package_hook(fn: Any) -> bool:
+    return getattr(fn, "__module__", "").startswith("nemo_moe_metrics.")
+
+
 class _StepBench:
+    """One megatron-core MoE GPTModel stepped alternately with the metrics on and off.
+
+    One model for both variants: two separately built copies differed by about 2% in an A/A
+    run (where tensors land in memory), which is the size of the effect measured here.
+    """
+
     def __init__(self, cfg: BenchConfig, rank: int, world_size: int) -> None:
         from nemo_moe_metrics.config import MegatronConfig, MetricsConfig, ModelConfig
         from nemo_moe_metrics.megatron.model import (
@@ -206,9 +245,8 @@ class _StepBench:
         )
         self.transformer_config = build_transformer_config(model_cfg, megatron_cfg)
         torch.manual_seed(cfg.seed)
-        model_off = build_gpt_model(model_cfg, megatron_cfg)
-        model_on = build_gpt_model(model_cfg, megatron_cfg)
-        model_on.load_state_dict(model_off.state_dict())
+        self.model = build_gpt_model(model_cfg, megatron_cfg)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         moe = cfg.on in ("all", "moe")
         throughput = cfg.on in ("all", "throughput")
         on_flags = MetricsConfig(
@@ -222,14 +260,16 @@ class _StepBench:
         )
         metrics_on = PolicyMetrics(on_flags, vocab_size=s.vocab_size)
         metrics_off = PolicyMetrics(MetricsConfig(), vocab_size=s.vocab_size)
-        metrics_on.attach(model_on, self.transformer_config)
-        metrics_off.attach(model_off, self.transformer_config)
-        if metrics_on.active != (cfg.on != "none") or metrics_off.active:
+        metrics_off.attach(self.model, self.transformer_config)  # attaches nothing
+        metrics_on.attach(self.model, self.transformer_config)
+        self.hooks = _PackageHooks(self.model)
+        if (
+            metrics_on.active != (cfg.on != "none")
+            or metrics_off.active
+            or (self.hooks.count > 0) != moe
+        ):
             raise RuntimeError(f"benchmark setup: on={cfg.on!r} does not match the metrics built")
-        self.variants = {
-            "off": _Variant("off", model_off, metrics_off),
-            "on": _Variant("on", model_on, metrics_on),
-        }
+        self.variants = {"off": _Variant("off", metrics_off), "on": _Variant("on", metrics_on)}
         self.mask = causal_attention_mask(s.seq_length)
         self.position_ids = torch.arange(s.seq_length).expand(s.micro_batch_size, s.seq_length)
         self.gen = torch.Generator().manual_seed(cfg.seed + rank)
@@ -271,7 +311,8 @@ class _StepBench:
         from nemo_moe_metrics.moe.aux_loss import clear_aux_loss_tracker
 
         s = self.cfg.step
-        # Both models' routers write megatron's module-level tracker: start each step clean
+        self.hooks.enable(variant.name == "on")
+        # Off-steps' routers also write megatron's module-level tracker: start each step clean
         # (untimed), so the on variant reads only its own step.
         clear_aux_loss_tracker()
         forward_step = self._forward_step(variant)
@@ -283,7 +324,7 @@ class _StepBench:
                 get_forward_backward_func()(
                     forward_step_func=forward_step,
                     data_iterator=iter(batches),
-                    model=[variant.model],
+                    model=[self.model],
                     num_microbatches=s.num_microbatches,
                     seq_length=s.seq_length,
                     micro_batch_size=s.micro_batch_size,
@@ -291,8 +332,8 @@ class _StepBench:
                 )
             if variant.counter is not None:
                 variant.counter.mark()  # microbatches done: optimizer and step exit follow
-            variant.optimizer.step()
-            variant.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         t1 = time.perf_counter()
         if variant.counter is not None:
             variant.counter.mark()  # the export
@@ -362,7 +403,11 @@ class _StepBench:
         """
         variant = self.variants["on"]
         hooks, microbatch = [0.0], [0.0]
-        restore = _wrap_package_hooks(variant.model, hooks)
+        self.hooks.enable(True)
+        restore, wrapped = _wrap_package_hooks(self.model, hooks)
+        if self.cfg.on in ("all", "moe") and not wrapped:
+            restore()
+            raise RuntimeError("benchmark: no nemo_moe_metrics hooks on the on-model to time")
         variant.metrics.microbatch = _timed(variant.metrics.microbatch, microbatch)
         out: dict[str, list[float]] = {"hooks_s": [], "microbatch_s": [], "finish_s": []}
         try:
@@ -406,6 +451,7 @@ class _StepBench:
         return out
 
     def close(self) -> None:
+        self.hooks.enable(True)
         for v in self.variants.values():
             v.metrics.detach()
         self.variants.clear()
@@ -422,23 +468,21 @@ def _timed(fn: Callable, acc: list[float]) -> Callable:
     return timed
 
 
-def _wrap_package_hooks(model: nn.Module, acc: list[float]) -> Callable[[], None]:
-    """Time every forward (pre-)hook the package registered on ``model``; returns an undo."""
+def _wrap_package_hooks(model: nn.Module, acc: list[float]) -> tuple[Callable[[], None], int]:
+    """Time every forward (pre-)hook the package registered on ``model``; (undo, hooks timed)."""
     replaced: list[tuple[dict, int, Callable]] = []
     for module in model.modules():
         for hooks in (module._forward_hooks, module._forward_pre_hooks):
             for hook_id, fn in list(hooks.items()):
-                if getattr(fn, "__module__", "").startswith("nemo_moe_metrics."):
+                if _is_package_hook(fn):
                     replaced.append((hooks, hook_id, fn))
                     hooks[hook_id] = _timed(fn, acc)
-    if not replaced:
-        raise RuntimeError("no nemo_moe_metrics hooks found on the model to time")
 
     def restore() -> None:
         for hooks, hook_id, fn in replaced:
             hooks[hook_id] = fn
 
-    return restore
+    return restore, len(replaced)
 
 
 class BenchRouter(nn.Module):

@@ -74,12 +74,12 @@ EXPORT_WORLD_SIZE = 2
 
 PRESETS: dict[str, dict[str, Any]] = {
     "full": dict(
-        bench=BenchConfig(warmup_pairs=2, pairs=40, export_repeats=100),
+        bench=BenchConfig(warmup_pairs=2, pairs=80, export_repeats=100),
         flops_repeats=200,
         loop_repeats=5,
     ),
     "quick": dict(
-        bench=BenchConfig(warmup_pairs=1, pairs=16, export_repeats=30),
+        bench=BenchConfig(warmup_pairs=1, pairs=30, export_repeats=30),
         flops_repeats=50,
         loop_repeats=3,
     ),
