@@ -198,8 +198,13 @@ class _PackageHooks:
                 if ours:
                     self._saved.append((hooks, list(hooks.items()), ours))
         self.count = sum(len(ours) for _, _, ours in self._saved)
+        self.enabled = True
 
     def enable(self, on: bool) -> None:
+        """Hooks in place (True) or removed (False); a no-op when already so."""
+        if on == self.enabled:
+            return  # keeps whatever wraps the hooks meanwhile (the direct-cost timers)
+        self.enabled = on
         for hooks, items, ours in self._saved:
             if on:
                 hooks.clear()

@@ -100,8 +100,12 @@ def _has_bool_index(args: tuple) -> bool:
 
 
 def _call_site() -> str:
-    """The innermost frame in nemo_moe_metrics (else the innermost outside torch and this file)."""
-    frames = traceback.extract_stack()[:-3]
+    """The innermost frame in nemo_moe_metrics (else the innermost outside torch and this file).
+
+    The CPU shims' TorchFunctionMode sits between megatron-core and torch; its frame is skipped
+    so megatron's own reads are named by megatron's file.
+    """
+    frames = [f for f in traceback.extract_stack()[:-3] if not f.filename.endswith("cpu_shims.py")]
     for frame in reversed(frames):
         if frame.filename.startswith(_PACKAGE):
             rel = Path(frame.filename).relative_to(Path(_PACKAGE).parent)
