@@ -240,6 +240,8 @@ def summarise(
             "per_microbatch_on_minus_off": per_mb,
             "per_step_boundary_on_minus_off": max(per_boundary),
             "megatron_baseline_per_microbatch": h0["off"]["microbatches"],
+            # Everything the step makes without metrics (megatron-core, the optimizer).
+            "baseline_sites_per_step": h0["off"]["by_site"],
             "export_sites_on": _site_diff(h0["on"]["by_site"], h0["off"]["by_site"]),
         },
     }
