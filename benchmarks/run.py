@@ -79,7 +79,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         loop_repeats=5,
     ),
     "quick": dict(
-        bench=BenchConfig(warmup_pairs=1, pairs=30, export_repeats=30),
+        bench=BenchConfig(warmup_pairs=1, pairs=40, export_repeats=30),
         flops_repeats=50,
         loop_repeats=3,
     ),
