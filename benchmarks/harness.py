@@ -221,8 +221,9 @@ def _is_package_hook(fn: Any) -> bool:
 class _StepBench:
     """One megatron-core MoE GPTModel stepped alternately with the metrics on and off.
 
-    One model for both variants: two separately built copies differed by about 2% in an A/A
-    run (where tensors land in memory), which is the size of the effect measured here.
+    One model for both variants: in an A/A run two separately built copies with the same weights
+    gave 0.977 (95% CI 0.934-0.996), from where their tensors landed in memory: the size of the
+    effect measured here.
     """
 
     def __init__(self, cfg: BenchConfig, rank: int, world_size: int) -> None:
