@@ -1,0 +1,1 @@
+"""Benchmarks: the cost of observing (run.py), the host-read counter, the GPU check."""

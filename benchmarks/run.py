@@ -1,0 +1,378 @@
+#!/usr/bin/env python
+"""The cost of observing, measured as ratios in one run: ``python benchmarks/run.py [--quick]``.
+
+    python benchmarks/run.py --quick --json results.json     # under 2 minutes on 2 cores
+    python benchmarks/run.py --json results.json             # more repeats
+    python benchmarks/run.py --smoke                         # tiny sizes: checks the harness
+
+Measures (JSON keys, targets):
+
+- ``step_overhead_ratio`` (<= 1.02): median over interleaved pairs of (step with every metric on)
+  / (step with every metric off), a megatron-core MoE GPTModel trained by megatron's schedule on
+  one gloo rank with one thread;
+- ``export_ms_40x256`` (<= 20): reduce + normalise + expert table, 40 layers x 256 experts,
+  2 gloo ranks, median ms (slower rank) after the first export;
+- ``flops_estimate_ms_4096`` (<= 2): FLOP estimate of 4,096 mixed-length sequences, the slower of
+  qwen3_moe and qwen3_5_moe; ``flops_vectorised_speedup`` (>= 50): the smaller speedup over
+  calling the estimator once per sequence;
+- ``syncs_per_microbatch`` (0) and ``syncs_per_export`` (1): host reads of tensor data that the
+  metrics add (on minus off), counted, not timed (``benchmarks/host_reads.py``).
+
+Exits 1 if a correctness check of the measured path fails (the numbers would mean nothing);
+missed targets are reported, not fatal. Method and results: docs/en/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+# Measure the checkout this script sits in, not whichever copy happens to be installed.
+_REPO = Path(__file__).resolve().parent.parent
+if (_REPO / "nemo_moe_metrics").is_dir():
+    sys.path.insert(0, str(_REPO))
+
+from benchmarks.harness import (  # noqa: E402
+    BenchConfig,
+    StepModel,
+    export_rank,
+    flops_bench,
+    spawn_ranks,
+    step_rank,
+)
+
+RESULT_KEYS = (
+    "step_overhead_ratio",
+    "export_ms_40x256",
+    "flops_estimate_ms_4096",
+    "flops_vectorised_speedup",
+    "syncs_per_microbatch",
+    "syncs_per_export",
+)
+TARGETS: dict[str, tuple[str, float]] = {
+    "step_overhead_ratio": ("<=", 1.02),
+    "export_ms_40x256": ("<=", 20.0),
+    "flops_estimate_ms_4096": ("<=", 2.0),
+    "flops_vectorised_speedup": (">=", 50.0),
+    "syncs_per_microbatch": ("==", 0),
+    "syncs_per_export": ("==", 1),
+}
+FLOPS_FIXTURES = {"qwen3_moe": "qwen3-30b-a3b", "qwen3_5_moe": "qwen3.5-35b-a3b"}
+STEP_WORLD_SIZE = 1  # one rank, one thread: the other core absorbs the machine's other load
+EXPORT_WORLD_SIZE = 2
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "full": dict(
+        bench=BenchConfig(warmup_pairs=2, pairs=80, export_repeats=100),
+        flops_repeats=200,
+        loop_repeats=5,
+    ),
+    "quick": dict(
+        bench=BenchConfig(warmup_pairs=1, pairs=40, export_repeats=30),
+        flops_repeats=50,
+        loop_repeats=3,
+    ),
+    # Tiny model and few repeats: exercises every path in seconds; the numbers mean little.
+    "smoke": dict(
+        bench=BenchConfig(
+            step=StepModel(
+                num_layers=2,
+                hidden_size=64,
+                num_experts=8,
+                topk=2,
+                moe_ffn_hidden_size=64,
+                vocab_size=256,
+                seq_length=32,
+                num_microbatches=2,
+            ),
+            warmup_pairs=1,
+            pairs=2,
+            export_repeats=3,
+            direct_steps=1,
+        ),
+        flops_repeats=5,
+        loop_repeats=1,
+    ),
+}
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def median_ci95(values: list[float]) -> tuple[float, float]:
+    """Distribution-free 95% confidence interval of the median (binomial order statistics)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    # Largest k with P(Binomial(n, 1/2) < k) <= 0.025: [x_(k), x_(n-k+1)] covers the median.
+    k, cumulative = 0, 0.0
+    while k < n and cumulative + math.comb(n, k) / 2**n <= 0.025:
+        cumulative += math.comb(n, k) / 2**n
+        k += 1
+    if k == 0:  # too few samples for 95%: the whole range
+        return ordered[0], ordered[-1]
+    return ordered[k - 1], ordered[n - k]
+
+
+def _slowest(per_rank: list[list[float]]) -> list[float]:
+    """Per repeat, the slower rank: a collective step is as slow as its slowest rank."""
+    return [max(values) for values in zip(*per_rank, strict=True)]
+
+
+def _site_diff(on: dict[str, int], off: dict[str, int]) -> dict[str, int]:
+    keys = set(on) | set(off)
+    return {k: on.get(k, 0) - off.get(k, 0) for k in sorted(keys) if on.get(k, 0) != off.get(k, 0)}
+
+
+def summarise(
+    ranks: list[dict[str, Any]], exports: list[dict[str, Any]], flops: dict[str, Any]
+) -> dict[str, Any]:
+    """The JSON result: the six keys, then the details they were computed from.
+
+    ``ranks``: the step ranks' results; ``exports``: the export ranks' results.
+    """
+    off = _slowest([r["step"]["off_s"] for r in ranks])
+    on = _slowest([r["step"]["on_s"] for r in ranks])
+    ratios = [a / b for a, b in zip(on, off, strict=True)]
+    off_cpu = _slowest([r["step"]["off_cpu_s"] for r in ranks])
+    on_cpu = _slowest([r["step"]["on_cpu_s"] for r in ranks])
+    cpu_ratios = [a / b for a, b in zip(on_cpu, off_cpu, strict=True)]
+    # With several ranks, the one reaching the export last waits least in its collectives:
+    # its time is the export's own cost, the others' include waiting for it.
+    finish = [min(v) for v in zip(*[r["step"]["finish_on_s"] for r in ranks], strict=True)]
+    export = _slowest([r["times_s"] for r in exports])
+
+    per_mb, per_export, per_boundary = [], [], []
+    for r in ranks:
+        h_on, h_off = r["host_reads"]["on"], r["host_reads"]["off"]
+        per_mb += [a - b for a, b in zip(h_on["microbatches"], h_off["microbatches"], strict=True)]
+        per_export.append(h_on["export"] - h_off["export"])
+        per_boundary.append(
+            h_on["step_entry"] + h_on["step_exit"] - h_off["step_entry"] - h_off["step_exit"]
+        )
+    h0 = ranks[0]["host_reads"]
+    direct = ranks[0]["direct"]
+    direct_ms = {k[:-2] + "_ms": 1e3 * _median(v) for k, v in direct.items()}
+    direct_total_ms = sum(direct_ms.values())
+    ci_low, ci_high = median_ci95(ratios)
+
+    checks = {
+        f"step_{k[6:]}": all(r["step"][k] for r in ranks)
+        for k in ranks[0]["step"]
+        if k.startswith("check_")
+    }
+    checks.update(
+        {
+            f"export_{k[6:]}": all(r[k] for r in exports)
+            for k in exports[0]
+            if k.startswith("check_")
+        }
+    )
+    checks.update({f"flops_{m}_same_total": v["check_same_total"] for m, v in flops.items()})
+
+    result: dict[str, Any] = {
+        "step_overhead_ratio": _median(ratios),
+        "export_ms_40x256": 1e3 * _median(export),
+        "flops_estimate_ms_4096": max(v["vectorised_ms"] for v in flops.values()),
+        "flops_vectorised_speedup": min(v["speedup"] for v in flops.values()),
+        "syncs_per_microbatch": int(max(per_mb)),
+        "syncs_per_export": int(max(per_export)),
+    }
+    result["met"] = {k: _meets(result[k], *TARGETS[k]) for k in RESULT_KEYS}
+    result["targets"] = {k: f"{op} {v}" for k, (op, v) in TARGETS.items()}
+    result["checks"] = checks
+    result["details"] = {
+        "step": {
+            "pairs": len(ratios),
+            "step_ms_off_median": 1e3 * _median(off),
+            "step_ms_on_median": 1e3 * _median(on),
+            "ratio_p25": _quantile(ratios, 0.25),
+            "ratio_p75": _quantile(ratios, 0.75),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            "ratio_ci95": [ci_low, ci_high],
+            "ratios": ratios,
+            # CPU seconds of the rank: blind to time the OS gave to other processes.
+            "cpu_time_ratio_median": _median(cpu_ratios),
+            "cpu_time_ratio_p25": _quantile(cpu_ratios, 0.25),
+            "cpu_time_ratio_p75": _quantile(cpu_ratios, 0.75),
+            "cpu_ms_off_median": 1e3 * _median(off_cpu),
+            "cpu_ms_on_median": 1e3 * _median(on_cpu),
+            # The metrics' own code, timed from inside (hooks, microbatch(), finish_step).
+            "direct_ms_per_step": direct_total_ms,
+            "direct_ms_breakdown": direct_ms,
+            "direct_overhead_ratio": 1.0 + direct_total_ms / (1e3 * _median(off)),
+            "finish_step_ms_median": 1e3 * _median(finish),
+            "finish_step_share_of_step": _median(finish) / _median(off),
+            "metric_keys_per_step": ranks[0]["step"]["metric_keys"],
+        },
+        "export": {
+            "repeats": len(export),
+            "first_export_ms": 1e3 * max(r["first_s"] for r in exports),
+            "p25_ms": 1e3 * _quantile(export, 0.25),
+            "p75_ms": 1e3 * _quantile(export, 0.75),
+            # CPU seconds of the busier rank: the work itself, without waiting for a core.
+            "cpu_ms_median": 1e3 * _median(_slowest([r["cpu_times_s"] for r in exports])),
+            "host_reads_per_export": max(r["host_reads"] for r in exports),
+            "host_read_sites": exports[0]["host_read_sites"],
+        },
+        "flops": flops,
+        "host_reads": {
+            "per_microbatch_on_minus_off": per_mb,
+            "per_step_boundary_on_minus_off": max(per_boundary),
+            "megatron_baseline_per_microbatch": h0["off"]["microbatches"],
+            # Everything the step makes without metrics (megatron-core, the optimizer).
+            "baseline_sites_per_step": h0["off"]["by_site"],
+            "export_sites_on": _site_diff(h0["on"]["by_site"], h0["off"]["by_site"]),
+        },
+    }
+    return result
+
+
+def _meets(value: float, op: str, target: float) -> bool:
+    if op == "<=":
+        return value <= target
+    if op == ">=":
+        return value >= target
+    return value == target
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    model = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+
+    def version(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "cpu_model": model,
+        "logical_cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "megatron_core": version("megatron-core"),
+        "numpy": version("numpy"),
+        "platform": platform.platform(),
+    }
+
+
+def _format(result: dict[str, Any]) -> str:
+    lines = []
+    for key in RESULT_KEYS:
+        value = result[key]
+        op, target = TARGETS[key]
+        shown = f"{value:.4f}" if isinstance(value, float) else str(value)
+        verdict = "met" if result["met"][key] else "MISSED"
+        lines.append(f"{key:<28} {shown:>12}   target {op} {target:<6} {verdict}")
+    d = result["details"]["step"]
+    lines.append(
+        f"  step: off {d['step_ms_off_median']:.0f} ms, on {d['step_ms_on_median']:.0f} ms, "
+        f"ratio 95% CI {d['ratio_ci95'][0]:.4f}-{d['ratio_ci95'][1]:.4f} over {d['pairs']} "
+        f"pairs; CPU-time ratio {d['cpu_time_ratio_median']:.4f}; metrics' own code "
+        f"{d['direct_ms_per_step']:.1f} ms/step (ratio {d['direct_overhead_ratio']:.4f})"
+    )
+    sites = result["details"]["host_reads"]["export_sites_on"]
+    lines.append("  host reads added per step: " + (json.dumps(sites) if sites else "none"))
+    failed = [k for k, ok in result["checks"].items() if not ok]
+    lines.append("  checks: " + ("all passed" if not failed else "FAILED " + ", ".join(failed)))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmarks, print a summary, optionally write JSON; 1 if a check failed."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="fewer repeats (< 2 min on 2 cores)")
+    mode.add_argument("--smoke", action="store_true", help="tiny sizes, to test the harness")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--pairs", type=int, help="interleaved on/off step pairs (after warm-up)")
+    parser.add_argument("--seq-length", type=int, help="tokens per sequence of the step model")
+    parser.add_argument(
+        "--on",
+        choices=("all", "moe", "throughput", "none"),
+        default="all",
+        help="metrics of the 'on' model: all (the benchmark); moe or throughput to attribute a "
+        "cost; none for an A/A run that shows the ratio's noise floor",
+    )
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds for the ranks")
+    args = parser.parse_args(argv)
+
+    preset = PRESETS["smoke" if args.smoke else "quick" if args.quick else "full"]
+    bench: BenchConfig = preset["bench"]
+    if args.pairs is not None:
+        if args.pairs < 1:
+            parser.error(f"--pairs must be >= 1, got {args.pairs}")
+        bench = replace(bench, pairs=args.pairs)
+    if args.seq_length is not None:
+        if args.seq_length < 2:
+            parser.error(f"--seq-length must be >= 2, got {args.seq_length}")
+        bench = replace(bench, step=replace(bench.step, seq_length=args.seq_length))
+
+    bench = replace(bench, on=args.on)
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    ranks = spawn_ranks(
+        step_rank, STEP_WORLD_SIZE, bench, timeout=args.timeout, threads=bench.threads
+    )
+    exports = spawn_ranks(
+        export_rank, EXPORT_WORLD_SIZE, bench, timeout=args.timeout, threads=bench.threads
+    )
+    flops = flops_bench(
+        FLOPS_FIXTURES,
+        num_sequences=4096,
+        repeats=preset["flops_repeats"],
+        loop_repeats=preset["loop_repeats"],
+    )
+    result = summarise(ranks, exports, flops)
+    result["machine"] = {
+        **machine(),
+        "load_average_1m_before": load_before[0],
+        "load_average_1m_after": os.getloadavg()[0],
+        "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M"),
+    }
+    result["config"] = {
+        "preset": "smoke" if args.smoke else "quick" if args.quick else "full",
+        "step_world_size": STEP_WORLD_SIZE,
+        "export_world_size": EXPORT_WORLD_SIZE,
+        **asdict(bench),
+        "flops_fixtures": FLOPS_FIXTURES,
+    }
+    result["wall_seconds"] = time.perf_counter() - started
+    print(_format(result))
+    print(f"  ({result['wall_seconds']:.0f} s, load average {load_before[0]:.1f} at start)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if all(result["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

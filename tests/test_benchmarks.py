@@ -1,0 +1,155 @@
+"""benchmarks/: the host-read counter counts what it claims, and ``run.py --smoke`` reports every key.
+
+The benchmark's numbers are not asserted (they depend on the machine); the instrument that counts
+host reads is, with expected counts written out by hand, and the smoke run must pass its own
+correctness checks of the measured path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.host_reads import HostReadCounter  # noqa: E402
+from benchmarks.run import RESULT_KEYS, median_ci95  # noqa: E402
+
+
+def _count(fn) -> int:
+    with HostReadCounter() as counter:
+        fn()
+    return counter.total
+
+
+# ------------------------------------------------------------------------------- the counter
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda x: x.sum().item(),
+        lambda x: x.tolist(),
+        lambda x: x.numpy(),
+        lambda x: bool(x.sum() > 0),
+        lambda x: int(x[0]),
+        lambda x: float(x[0]),
+        lambda x: np.asarray(x),
+        lambda x: x.cpu(),
+        lambda x: x.nonzero(),
+        lambda x: x[x > 2],
+    ],
+    ids=["item", "tolist", "numpy", "bool", "int", "float", "asarray", "cpu", "nonzero", "mask"],
+)
+def test_counter_counts_each_kind_of_host_read_once(read):
+    assert _count(lambda: read(torch.arange(5.0))) == 1
+
+
+def test_counter_counts_a_copy_and_its_read_as_one():
+    x = torch.arange(5.0)
+    assert _count(lambda: x.cpu().numpy()) == 1
+    assert _count(lambda: (x.cpu().numpy(), x.cpu().tolist())) == 2
+
+
+def test_counter_ignores_device_work_and_moves_that_stay_on_the_device():
+    x = torch.arange(5.0)
+
+    def device_only():
+        y = (x * 2).sum(0)
+        x.to(torch.int64)  # a dtype change, no device
+        x.to("cpu")  # the collective device under gloo; under NCCL .to(cuda), not a read
+        x.to("cpu", non_blocking=True)  # the read, if any, comes later
+        torch.zeros(3).scatter_add_(0, torch.tensor([0, 2]), torch.ones(2))
+        return y
+
+    assert _count(device_only) == 0
+
+
+def test_counter_segments_split_at_marks():
+    x = torch.arange(3.0)
+    with HostReadCounter() as counter:
+        x.tolist()
+        counter.mark()
+        counter.mark()
+        x.tolist()
+        x.sum().item()
+    assert counter.segments == [1, 0, 2]
+    assert counter.total == 3
+
+
+def test_counter_names_the_call_site():
+    with HostReadCounter() as counter:
+        torch.ones(2).tolist()
+    (site,) = counter.by_site
+    assert site.startswith("Tensor.tolist @ test_benchmarks.py:")
+
+
+# ------------------------------------------------------------------------------- statistics
+def _binomial_coverage(n: int, k: int) -> float:
+    """P(x_(k) <= median <= x_(n-k+1)) for n samples, k 1-based."""
+    return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(k)) / 2**n
+
+
+@pytest.mark.parametrize("n", [6, 9, 16, 20, 40])
+def test_median_ci95_is_the_narrowest_order_statistic_interval_covering_95_percent(n):
+    values = [float(v) for v in range(1, n + 1)]  # x_(i) = i
+    low, high = median_ci95(values)
+    k = int(low)
+    assert high == n - k + 1
+    assert _binomial_coverage(n, k) >= 0.95
+    assert _binomial_coverage(n, k + 1) < 0.95
+
+
+# ------------------------------------------------------------------------------- the harness
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path_factory.mktemp("bench") / "smoke.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "run.py"), "--smoke", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())
+
+
+def test_smoke_run_reports_every_result_key_with_its_target(smoke):
+    _, result = smoke
+    for key in RESULT_KEYS:
+        assert key in result, key
+        assert key in result["met"] and key in result["targets"]
+    assert all(
+        math.isfinite(result[k]) and result[k] > 0
+        for k in ("step_overhead_ratio", "export_ms_40x256", "flops_estimate_ms_4096")
+    )
+
+
+def test_smoke_run_counts_host_reads_as_integers(smoke):
+    _, result = smoke
+    for key in ("syncs_per_microbatch", "syncs_per_export"):
+        assert isinstance(result[key], int) and not isinstance(result[key], bool), key
+    # An export must read its result at least once: zero would mean a blind counter.
+    assert result["syncs_per_export"] >= 1
+    assert result["details"]["export"]["host_reads_per_export"] >= 1
+
+
+def test_smoke_run_passes_its_checks_of_the_measured_path(smoke):
+    _, result = smoke
+    assert result["checks"], "no checks were made"
+    assert all(result["checks"].values()), result["checks"]
+
+
+def test_smoke_run_records_the_machine(smoke):
+    proc, result = smoke
+    machine = result["machine"]
+    assert machine["torch"].split("+")[0] == torch.__version__.split("+")[0]
+    assert machine["logical_cpus"] >= 1 and machine["cpu_model"]
+    assert "step_overhead_ratio" in proc.stdout
