@@ -458,7 +458,8 @@ class StepMeter:
             device=self._collective_device(self._timing_group),
         )
         dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=self._timing_group)
-        values = summed.tolist() + maxed.tolist()
+        # One host read for both results.
+        values = torch.cat([summed, maxed.to(summed.device)]).tolist()
         mismatch = False
         if self._cp_group is not None:
             # max(t) and max(-t) give max and -min in one collective.
