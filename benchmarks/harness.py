@@ -23,13 +23,8 @@ calls the same estimator once per sequence.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import queue
-import socket
 import statistics
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from nemo_moe_metrics.testing import ok_values, run_ranks
 
 
 # ------------------------------------------------------------------------------- configuration
@@ -82,36 +79,14 @@ class BenchConfig:
 
 
 # ------------------------------------------------------------------------------- spawning
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(fn, rank, world_size, port, args, results, threads):
+def _quiet(rank: int, world_size: int, fn: Callable[..., Any], *args: Any) -> Any:
     import warnings
 
     # megatron-core's notices about optional CUDA libraries, repeated by every rank.
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
     warnings.filterwarnings("ignore", message=r"full scope is deprecated")
     warnings.filterwarnings("ignore", message=r"Using a large number of experts")
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS=str(threads),
-    )
-    try:
-        results.put((rank, "ok", fn(rank, world_size, *args)))
-    except BaseException as err:  # noqa: BLE001 - every failure goes back to the parent
-        results.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return fn(rank, world_size, *args)
 
 
 def spawn_ranks(
@@ -121,32 +96,8 @@ def spawn_ranks(
 
     Raises RuntimeError with every failed rank's traceback, TimeoutError past ``timeout`` s.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, port, args, results, threads))
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    out: dict[int, tuple[str, Any]] = {}
-    try:
-        while len(out) < world_size:
-            rank, status, value = results.get(timeout=timeout)
-            out[rank] = (status, value)
-    except queue.Empty:
-        missing = sorted(set(range(world_size)) - set(out))
-        raise TimeoutError(f"benchmark ranks {missing} did not finish in {timeout:.0f}s") from None
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    errors = [f"rank {r}: {v}" for r, (s, v) in sorted(out.items()) if s != "ok"]
-    if errors:
-        raise RuntimeError("benchmark rank failed:\n" + "\n".join(errors))
-    return [out[r][1] for r in range(world_size)]
+    results = run_ranks(_quiet, world_size, fn, *args, timeout=timeout, threads=threads)
+    return ok_values(results)
 
 
 # ------------------------------------------------------------------------------- rank side
