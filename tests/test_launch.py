@@ -69,7 +69,8 @@ def _check_counts_match_training_tokens(rows, topk=2, moe_layers=(1, 2, 3)):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_grpo_two_torchrun_ranks_writes_every_metric_and_artifact(tmp_path):
-    proc, home = _launch(tmp_path, GRPO)
+    # The recipe logs per layer (every metric on); this run checks the switch turns them off.
+    proc, home = _launch(tmp_path, GRPO, "policy.megatron_cfg.moe_per_layer_logging=false")
     run_dir = tmp_path / "runs" / "grpo_moe_tiny"
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
