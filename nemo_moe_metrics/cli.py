@@ -140,9 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_override(arg: str) -> bool:
+    return "=" in arg and not arg.startswith("-")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; configuration errors print one clear message and exit with status 2."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Subparsers stop a positional list at the first option: `run R --nproc 2 k=v` leaves k=v
+    # over. Dotted overrides are welcome anywhere; anything else is still an error.
+    if extra and hasattr(args, "overrides") and all(_is_override(e) for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except ConfigError as err:

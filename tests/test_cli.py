@@ -24,3 +24,17 @@ def test_check_reports_typo_with_exit_2():
     assert proc.returncode == 2
     assert "did you mean 'track_moe_metrics'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_unknown_option_is_still_an_error():
+    proc = _cli("check", str(RECIPE), "--no-such-option")
+    assert proc.returncode == 2
+    assert "unrecognized arguments: --no-such-option" in proc.stderr
+
+
+def test_override_after_option_reaches_the_recipe(capsys):
+    from nemo_moe_metrics.cli import main
+
+    # `run` validates the recipe before launching anything: a typo after --nproc is reported.
+    assert main(["run", str(RECIPE), "--nproc", "2", "policy.megatron_cfg.track_flop=true"]) == 2
+    assert "did you mean 'track_flops'" in capsys.readouterr().err
