@@ -224,6 +224,12 @@ class LoggerConfig(StrictModel):
     wandb_enabled: bool = True
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "nemo_moe_metrics"
+    wandb_table_every: int = Field(
+        1,
+        ge=1,
+        description="Send moe/expert_loads to W&B every N steps (scalars go every step); "
+        "a 64 x 256 table costs W&B 0.5 to 1 s of host time. JSONL keeps every step's table.",
+    )
 
 
 class Recipe(StrictModel):

@@ -46,8 +46,10 @@ def test_wandb_that_cannot_start_warns_and_jsonl_keeps_logging(tmp_path):
 
 
 def test_wandb_table_every_n_steps_keeps_scalars_every_step(tmp_path):
-    cfg = LoggerConfig(jsonl_enabled=False, tensorboard_enabled=False, wandb_mode="offline")
-    sink = build_sinks(cfg, tmp_path, run_name="r", wandb_table_every=2)
+    cfg = LoggerConfig(
+        jsonl_enabled=False, tensorboard_enabled=False, wandb_mode="offline", wandb_table_every=2
+    )
+    sink = build_sinks(cfg, tmp_path, run_name="r")
     run = sink.sinks[0].run
     for step in range(4):
         sink.log({mn.EXPERT_LOADS: [[0, 0, step, 100.0]], mn.TOKENS: step}, step)
@@ -58,6 +60,10 @@ def test_wandb_table_every_n_steps_keeps_scalars_every_step(tmp_path):
     assert tokens == [0, 2]
 
 
-def test_wandb_table_every_zero_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="wandb_table_every must be >= 1"):
-        build_sinks(LoggerConfig(), tmp_path, run_name="r", wandb_table_every=0)
+def test_wandb_table_every_zero_is_refused():
+    from nemo_moe_metrics.config import ConfigError, recipe_from_dict
+
+    with pytest.raises(
+        ConfigError, match=r"logger\.wandb_table_every: .*greater than or equal to 1"
+    ):
+        recipe_from_dict({"policy": {"model": {}}, "logger": {"wandb_table_every": 0}})

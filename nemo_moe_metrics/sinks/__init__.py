@@ -42,18 +42,13 @@ def build_sinks(
     run_name: str,
     config: dict[str, Any] | None = None,
     rank: int = 0,
-    wandb_table_every: int = 1,
 ) -> Sink:
     """The sinks ``logger_cfg`` enables, writing under ``run_dir``; rank != 0 gets a NullSink.
 
     A backend that cannot start (W&B most often) warns once and is left out; the others run.
-    ``wandb_table_every=N`` sends the expert table to W&B every N steps only (it costs 0.5 to
-    1 s of host time per step at 64 x 256); JSONL always keeps every step's table.
+    ``logger_cfg.wandb_table_every=N`` sends the expert table to W&B every N steps only (it
+    costs 0.5 to 1 s of host time per step at 64 x 256); JSONL always keeps every step's table.
     """
-    if isinstance(wandb_table_every, bool) or not isinstance(wandb_table_every, int):
-        raise TypeError(f"wandb_table_every must be an int >= 1, got {wandb_table_every!r}")
-    if wandb_table_every < 1:
-        raise ValueError(f"wandb_table_every must be >= 1, got {wandb_table_every}")
     if rank != 0:
         return NullSink()
     run_dir = Path(run_dir)
@@ -70,7 +65,7 @@ def build_sinks(
         _try_add(
             sinks,
             "W&B",
-            lambda: _wandb(run_dir, logger_cfg, run_name, config, wandb_table_every),
+            lambda: _wandb(run_dir, logger_cfg, run_name, config, logger_cfg.wandb_table_every),
         )
     return MultiSink(sinks)
 
