@@ -120,6 +120,18 @@ def gated_delta_net(
     )
 
 
+def gated_delta_net_from_config(cfg: ConfigReader, hidden: int) -> LinearAttentionLayer:
+    """Gated DeltaNet from the ``linear_*`` fields Hugging Face and megatron-core share."""
+    return gated_delta_net(
+        hidden,
+        num_key_heads=int(cfg.require("linear_num_key_heads")),
+        num_value_heads=int(cfg.require("linear_num_value_heads")),
+        key_head_dim=int(cfg.require("linear_key_head_dim")),
+        value_head_dim=int(cfg.require("linear_value_head_dim")),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+    )
+
+
 def mlp_params(hidden: int, width: int, *, gated: bool = True) -> int:
     """Matmul weights of one MLP: gate, up, down (SwiGLU) or up, down."""
     return (3 if gated else 2) * hidden * width

@@ -18,7 +18,7 @@ from typing import Any
 from nemo_moe_metrics.flops.components import (
     ConfigReader,
     dense_mlp,
-    gated_delta_net,
+    gated_delta_net_from_config,
     gqa_attention,
     mla_attention,
     moe_block,
@@ -126,14 +126,7 @@ def megatron_gpt(config: Mapping[str, Any]) -> FlopsEstimator:
             "linear_attention_freq",
             int_rule=lambda i, f: 0 if (i + 1) % f == 0 else 1,
         )
-        gdn = gated_delta_net(
-            hidden,
-            num_key_heads=int(cfg.require("linear_num_key_heads")),
-            num_value_heads=int(cfg.require("linear_num_value_heads")),
-            key_head_dim=int(cfg.require("linear_key_head_dim")),
-            value_head_dim=int(cfg.require("linear_value_head_dim")),
-            conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
-        )
+        gdn = gated_delta_net_from_config(cfg, hidden)
         mixers = [gdn if linear[i] else attention[i] for i in range(n)]
     elif variant is None:
         mixers = attention

@@ -12,7 +12,7 @@ from typing import Any
 from nemo_moe_metrics.flops.components import (
     ConfigReader,
     dense_mlp,
-    gated_delta_net,
+    gated_delta_net_from_config,
     moe_block,
 )
 from nemo_moe_metrics.flops.core import DenseMLP, FlopsEstimator, Layer, ModelShape, MoEMLP
@@ -41,14 +41,7 @@ def _hybrid(config: Mapping[str, Any], model_type: str, ffn_for_layer) -> FlopsE
     config["layer_types"] = _layer_types(cfg)
     cfg = ConfigReader(config, model_type)
     hidden = int(cfg.require("hidden_size"))
-    gdn = gated_delta_net(
-        hidden,
-        num_key_heads=int(cfg.require("linear_num_key_heads")),
-        num_value_heads=int(cfg.require("linear_num_value_heads")),
-        key_head_dim=int(cfg.require("linear_key_head_dim")),
-        value_head_dim=int(cfg.require("linear_value_head_dim")),
-        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
-    )
+    gdn = gated_delta_net_from_config(cfg, hidden)
     layers = []
     for i in range(num_layers(cfg)):
         if config["layer_types"][i] == "linear_attention":
