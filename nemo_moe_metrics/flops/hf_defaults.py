@@ -5,8 +5,8 @@ from the config class's declared default (``Qwen3MoeConfig`` has 128 experts unl
 otherwise). The FLOP estimators read plain dicts, so before a factory sees a config.json dict
 its missing fields are filled here with the same defaults:
 
-- from the installed transformers, when it imports (the declared dataclass defaults of the
-  config class registered for the ``model_type``; for a multimodal wrapper such as
+- from the installed transformers, when it imports and knows the ``model_type`` (the declared
+  defaults of the config class registered for it; for a multimodal wrapper such as
   ``qwen3_5_moe``, of its ``text_config`` class);
 - otherwise from ``hf_config_defaults.json`` beside this module, generated from transformers
   5.24 by ``python -m nemo_moe_metrics.flops.hf_defaults --write`` and checked by a test to
@@ -139,7 +139,10 @@ def _transformers_available() -> bool:
 @functools.cache
 def _entry(model_type: str) -> dict[str, Any] | None:
     if _transformers_available():
-        return transformers_entry(model_type)
+        entry = transformers_entry(model_type)
+        if entry is not None:
+            return entry
+    # No transformers, or one too old to know this model type.
     return shipped_table()["model_types"].get(model_type)
 
 
