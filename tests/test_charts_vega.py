@@ -127,6 +127,8 @@ def _vega_with_data(spec, values, store=None):
 # --- the snapshot heatmap (one table) ------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(450)
 def test_vega_lite_heatmap_draws_every_cell_of_the_wandb_table(wandb_tables):
     rows = wandb_tables[2]
     spec = charts.vega_lite_spec("expert_load_heatmap")
@@ -135,6 +137,8 @@ def test_vega_lite_heatmap_draws_every_cell_of_the_wandb_table(wandb_tables):
     _check_cells(scenegraph, rows)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(450)
 def test_wandb_vega_heatmap_draws_every_cell_through_the_field_mapping(wandb_tables):
     rows = wandb_tables[2]
     names = [RENAMED[c] for c in EXPERT_LOAD_COLUMNS]  # columns named unlike the fields
@@ -143,6 +147,8 @@ def test_wandb_vega_heatmap_draws_every_cell_through_the_field_mapping(wandb_tab
     _check_cells(scenegraph, rows)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(450)
 def test_wandb_vega_heatmap_with_the_documented_mapping(wandb_tables):
     rows = wandb_tables[1]
     spec = charts.fill_fields(charts.vega_spec("expert_load_heatmap"), charts.WANDB_FIELDS)
@@ -159,6 +165,8 @@ def _check_step_bars(scenegraph, tables):
     assert bars == expected
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(450)
 def test_vega_lite_step_heatmap_shows_the_last_step_by_default(wandb_tables):
     spec = charts.vega_lite_spec("expert_load_heatmap_steps")
     spec["data"] = {"values": _history(wandb_tables)}
@@ -167,6 +175,8 @@ def test_vega_lite_step_heatmap_shows_the_last_step_by_default(wandb_tables):
     _check_step_bars(scenegraph, wandb_tables)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(450)
 def test_wandb_vega_step_heatmap_shows_the_last_step_by_default(wandb_tables):
     names = [RENAMED[c] for c in EXPERT_LOAD_COLUMNS]
     spec = charts.fill_fields(charts.vega_spec("expert_load_heatmap_steps"), RENAMED)
@@ -195,6 +205,8 @@ def _signal_value(node, name):
 
 
 @pytest.mark.parametrize("picked", [0, 1])
+@pytest.mark.slow
+@pytest.mark.timeout(450)
 def test_wandb_vega_step_heatmap_shows_the_picked_step(wandb_tables, picked):
     names = [RENAMED[c] for c in EXPERT_LOAD_COLUMNS]
     spec = charts.fill_fields(charts.vega_spec("expert_load_heatmap_steps"), RENAMED)
