@@ -5,3 +5,28 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def main_job_run(tmp_path_factory):
+    """The README's main job, launched once per test session through the real launcher.
+
+    ``nemo-moe-metrics run examples/configs/grpo_moe_tiny.yaml`` (2 torchrun ranks, W&B
+    offline), shortened to 3 steps; returns the run directory.
+    """
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    base = tmp_path_factory.mktemp("main_job")
+    (base / "home").mkdir()
+    env = {**os.environ, "HOME": str(base / "home"), "PYTHONPATH": str(root), "COLUMNS": "120"}
+    recipe = root / "examples" / "configs" / "grpo_moe_tiny.yaml"
+    cmd = [sys.executable, "-m", "nemo_moe_metrics.cli", "run", str(recipe)]
+    cmd += ["training.max_steps=3", "--output-dir", str(base / "runs")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return base / "runs" / "grpo_moe_tiny"

@@ -51,6 +51,10 @@ def test_vega_lite_spec_is_valid_json_over_the_table_columns():
     fields |= {t["field"] for t in spec["encoding"]["tooltip"]}
     assert fields - derived <= set(mn.EXPERT_LOAD_COLUMNS), fields - derived
     assert {"layer", "expert"} <= fields
+    # The page shows the shipped spec (tests/test_charts_vega.py renders that one).
+    from nemo_moe_metrics import charts
+
+    assert spec == charts.vega_lite_spec("expert_load_heatmap")
 
 
 @pytest.mark.parametrize("page", ["metrics.md", "visualisation.md", "index.md"])

@@ -230,8 +230,10 @@ def test_unknown_model_type_lists_registered_types_and_how_to_register():
 def test_try_get_warns_and_returns_none_for_unknown_types_only():
     with pytest.warns(UserWarning, match="FLOP metrics disabled.*'mamba2'"):
         assert try_get_flops_estimator({"model_type": "mamba2"}) is None
-    with pytest.raises(ValueError, match="no 'intermediate_size'"):
-        try_get_flops_estimator({k: v for k, v in _llama().items() if k != "intermediate_size"})
+    with pytest.raises(ValueError, match="top_k=3 exceeds num_experts=2"):
+        try_get_flops_estimator(
+            _llama(model_type="mixtral", num_local_experts=2, num_experts_per_tok=3)
+        )
 
 
 def test_config_without_model_type_is_unknown():
@@ -283,18 +285,17 @@ def test_pretrained_config_matches_its_config_json():
     assert get_flops_estimator(hf)([777]).total == get_flops_estimator(cfg)([777]).total
 
 
-def test_missing_vocab_size_is_an_explicit_error_and_zero_opts_out():
+def test_missing_vocab_size_takes_the_class_default_and_zero_opts_out():
     cfg = _llama()
     del cfg["vocab_size"]
-    with pytest.raises(ValueError, match="vocab_size=0 to leave it out"):
-        get_flops_estimator(cfg)
+    out = get_flops_estimator(cfg)([4]).by_component
+    assert out["lm_head"] == 6 * 4 * H * 32000  # LlamaConfig's default vocab_size
     out = get_flops_estimator(cfg, vocab_size=0)([4]).by_component
     assert "lm_head" not in out
 
 
-def test_missing_required_field_names_it():
-    cfg = _llama()
-    del cfg["intermediate_size"]
+def test_field_set_to_null_names_it():
+    cfg = _llama(intermediate_size=None)
     with pytest.raises(ValueError, match="llama config has no 'intermediate_size'"):
         get_flops_estimator(cfg)
 

@@ -36,7 +36,9 @@ def torchtitan_style_flops(est: FlopsEstimator, seq_len: int, batch: int = 1) ->
 def megatron_style_flops(est: FlopsEstimator, seq_len: int, batch: int = 1) -> float:
     """Megatron-LM's ``num_floating_point_operations`` terms on our shape.
 
-    One sequence length for the whole batch, causal attention as ``T / 2`` keys per query
+    One sequence length for the whole batch (Megatron-LM up to core 0.17, and unpacked batches
+    after; from core_v0.18.0 packed batches use each sequence's length), causal attention as
+    ``T / 2`` keys per query
     (every layer: windows are ignored), no router GEMM, Gated DeltaNet recurrence as
     ``4 x value_heads x value_head_dim^2`` multiply-adds per token; norm terms left out.
     """

@@ -6,7 +6,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from nemo_moe_metrics.flops import deepseek, hf_dense, hf_moe, megatron, qwen_hybrid
+from nemo_moe_metrics.flops import deepseek, hf_defaults, hf_dense, hf_moe, megatron, qwen_hybrid
 from nemo_moe_metrics.flops.core import FlopsEstimator
 
 Factory = Callable[[Mapping[str, Any]], FlopsEstimator]
@@ -25,7 +25,8 @@ def register_flops_estimator(model_type: str, factory: Factory) -> None:
     overridden when given); for a megatron-core TransformerConfig the dict holds its fields plus
     ``vocab_size`` and ``model_type="megatron_gpt"``. It returns a callable
     ``est(seq_lens, *, causal=True) -> FlopsBreakdown``, usually
-    ``FlopsEstimator(ModelShape(...))``.
+    ``FlopsEstimator(ModelShape(...))``. A config.json dict of a type transformers knows has
+    its missing fields filled with the config class's defaults first (see hf_defaults).
     """
     if not isinstance(model_type, str) or not model_type:
         raise ValueError(f"model_type must be a non-empty string, got {model_type!r}")
@@ -82,6 +83,11 @@ def normalise_config(config: Any, *, vocab_size: int | None = None) -> dict[str,
             outer_type = data.get("model_type")
             data = dict(text)
             data["_outer_model_type"] = outer_type
+        # A config.json holds only what its author wrote: fill the rest with the config
+        # class's defaults, as transformers does when it loads the file.
+        defaults_type = data.get("model_type") or data.get("_outer_model_type")
+        if isinstance(defaults_type, str):
+            data = hf_defaults.fill_hf_defaults(data, defaults_type)
     else:
         raise TypeError(
             "config must be a transformers PretrainedConfig, a config.json dict or a "
