@@ -535,11 +535,11 @@ def run_with_progress(
                 break
             time.sleep(poll_s)
     if proc.returncode != 0:
-        console.print(
-            failure_report(run_dir, proc.returncode, started), markup=False, highlight=False
-        )
+        # soft_wrap: paths and commands stay whole lines, to copy and paste.
+        report = failure_report(run_dir, proc.returncode, started)
+        console.print(report, markup=False, highlight=False, soft_wrap=True)
         return proc.returncode
-    console.print(f"[green]done[/green]: {run_dir}  (last step {last.get('step')})")
+    console.print(f"[green]done[/green]: {run_dir}  (last step {last.get('step')})", soft_wrap=True)
     if metrics_path.is_file():
         from nemo_moe_metrics.extras import missing_modules
 
