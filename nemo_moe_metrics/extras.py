@@ -39,10 +39,8 @@ def install_hint(extra: str) -> str:
 
 def missing_extra_message(module: str, extra: str, what: str) -> str:
     """The one message every missing-extra error uses."""
-    return (
-        f"{what} needs the '{extra}' extra ({module} is not installed); "
-        f"install it with: {install_hint(extra)}"
-    )
+    hint = install_hint(extra)
+    return f"{what} needs the '{extra}' extra ({module} is not installed); install it with: {hint}"
 
 
 def _installed(module: str) -> bool:
