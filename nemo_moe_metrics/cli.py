@@ -7,10 +7,14 @@ import sys
 from pathlib import Path
 
 from nemo_moe_metrics.config import ConfigError, dump_recipe, load_recipe
+from nemo_moe_metrics.extras import MissingExtraError
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    from nemo_moe_metrics.preflight import preflight
+
     recipe = load_recipe(args.recipe, args.overrides)
+    preflight(recipe, args.nproc)  # what `run` checks before launching, on the same ranks
     print(dump_recipe(recipe), end="")
     return 0
 
@@ -49,23 +53,55 @@ def _cmd_flops(args: argparse.Namespace) -> int:
         load_fixture,
     )
 
-    path = Path(args.config)
+    if args.list:
+        print("shipped models (use with --config NAME):")
+        for name in fixture_names():
+            cfg = load_fixture(name)
+            print(f"  {name:<22} model_type {cfg.get('model_type', '?')}")
+        return 0
+    if args.config is None or args.seq_lens is None:
+        raise ConfigError(
+            "flops needs --config (a config.json, a model directory holding one, or a shipped "
+            "model: see --list) and --seq-lens N [N ...]"
+        )
+    if any(n < 0 for n in args.seq_lens):
+        raise ConfigError(f"--seq-lens must be token counts >= 0, got {args.seq_lens}")
+    if sum(args.seq_lens) == 0:
+        raise ConfigError(
+            f"--seq-lens {' '.join(map(str, args.seq_lens))}: zero tokens in total, so there is "
+            "nothing to count; give at least one sequence length above 0, e.g. --seq-lens 4096"
+        )
+    path = Path(args.config).expanduser()
     try:
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ConfigError(
+                    f"--config {args.config}: the directory has no config.json (a Hugging Face "
+                    "model directory holds one); point at the file or the model directory"
+                )
+            path = path / "config.json"
         if path.is_file():
             config = json.loads(path.read_text())
         elif args.config.lower() in fixture_names():
             config = load_fixture(args.config)
+        elif "/" in args.config or args.config.endswith(".json") or args.config.startswith("."):
+            raise ConfigError(
+                f"--config {args.config}: no such file or directory; give a config.json, a model "
+                "directory holding one, or a shipped model name (nemo-moe-metrics flops --list)"
+            )
         else:
             raise ConfigError(
-                f"--config {args.config!r} is neither a config.json file nor a shipped model; "
-                f"shipped: {', '.join(fixture_names())}"
+                f"--config {args.config!r} is not a file or directory here, nor a shipped model; "
+                f"shipped: {', '.join(fixture_names())} (nemo-moe-metrics flops --list)"
             )
         estimate = get_flops_estimator(config, vocab_size=args.vocab_size)(
             args.seq_lens, causal=args.causal
         )
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{args.config} is not valid JSON: {err}") from err
+        raise ConfigError(f"{path} is not valid JSON: {err}") from err
     except (UnknownModelTypeError, ValueError, TypeError) as err:
+        if isinstance(err, ConfigError):
+            raise
         raise ConfigError(str(err)) from err
     if args.json:
         print(json.dumps(estimate.to_dict(), indent=2))
@@ -90,7 +126,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
-    return run_with_progress(args.recipe, args.overrides, args.nproc, args.output_dir)
+    return run_with_progress(
+        args.recipe,
+        args.overrides,
+        args.nproc,
+        args.output_dir,
+        resume=args.resume,
+        overwrite=args.overwrite,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate a recipe (with overrides) and print it")
     check.add_argument("recipe", help="YAML recipe, e.g. examples/configs/sft_moe_tiny.yaml")
     check.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    check.add_argument(
+        "--nproc", type=int, default=2, help="ranks to check the parallel layout for (default 2)"
+    )
     check.set_defaults(func=_cmd_check)
     report = sub.add_parser(
         "report", help="expert-load heatmap, max/ideal plot and a summary from a run's JSONL"
@@ -113,11 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=_cmd_report)
     flops = sub.add_parser("flops", help="estimate training FLOPs of a model for a batch")
     flops.add_argument(
-        "--config", required=True, help="config.json path or a shipped model, e.g. qwen3-30b-a3b"
+        "--config",
+        help="config.json, a model directory holding one, or a shipped model (e.g. qwen3-30b-a3b)",
     )
-    flops.add_argument(
-        "--seq-lens", type=int, nargs="+", required=True, help="token count of each sequence"
-    )
+    flops.add_argument("--seq-lens", type=int, nargs="+", help="token count of each sequence")
+    flops.add_argument("--list", action="store_true", help="list the shipped models and exit")
     flops.add_argument(
         "--causal",
         action=argparse.BooleanOptionalAction,
@@ -136,7 +182,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--output-dir", default="runs", help="runs go to DIR/<recipe name>/ (default runs/)"
     )
+    again = run.add_mutually_exclusive_group()
+    again.add_argument(
+        "--resume", action="store_true", help="continue the run already in the run directory"
+    )
+    again.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run directory's old run (JSONL, TensorBoard, W&B, pictures) first",
+    )
     run.set_defaults(func=_cmd_run)
+    parser.subparsers = sub.choices  # type: ignore[attr-defined]  # name -> subparser
     return parser
 
 
@@ -153,12 +209,26 @@ def main(argv: list[str] | None = None) -> int:
     if extra and hasattr(args, "overrides") and all(_is_override(e) for e in extra):
         args.overrides = [*args.overrides, *extra]
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        # The subcommand's usage, not the top level's: that is where the typo is.
+        sub = parser.subparsers[args.command]  # type: ignore[attr-defined]
+        sub.error(f"unrecognized arguments: {' '.join(extra)}{_did_you_mean(sub, extra)}")
     try:
         return args.func(args)
-    except ConfigError as err:
+    except (ConfigError, MissingExtraError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+
+
+def _did_you_mean(sub: argparse.ArgumentParser, extra: list[str]) -> str:
+    import difflib
+
+    options = [o for action in sub._actions for o in action.option_strings]
+    for word in extra:
+        if word.startswith("-"):
+            close = difflib.get_close_matches(word.split("=")[0], options, n=1, cutoff=0.6)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
 
 
 if __name__ == "__main__":

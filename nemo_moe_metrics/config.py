@@ -230,6 +230,10 @@ class LoggerConfig(StrictModel):
         description="Send moe/expert_loads to W&B every N steps (scalars go every step); "
         "a 64 x 256 table costs W&B 0.5 to 1 s of host time. JSONL keeps every step's table.",
     )
+    resume: bool = Field(
+        False,
+        description="Continue the run in the run directory (`nemo-moe-metrics run --resume`).",
+    )
 
 
 class Recipe(StrictModel):
@@ -273,8 +277,20 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return result
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
-    lines = [f"invalid recipe {source}:"]
+def _format_validation_error(
+    err: ValidationError,
+    source: str,
+    overrides: list[str] | None = None,
+    file_errors: set[tuple[tuple[Any, ...], str]] | None = None,
+) -> str:
+    """One line per problem; a problem an override brought in is named after that override.
+
+    ``file_errors`` are the (location, message) pairs the file has without any override: those
+    stay the file's, whatever the overrides touch.
+    """
+    by_key = {item.partition("=")[0].strip(): item for item in overrides or []}
+    file_errors = file_errors or set()
+    lines = []
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
@@ -283,20 +299,49 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
                 f"section or key '{where}' is missing; add it to the recipe (the example recipes "
                 "in examples/configs/ show every section)"
             )
-        lines.append(f"  {where}: {msg}")
-    return "\n".join(lines)
+        culprit = None
+        if (tuple(e["loc"]), e["msg"]) not in file_errors:
+            # The override that set this key, or one inside the section the problem is at.
+            culprit = by_key.get(where) or next(
+                (item for key, item in by_key.items() if key.startswith(where + ".")), None
+            )
+        lines.append(f"  override '{culprit}': {msg}" if culprit else f"  {where}: {msg}")
+    only_overrides = all(line.startswith("  override '") for line in lines)
+    header = (
+        f"invalid override for recipe {source}:" if only_overrides else f"invalid recipe {source}:"
+    )
+    return "\n".join([header, *lines])
 
 
-def recipe_from_dict(data: dict[str, Any], source: str = "<dict>") -> Recipe:
-    """Validate a recipe dict; raise ConfigError with every problem named by its dotted path."""
+def recipe_from_dict(
+    data: dict[str, Any],
+    source: str = "<dict>",
+    overrides: list[str] | None = None,
+    without_overrides: dict[str, Any] | None = None,
+) -> Recipe:
+    """Validate a recipe dict; raise ConfigError with every problem named by its dotted path.
+
+    With ``overrides`` (already applied to ``data``) and ``without_overrides`` (the dict before
+    them), a problem only the overrides bring in is named after its override.
+    """
     try:
         return Recipe.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, source)) from None
+        file_errors: set[tuple[tuple[Any, ...], str]] = set()
+        if overrides and without_overrides is not None:
+            try:
+                Recipe.model_validate(without_overrides)
+            except ValidationError as plain:
+                file_errors = {(tuple(e["loc"]), e["msg"]) for e in plain.errors()}
+        raise ConfigError(_format_validation_error(err, source, overrides, file_errors)) from None
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Load a YAML recipe, apply dotted overrides, and validate it."""
+    """Load a YAML recipe, apply dotted overrides, and validate it.
+
+    A problem the file has on its own is reported against the file; one that only the
+    overrides bring in is reported against the override (``override 'k=v': ...``).
+    """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"recipe file not found: {path}")
@@ -306,7 +351,8 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         raise ConfigError(f"recipe {path} is not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"recipe {path} must be a mapping at the top level")
-    return recipe_from_dict(apply_overrides(data, overrides or []), source=str(path))
+    overrides = list(overrides or [])
+    return recipe_from_dict(apply_overrides(data, overrides), str(path), overrides, data)
 
 
 def dump_recipe(recipe: Recipe) -> str:

@@ -11,30 +11,71 @@ import argparse
 import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nemo_moe_metrics import metric_names as names
-from nemo_moe_metrics.config import ConfigError, load_recipe
+from nemo_moe_metrics.config import ConfigError, Recipe, load_recipe
+from nemo_moe_metrics.extras import check_extra
+from nemo_moe_metrics.preflight import preflight
 
 NEMORUN_DIR = "nemo_run"
+LAUNCH_LOG = "launch.log"
 
 
 def check_world_size(recipe: Any, nproc: int) -> None:
-    """Raise ConfigError, before any process starts, when ``nproc`` cannot hold the layout."""
-    mcfg = recipe.policy.megatron_cfg
-    model_parallel = mcfg.pipeline_model_parallel_size * mcfg.context_parallel_size
-    if nproc < 1 or nproc % model_parallel or nproc % mcfg.expert_model_parallel_size:
+    """Raise ConfigError, before any process starts, when the recipe cannot run on ``nproc`` ranks.
+
+    Kept for callers of the old name; the checks are :func:`nemo_moe_metrics.preflight.preflight`.
+    """
+    preflight(recipe, nproc)
+
+
+def check_launch_extras(recipe: Recipe) -> None:
+    """Raise MissingExtraError before launching when an extra the recipe needs is missing."""
+    check_extra("launch", "nemo-moe-metrics run")
+    check_extra("megatron", "nemo-moe-metrics run (the megatron-core policy worker)")
+    if recipe.logger.tensorboard_enabled:
+        check_extra("tensorboard", "logger.tensorboard_enabled=true")
+    if recipe.logger.wandb_enabled and recipe.logger.wandb_mode != "disabled":
+        check_extra("wandb", "logger.wandb_enabled=true")
+
+
+def prepare_run_dir(run_dir: Path, *, resume: bool = False, overwrite: bool = False) -> None:
+    """One run per directory: refuse an existing run unless ``resume`` or ``overwrite``.
+
+    ``overwrite`` deletes everything the old run wrote (JSONL, expert-load store, TensorBoard,
+    W&B, pictures, nemo-run state) before the new one starts; ``resume`` keeps it all and the
+    run continues it (the launcher passes ``logger.resume=true``).
+    """
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other; pass one of them")
+    old = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    if resume and not old:
         raise ConfigError(
-            f"--nproc {nproc} does not fit the recipe's parallel layout (pipeline "
-            f"{mcfg.pipeline_model_parallel_size} x context {mcfg.context_parallel_size}, expert "
-            f"{mcfg.expert_model_parallel_size}); use a multiple of each, e.g. --nproc "
-            f"{max(model_parallel, mcfg.expert_model_parallel_size)}, or override "
-            "policy.megatron_cfg.expert_model_parallel_size"
+            f"--resume: {run_dir} holds no run to continue; drop --resume to start a new run"
         )
+    if old and not (resume or overwrite):
+        shown = ", ".join(old[:6]) + (", ..." if len(old) > 6 else "")
+        raise ConfigError(
+            f"run directory {run_dir} already holds a run ({shown}); pass --resume to continue "
+            "it, --overwrite to delete it and start afresh, or choose another directory "
+            "(--output-dir DIR, or the override name=NEW_NAME)"
+        )
+    if overwrite:
+        for child in run_dir.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
 
 
 def run_dir_for(recipe_path: str | Path, overrides: list[str], output_dir: str | Path) -> Path:
@@ -86,7 +127,7 @@ def launch_local(
     """
     import nemo_run as run
 
-    check_world_size(load_recipe(recipe_path, overrides), nproc)
+    preflight(load_recipe(recipe_path, overrides), nproc)
     run_dir = run_dir_for(recipe_path, overrides, output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     use_nemorun_home(run_dir / NEMORUN_DIR)
@@ -102,25 +143,128 @@ def launch_local(
     # (exp.status() is not supported for local jobs).
     states = [str(job.state) for job in exp.jobs]
     if not states or any("SUCCEEDED" not in s for s in states):
-        logs = sorted((run_dir / NEMORUN_DIR).rglob("combined.log"), key=os.path.getmtime)
-        where = f"; full log: {logs[-1]}" if logs else f"; see {run_dir / NEMORUN_DIR}"
-        cause = _first_rank_error(logs[-1]) if logs else None
+        log = _latest_rank_log(run_dir)
+        failure = first_rank_failure(log) if log else None
         raise RuntimeError(
             f"training job did not succeed (status {states or 'unknown'})"
-            + (f"\n  {cause}" if cause else "")
-            + where
+            + (f"\n{failure.describe()}" if failure else "")
+            + (f"\nrank log: {log}" if log else f"\nsee {run_dir / NEMORUN_DIR}")
         )
     return run_dir
 
 
 def _first_rank_error(log: Path) -> str | None:
-    # torchrun prefixes rank output with "[defaultN]:"; the first exception line names the cause.
-    pattern = re.compile(r"^(?:\[default\d+\]:)?(\w+(?:Error|Exception)\b.*)$")
-    for line in log.read_text(errors="replace").splitlines():
-        m = pattern.match(line)
-        if m and not m[1].startswith("ChildFailedError"):
-            return m[1]
-    return None
+    """``Type: message`` of the first exception a rank logged (None when there is none)."""
+    failure = first_rank_failure(log)
+    return failure.exception if failure else None
+
+
+# torchrun prefixes rank output with "[defaultN]:", torch.distributed's own with "[rankN]: ".
+_RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(?:\[rank\d+\]: ?)?")
+_FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+), in (.+)$')
+_CHAIN = ("The above exception was the direct cause", "During handling of the above exception")
+
+
+@dataclass
+class RankFailure:
+    """The first exception found in a torchrun log: which rank, what, and where."""
+
+    rank: int
+    exception: str  # "Type: message" (the message may span lines)
+    frame: str | None  # deepest frame in this package or the user's code: "path:line in func"
+    raised_at: str | None  # deepest frame overall, when it is elsewhere (torch, megatron, ...)
+
+    def describe(self) -> str:
+        """A few lines for the terminal."""
+        lines = [f"rank {self.rank} raised {self.exception}"]
+        if self.frame:
+            lines.append(f"  at {self.frame}")
+        if self.raised_at and self.raised_at != self.frame:
+            lines.append(f"  raised in {self.raised_at}")
+        return "\n".join(lines)
+
+
+def _short_path(path: str) -> str:
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    return path
+
+
+def _is_own_or_user_code(path: str) -> bool:
+    if path.startswith("<"):
+        return False
+    if "/nemo_moe_metrics/" in path:
+        return True
+    return (
+        "/site-packages/" not in path
+        and "/dist-packages/" not in path
+        and "/lib/python" not in path
+    )
+
+
+def first_rank_failure(log: Path) -> RankFailure | None:
+    """Parse a torchrun ``combined.log``: the earliest rank traceback, its exception and frames."""
+    per_rank: dict[int, list[str]] = {}
+    first_rank: int | None = None
+    for raw in log.read_text(errors="replace").splitlines():
+        m = _RANK_PREFIX.match(raw)
+        if not m:
+            continue
+        rank, line = int(m[1]), raw[m.end() :]
+        per_rank.setdefault(rank, []).append(line)
+        if first_rank is None and line.startswith("Traceback (most recent call last):"):
+            first_rank = rank
+    if first_rank is None:
+        return None
+    lines = per_rank[first_rank]
+    start = next(i for i, line in enumerate(lines) if line.startswith("Traceback (most recent"))
+    frames: list[tuple[str, int, str]] = []
+    exception: list[str] = []
+    for i in range(start + 1, len(lines)):
+        line = lines[i]
+        if line.startswith("Traceback (most recent"):
+            frames, exception = [], []  # a chained exception: the last one is what failed
+        elif not exception:
+            m = _FRAME.match(line)
+            if m:
+                frames.append((m[1], int(m[2]), m[3]))
+            elif line.strip() and not line.startswith(" "):
+                exception.append(line)  # source lines and caret markers are indented
+        elif not line.strip() or line.startswith(_CHAIN):
+            # The message ended; go on only when a chained traceback follows.
+            if not any(x.startswith("Traceback (most recent") for x in lines[i : i + 4]):
+                break
+        else:
+            exception.append(line)
+    if not exception:
+        return None
+    own = [f for f in frames if _is_own_or_user_code(f[0])]
+    fmt = lambda f: f"{_short_path(f[0])}:{f[1]} in {f[2]}"  # noqa: E731
+    return RankFailure(
+        rank=first_rank,
+        exception="\n".join(exception[:20]),
+        frame=fmt(own[-1]) if own else None,
+        raised_at=fmt(frames[-1]) if frames else None,
+    )
+
+
+def _latest_rank_log(run_dir: Path, since: float = 0.0) -> Path | None:
+    logs = [p for p in (run_dir / NEMORUN_DIR).rglob("combined.log") if p.stat().st_mtime >= since]
+    return max(logs, key=os.path.getmtime) if logs else None
+
+
+def _status_hint(run_dir: Path, log: Path) -> str | None:
+    """``NEMORUN_HOME=... nemo experiment status ID``: works as printed (checked)."""
+    home = run_dir / NEMORUN_DIR
+    parts = log.relative_to(home / "experiments").parts if home in log.parents else ()
+    if len(parts) < 2 or not shutil.which("nemo", path=str(Path(sys.executable).parent)):
+        return None
+    nemo = Path(sys.executable).parent / "nemo"
+    return (
+        f"NEMORUN_HOME={shlex.quote(str(home))} {shlex.quote(str(nemo))} "
+        f"experiment status {parts[1]}"
+    )
 
 
 def slurm_executor(
@@ -165,22 +309,73 @@ def slurm_dry_run(
     output_dir: str | Path,
     **executor_kwargs: Any,
 ) -> str:
-    """The sbatch script and srun/torchrun command nemo-run would submit (nothing is submitted).
+    """The sbatch command and script nemo-run would submit, readable (nothing is submitted).
 
-    ``recipe_path`` and ``output_dir`` are used as given: on the cluster they are read relative
-    to the packaged code directory (the container's working directory).
+    Long shell lines (the srun/torchrun command) are folded with ``\\`` continuations, so no line
+    is longer than about 100 characters. Nothing is written: nemo-run's bookkeeping goes to a
+    temporary directory that is removed. ``recipe_path`` and ``output_dir`` are used as given:
+    on the cluster they are read relative to the packaged code directory.
     """
-    from nemo_run.run.torchx_backend.launcher import CONSOLE
+    import contextlib
+    import io
 
-    # nemo-run prints the dry run on its rich console; capture it wide enough not to wrap.
-    old_width = CONSOLE.width
-    CONSOLE.width = 10_000
-    try:
-        with CONSOLE.capture() as captured:
-            _slurm_experiment(recipe_path, overrides, output_dir, True, executor_kwargs)
-    finally:
-        CONSOLE.width = old_width
-    return "\n".join(line.rstrip() for line in captured.get().splitlines())
+    saved = os.environ.get("NEMORUN_HOME")
+    # nemo-run narrates on its console ("Entering Experiment", launcher notes): not the dry run.
+    chatter = io.StringIO()
+    with (
+        tempfile.TemporaryDirectory(prefix="nemo_moe_metrics_dryrun_") as tmp,
+        contextlib.redirect_stdout(chatter),
+    ):
+        try:
+            exp = _slurm_experiment(
+                recipe_path, overrides, output_dir, True, executor_kwargs, Path(tmp)
+            )
+        finally:
+            if saved is None:
+                os.environ.pop("NEMORUN_HOME", None)
+            else:
+                use_nemorun_home(saved)
+    request = exp.jobs[0]._dryrun_info.request
+    submit = " ".join([*request.launch_cmd, "$SBATCH_SCRIPT"])
+    script = "\n".join(fold_shell_line(line) for line in request.materialize().splitlines())
+    return f"# submit with:\n{submit}\n\n# SBATCH_SCRIPT:\n{script.rstrip()}\n"
+
+
+_SHELL_WORD = re.compile(r"""(?:[^\s'"]+|'[^']*'|"(?:[^"\\]|\\.)*")+""")
+
+
+def fold_shell_line(line: str, width: int = 100) -> str:
+    """Fold a long shell command at word boundaries with ``\\`` continuations (quotes kept whole).
+
+    An option stays on one line with its value; the launched program (``torchrun``, ``python``)
+    starts a new line. Comments (``#SBATCH`` directives included, which cannot be continued)
+    and lines that are not plain words stay as they are.
+    """
+    if len(line) <= width or line.lstrip().startswith("#"):
+        return line
+    indent = line[: len(line) - len(line.lstrip())]
+    words = _SHELL_WORD.findall(line)
+    if " ".join(words) != line.strip():  # a heredoc or odd quoting: leave it
+        return line
+    programs = ("torchrun", "python", "python3")
+    parts: list[str] = []
+    for word in words:
+        prev = parts[-1] if parts else ""
+        takes_value = prev.startswith("-") and " " not in prev and "=" not in prev
+        if takes_value and not word.startswith("-") and word not in programs:
+            parts[-1] = f"{prev} {word}"
+        else:
+            parts.append(word)
+    out: list[str] = []
+    current = indent + parts[0]
+    for part in parts[1:]:
+        if len(current) + 1 + len(part) > width or part in programs:
+            out.append(current + " \\")
+            current = indent + "    " + part
+        else:
+            current += " " + part
+    out.append(current)
+    return "\n".join(out)
 
 
 def slurm_submit(
@@ -196,21 +391,29 @@ def _slurm_experiment(
     output_dir: str | Path,
     dryrun: bool,
     executor_kwargs: dict[str, Any],
-) -> None:
+    nemorun_home: Path | None = None,
+) -> Any:
     import nemo_run as run
 
-    name = load_recipe(recipe_path, overrides).name
+    recipe = load_recipe(recipe_path, overrides)
+    gpus = executor_kwargs.get("gpus_per_node", 8) * executor_kwargs.get("nodes", 1)
+    preflight(recipe, gpus)
+    name = recipe.name
     kwargs = dict(executor_kwargs)
-    job_dir = Path(kwargs.pop("job_dir", Path(output_dir) / name / "slurm_jobs"))
-    use_nemorun_home(job_dir / NEMORUN_DIR)
+    # Slurm bookkeeping (sbatch script, logs, packaged code) lives apart from any run directory.
+    job_dir = Path(kwargs.pop("job_dir", None) or "slurm_jobs")
+    use_nemorun_home(nemorun_home or (job_dir / NEMORUN_DIR))
     executor = slurm_executor(job_dir=job_dir, **kwargs)
+    # The Slurm job is named after the recipe (nemo-run's default is "<account>-<account>.").
+    executor.job_details.job_name = name
     script = train_script(recipe_path, overrides, Path(output_dir) / name)
     with run.Experiment(name, executor=executor, log_level="WARN") as exp:
         exp.add(script, name="train", tail_logs=False)
         if dryrun:
-            exp.dryrun(log=True, delete_exp_dir=True)
+            exp.dryrun(log=False, delete_exp_dir=True)
         else:
             exp.run(detach=True)
+    return exp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,30 +477,41 @@ def run_with_progress(
     output_dir: str | Path,
     console: Any | None = None,
     poll_s: float = 0.5,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
 ) -> int:
     """Launch the recipe in a child process and show a rich progress bar fed by its JSONL.
 
-    Returns the launcher's exit status; the launcher's own output goes to ``<run>/launch.log``.
+    Before anything starts: the recipe, its layout on ``nproc`` ranks (:mod:`.preflight`), the
+    extras it needs and the run directory (one run per directory, see :func:`prepare_run_dir`)
+    are checked. Returns the launcher's exit status; its own output goes to
+    ``<run>/launch.log``; on failure the first rank's exception is printed.
     """
+    recipe = load_recipe(recipe_path, overrides)  # fail fast, before any process starts
+    preflight(recipe, nproc)
+    check_launch_extras(recipe)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = console or Console()
-    recipe = load_recipe(recipe_path, overrides)  # fail fast, before any process starts
-    check_world_size(recipe, nproc)
     run_dir = Path(output_dir).resolve() / recipe.name
-    run_dir.mkdir(parents=True, exist_ok=True)
+    prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    if resume:
+        overrides = [*overrides, "logger.resume=true"]
     metrics_path = run_dir / "metrics.jsonl"
-    metrics_path.unlink(missing_ok=True)  # never show a previous run's steps
-    log_path = run_dir / "launch.log"
+    # Show this run's steps only: a resumed run appends to the file it continues.
+    offset = metrics_path.stat().st_size if metrics_path.is_file() else 0
+    log_path = run_dir / LAUNCH_LOG
     cmd = [sys.executable, "-m", "nemo_moe_metrics.launch", str(recipe_path)]
     cmd += ["--nproc", str(nproc), "--output-dir", str(Path(output_dir).resolve()), *overrides]
     env = dict(os.environ)
     src_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
-    offset, last = 0, {}
+    last: dict[str, Any] = {}
+    started = time.time()
     with (
-        log_path.open("w") as log,
+        log_path.open("a" if resume else "w") as log,
         Progress(
             TextColumn("[bold]{task.fields[name]}"),
             BarColumn(),
@@ -321,17 +535,51 @@ def run_with_progress(
                 break
             time.sleep(poll_s)
     if proc.returncode != 0:
-        tail = log_path.read_text().splitlines()[-15:]
-        console.print(f"[red]run failed (exit {proc.returncode}); last lines of {log_path}:")
-        console.print("\n".join(tail), markup=False, highlight=False)
+        # soft_wrap: paths and commands stay whole lines, to copy and paste.
+        report = failure_report(run_dir, proc.returncode, started)
+        console.print(report, markup=False, highlight=False, soft_wrap=True)
         return proc.returncode
-    console.print(f"[green]done[/green]: {run_dir}  (last step {last.get('step')})")
+    console.print(f"[green]done[/green]: {run_dir}  (last step {last.get('step')})", soft_wrap=True)
     if metrics_path.is_file():
+        from nemo_moe_metrics.extras import missing_modules
+
+        if missing_modules("report"):
+            console.print(
+                "pictures skipped: the report needs the 'report' extra "
+                "(pip install 'nemo_moe_metrics[report]')",
+                markup=False,
+                highlight=False,
+            )
+            return 0
         from nemo_moe_metrics.report import render_report
 
         # The pictures and the summary a user looks at first.
         console.print(render_report(run_dir), markup=False, highlight=False)
     return 0
+
+
+def failure_report(run_dir: Path, returncode: int, since: float = 0.0) -> str:
+    """What a failed run prints: the first rank's exception, then where the logs are."""
+    lines = [f"run failed (exit {returncode})"]
+    log = _latest_rank_log(run_dir, since)
+    failure = first_rank_failure(log) if log else None
+    launch_log = run_dir / LAUNCH_LOG
+    if failure:
+        lines.append(failure.describe())
+    elif log:
+        tail = log.read_text(errors="replace").splitlines()[-10:]
+        lines.append("no Python exception in the rank log (killed by a signal or out of memory?)")
+        lines += [f"  {line}" for line in tail]
+    elif launch_log.is_file():
+        # The launcher itself failed (no rank started): its last lines say why.
+        lines += [f"  {line}" for line in launch_log.read_text(errors="replace").splitlines()[-10:]]
+    if log:
+        lines.append(f"rank log: {log}")
+        hint = _status_hint(run_dir, log)
+        if hint:
+            lines.append(f"job status: {hint}")
+    lines.append(f"launcher log: {launch_log}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -398,6 +398,9 @@ def render_report(run_dir: Path, *, steps: tuple[int, int] | None = None) -> str
     ``steps=(first, last)`` (inclusive) restricts everything to that window of steps.
     Pictures that the log has no data for are skipped and the summary says why.
     """
+    from nemo_moe_metrics.extras import check_extra
+
+    check_extra("report", "the report's pictures")
     run_dir = Path(run_dir)
     run = _load_run(run_dir, steps)
     recs = [{"step": r.step, **r.scalars} for r in run.records]

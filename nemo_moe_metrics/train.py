@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from nemo_moe_metrics.config import ConfigError, Recipe, dump_recipe, load_recipe
+from nemo_moe_metrics.preflight import preflight
 from nemo_moe_metrics.sinks import build_sinks
 from nemo_moe_metrics.worker import PolicyMetrics
 
@@ -71,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         recipe = load_recipe(args.recipe, args.overrides)
+        # Launched by torchrun (locally or on Slurm): the same checks `check` and `run` make.
+        world = os.environ.get("WORLD_SIZE")
+        preflight(recipe, int(world) if world else None)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

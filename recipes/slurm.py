@@ -6,9 +6,12 @@ Show what would be submitted (the default, works anywhere):
         --account ACCOUNT --partition PARTITION --nodes 2 --gpus-per-node 8 \
         --container-image nvcr.io/nvidia/nemo:25.09
 
-Add ``--submit`` on a Slurm login node to submit it. The code is packaged from the git
-repository and mounted at the container's working directory, so the recipe path and
-``--output-dir`` are read relative to the repository root on the cluster. On GPUs the worker
+The dry run prints the ``sbatch`` command and script (long commands folded) and writes nothing.
+Add ``--submit`` on a Slurm login node to submit it; nemo-run keeps its files in ``--job-dir``
+(default ``slurm_jobs/``), never in a run directory. The job is named after the recipe.
+The code is packaged from the git repository and mounted at the container's working
+directory, so the recipe path and ``--output-dir`` are read relative to the repository root
+on the cluster. On GPUs the worker
 uses NCCL, the alltoall token dispatcher, and no CPU shims.
 """
 
@@ -18,6 +21,7 @@ import argparse
 import sys
 
 from nemo_moe_metrics.config import ConfigError
+from nemo_moe_metrics.extras import MissingExtraError
 from nemo_moe_metrics.launch import slurm_dry_run, slurm_submit
 
 
@@ -32,9 +36,14 @@ def main() -> int:
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--time", default="01:00:00")
     parser.add_argument("--container-image", default=None)
-    parser.add_argument("--output-dir", default="runs")
+    parser.add_argument("--output-dir", default="runs", help="run directory root on the cluster")
+    parser.add_argument(
+        "--job-dir",
+        default="slurm_jobs",
+        help="where nemo-run keeps the sbatch script, logs and packaged code (default slurm_jobs/)",
+    )
     parser.add_argument("--submit", action="store_true", help="submit instead of a dry run")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # overrides may come before or after options
     kwargs = dict(
         account=args.account,
         partition=args.partition,
@@ -42,13 +51,14 @@ def main() -> int:
         gpus_per_node=args.gpus_per_node,
         time=args.time,
         container_image=args.container_image,
+        job_dir=args.job_dir,
     )
     try:
         if not args.submit:
             print(slurm_dry_run(args.recipe, args.overrides, args.output_dir, **kwargs))
             return 0
         slurm_submit(args.recipe, args.overrides, args.output_dir, **kwargs)
-    except ConfigError as err:
+    except (ConfigError, MissingExtraError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -2,7 +2,14 @@
 
 megatron-core 0.16 assumes CUDA in a handful of places. Each patch below replaces one such
 assumption with its CPU equivalent; nothing is patched when CUDA is available, so the same
-code runs unchanged on a GPU cluster. Measured facts behind each patch: shared/ENVIRONMENT.md.
+code runs unchanged on a GPU cluster. The comment on each patch states the fact behind it,
+measured with megatron-core 0.16.1 and torch 2.13 (CPU build, gloo): megatron calls
+``torch.cuda.current_device()`` to place router weights, RoPE frequencies and the global memory
+buffer; 0.16.1 names ``te_general_gemm`` without Transformer Engine; the pipeline schedules
+build tensors with ``device="cuda"`` and p2p communication calls ``torch.cuda.synchronize``;
+recomputation saves and restores the CUDA RNG state. The model side of the recipe (allgather
+dispatcher, no grouped GEMM, float32, an explicit attention mask) is in
+:mod:`nemo_moe_metrics.megatron.model`.
 """
 
 from __future__ import annotations

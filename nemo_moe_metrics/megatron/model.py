@@ -21,6 +21,9 @@ def init_distributed(
     Under torchrun the environment names the world; without it a single-rank group is made, so
     the same code runs in a plain ``python`` process. CPU uses gloo, CUDA uses NCCL.
     """
+    from nemo_moe_metrics.extras import require
+
+    require("megatron.core", "megatron", "the megatron-core policy worker")
     from megatron.core import parallel_state, tensor_parallel
 
     apply_cpu_shims()

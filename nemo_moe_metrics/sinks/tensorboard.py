@@ -12,6 +12,9 @@ class TensorBoardSink:
 
     def __init__(self, log_dir: Path) -> None:
         # Imported here: torch.utils.tensorboard pulls in tensorboard, which is slow to import.
+        from nemo_moe_metrics.extras import check_extra
+
+        check_extra("tensorboard", "the TensorBoard sink (logger.tensorboard_enabled)")
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = Path(log_dir)

@@ -33,7 +33,9 @@ class WandbSink:
         # serialisations); big runs can send it every N steps. Scalars always go every step.
         self.table_every = table_every
         # Imported here: wandb is heavy and optional for users who log elsewhere.
-        import wandb
+        from nemo_moe_metrics.extras import require
+
+        wandb = require("wandb", "wandb", "the W&B sink (logger.wandb_enabled)")
 
         self._wandb = wandb
         run_dir = Path(run_dir)

@@ -1,0 +1,130 @@
+"""Preflight: the recipe's model, parallel layout, batches and data checked together, before launch.
+
+Each key is validated alone in :mod:`nemo_moe_metrics.config`; what only fails when keys meet
+(experts across expert-parallel ranks, the world size against the parallel sizes, batches
+against the algorithm, sequence lengths against the synthetic data of
+:mod:`nemo_moe_metrics.algorithms.data`) is checked here, so ``check`` and ``run`` reject it in
+a second instead of a rank failing deep inside megatron-core after the launch.
+Plain arithmetic on the recipe: nothing here imports torch.distributed or megatron.
+"""
+
+from __future__ import annotations
+
+from nemo_moe_metrics.config import ConfigError, Recipe
+
+MODEL = "policy.model"
+MCFG = "policy.megatron_cfg"
+
+
+def layout_problems(recipe: Recipe, nproc: int | None = None) -> list[str]:
+    """Every problem with running ``recipe`` on ``nproc`` ranks (``None``: skip world-size checks).
+
+    Each message names the keys with their values and the fix.
+    """
+    model, mcfg, policy = recipe.policy.model, recipe.policy.megatron_cfg, recipe.policy
+    ep, pp, cp = (
+        mcfg.expert_model_parallel_size,
+        mcfg.pipeline_model_parallel_size,
+        mcfg.context_parallel_size,
+    )
+    problems: list[str] = []
+
+    # --- model x parallel layout
+    if model.is_moe and model.num_experts % ep:
+        divisors = [d for d in range(1, model.num_experts + 1) if model.num_experts % d == 0]
+        problems.append(
+            f"{MODEL}.num_experts={model.num_experts} is not divisible by "
+            f"{MCFG}.expert_model_parallel_size={ep} (each expert-parallel rank holds "
+            f"num_experts / {ep} experts); set num_experts to a multiple of {ep} "
+            f"(e.g. {model.num_experts + ep - model.num_experts % ep}) or "
+            f"expert_model_parallel_size to one of {divisors}"
+        )
+    if model.num_experts is not None and model.moe_router_topk > model.num_experts:
+        problems.append(
+            f"{MODEL}.moe_router_topk={model.moe_router_topk} exceeds "
+            f"{MODEL}.num_experts={model.num_experts}; set moe_router_topk <= num_experts"
+        )
+    if pp != 1 or cp != 1:
+        problems.append(
+            f"{MCFG}.pipeline_model_parallel_size={pp} and {MCFG}.context_parallel_size={cp}: "
+            "the reference policy worker scores and samples with plain forwards, which need the "
+            "whole model on each rank; set both to 1 (expert parallelism is supported)"
+        )
+
+    # --- world size x parallel sizes (tensor parallel is 1: MoE with TP needs sequence parallel)
+    if nproc is not None:
+        model_parallel = pp * cp
+        if nproc < 1:
+            problems.append(f"--nproc must be at least 1, got {nproc}")
+        elif nproc % model_parallel:
+            problems.append(
+                f"--nproc {nproc} is not tensor 1 x pipeline {pp} x context {cp} x data-parallel "
+                f"D for a whole D ({MCFG}.pipeline_model_parallel_size={pp}, "
+                f"context_parallel_size={cp}); use a multiple of {model_parallel}, "
+                f"e.g. --nproc {model_parallel * max(1, nproc // model_parallel)}"
+            )
+        elif (nproc // pp) % ep:
+            fit = ep * pp
+            problems.append(
+                f"--nproc {nproc} does not fit {MCFG}.expert_model_parallel_size={ep}: the "
+                f"{nproc // pp} ranks of a pipeline stage (data-parallel x context) must split "
+                f"into expert-parallel groups of {ep}; use --nproc {fit} (or a multiple of it), "
+                f"or override {MCFG}.expert_model_parallel_size to a divisor of {nproc // pp}"
+            )
+
+    # --- batches (train_global_batch_size counts the sequences of ONE data-parallel rank)
+    gbs, mbs = policy.train_global_batch_size, policy.train_micro_batch_size
+    if gbs % mbs:
+        problems.append(
+            f"policy.train_global_batch_size={gbs} is not a multiple of "
+            f"policy.train_micro_batch_size={mbs} (each data-parallel rank trains gbs sequences "
+            f"in gbs / mbs microbatches); set train_global_batch_size to a multiple of {mbs}"
+        )
+    seq = model.seq_length
+    if recipe.algorithm == "sft":
+        low = recipe.training.min_seq_length
+        if not 2 <= low <= seq:
+            problems.append(
+                f"training.min_seq_length={low} must lie in [2, {MODEL}.seq_length={seq}] "
+                "(synthetic SFT sequences are min_seq_length..seq_length tokens); lower "
+                "training.min_seq_length or raise seq_length"
+            )
+    elif recipe.algorithm == "dpo":
+        from nemo_moe_metrics.algorithms.dpo import dpo_response_length
+
+        if gbs % 2 or mbs % 2:
+            problems.append(
+                f"policy.train_global_batch_size={gbs} and policy.train_micro_batch_size={mbs} "
+                "must both be even for DPO (a microbatch holds whole chosen/rejected pairs)"
+            )
+        response = dpo_response_length(seq)
+        if seq - response < 2:
+            problems.append(
+                f"{MODEL}.seq_length={seq} leaves no room for a prompt before DPO's "
+                f"{response}-token response (seq_length // 4); raise seq_length to at least 4"
+            )
+    elif recipe.algorithm == "grpo":
+        g = recipe.grpo
+        if gbs % g.num_generations:
+            problems.append(
+                f"policy.train_global_batch_size={gbs} is not a multiple of "
+                f"grpo.num_generations={g.num_generations} (each step trains whole groups); "
+                f"set train_global_batch_size to a multiple of {g.num_generations}"
+            )
+        if g.prompt_length + g.response_length > seq:
+            problems.append(
+                f"grpo.prompt_length={g.prompt_length} + grpo.response_length="
+                f"{g.response_length} exceeds {MODEL}.seq_length={seq}; raise seq_length to "
+                f"{g.prompt_length + g.response_length} or shorten the prompt or response"
+            )
+    return problems
+
+
+def preflight(recipe: Recipe, nproc: int | None = None) -> None:
+    """Raise :class:`ConfigError` listing every problem :func:`layout_problems` finds."""
+    problems = layout_problems(recipe, nproc)
+    if len(problems) == 1:
+        raise ConfigError(f"recipe {recipe.name!r} cannot run: {problems[0]}")
+    if problems:
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise ConfigError(f"recipe {recipe.name!r} cannot run:\n{listed}")
