@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch and megatron are imported where used: config validation imports this
+    import torch
 
 # ----------------------------------------------------------------------------- aux-loss tracker
 
@@ -233,7 +234,7 @@ def config_hybrid_pattern(config: Any) -> str | None:
     objects and plain dicts. A plain ``TransformerConfig`` has neither: set the attribute on it.
     """
     for key in ("hybrid_layer_pattern", "hybrid_override_pattern"):
-        value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+        value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
         if value:
             return str(value)
     return None
