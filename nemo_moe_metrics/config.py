@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -137,6 +137,15 @@ class ModelConfig(StrictModel):
             "so leave moe_layer_freq at 1. None builds a GPTModel."
         ),
     )
+
+    @field_validator("hybrid_layer_pattern")
+    @classmethod
+    def _check_pattern(cls, pattern: str | None) -> str | None:
+        if pattern is not None:
+            from nemo_moe_metrics.megatron.compat import hybrid_layer_symbols
+
+            hybrid_layer_symbols(pattern)  # a bad symbol is reported at this field's path
+        return pattern
 
     @model_validator(mode="after")
     def _check_shape(self) -> ModelConfig:

@@ -41,7 +41,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 class MegatronPolicyWorker:
-    """Trains, scores and samples the recipe's megatron-core GPT model on this rank.
+    """Trains, scores and samples the recipe's megatron-core model (GPT or hybrid) on this rank.
 
     ``hooks`` is an optional, duck-typed metrics object with this protocol:
 
