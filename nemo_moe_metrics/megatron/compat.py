@@ -160,10 +160,11 @@ def megatron_reported_aux_losses(
     else:
         from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
-        # 0.16 force-initialises missing names on device="cuda" and its length excludes MTP.
-        kwargs["num_layers"] = config.num_layers + (getattr(config, "mtp_num_layers", 0) or 0)
         from nemo_moe_metrics.megatron.cpu_shims import cpu_device_mode
 
+        # 0.16 force-initialises missing names with device="cuda" (rewritten to the CPU here;
+        # a no-op with CUDA). Its force-initialised length leaves MTP layers out: a known 0.16
+        # mismatch this oracle reproduces rather than hides.
         with cpu_device_mode():
             track_moe_metrics(**kwargs)
     return {
