@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -128,9 +128,41 @@ class ModelConfig(StrictModel):
     moe_aux_loss_coeff: float = Field(1e-2, ge=0)
     moe_z_loss_coeff: float | None = Field(None, ge=0)
     moe_expert_capacity_factor: float | None = Field(None, gt=0)
+    hybrid_layer_pattern: str | None = Field(
+        None,
+        description=(
+            "Build a megatron-core hybrid model (HybridModel; MambaModel on megatron-core 0.16) "
+            "with one layer per symbol: * attention, - dense MLP, E MoE (e.g. '*E*E'). "
+            "num_layers must equal the pattern's length; MoE layers come from the E symbols, "
+            "so leave moe_layer_freq at 1. None builds a GPTModel."
+        ),
+    )
+
+    @field_validator("hybrid_layer_pattern")
+    @classmethod
+    def _check_pattern(cls, pattern: str | None) -> str | None:
+        if pattern is not None:
+            from nemo_moe_metrics.megatron.compat import hybrid_layer_symbols
+
+            hybrid_layer_symbols(pattern)  # a bad symbol is reported at this field's path
+        return pattern
 
     @model_validator(mode="after")
     def _check_shape(self) -> ModelConfig:
+        if self.hybrid_layer_pattern is not None:
+            from nemo_moe_metrics.megatron.compat import hybrid_layer_symbols
+
+            symbols = hybrid_layer_symbols(self.hybrid_layer_pattern)
+            if len(symbols) != self.num_layers:
+                raise ValueError(
+                    f"hybrid_layer_pattern {self.hybrid_layer_pattern!r} has {len(symbols)} "
+                    f"layers but num_layers is {self.num_layers}; set num_layers: {len(symbols)}"
+                )
+            if self.moe_layer_freq != 1:
+                raise ValueError(
+                    "moe_layer_freq does not apply to a hybrid_layer_pattern model: its E "
+                    "symbols are the MoE layers; remove moe_layer_freq"
+                )
         if self.num_experts is not None and self.moe_router_topk > self.num_experts:
             raise ValueError(
                 f"moe_router_topk={self.moe_router_topk} exceeds num_experts={self.num_experts}"
@@ -168,6 +200,10 @@ class ModelConfig(StrictModel):
         """One 0/1 entry per layer, 1 where the layer is MoE."""
         if not self.num_experts:
             return [0] * self.num_layers
+        if self.hybrid_layer_pattern is not None:
+            from nemo_moe_metrics.megatron.compat import MOE_SYMBOL, hybrid_layer_symbols
+
+            return [int(s == MOE_SYMBOL) for s in hybrid_layer_symbols(self.hybrid_layer_pattern)]
         if isinstance(self.moe_layer_freq, list):
             return list(self.moe_layer_freq)
         return [1 if i % self.moe_layer_freq == 0 else 0 for i in range(self.num_layers)]

@@ -109,9 +109,30 @@ def _run_schedule(model, model_cfg, num_microbatches: int, seed: int) -> None:
 
 
 def _tracker_snapshot() -> dict[str, list[float]]:
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from nemo_moe_metrics.megatron.compat import tracker_values
 
-    return {k: v["values"].tolist() for k, v in get_moe_layer_wise_logging_tracker().items()}
+    return {k: v.tolist() for k, v in tracker_values().items()}
+
+
+def _megatron_report_of(tracker_before: dict[str, list[float]], config, num_microbatches: int):
+    """Megatron's own report (this release's API) of the tracker as it was before our export."""
+    from nemo_moe_metrics.megatron import compat
+    from nemo_moe_metrics.moe.aux_loss import tracked_aux_loss_names
+
+    live = compat.tracker_values()
+    for name, values in tracker_before.items():
+        live[name].copy_(torch.tensor(values))
+    return compat.megatron_reported_aux_losses(
+        config, num_microbatches=num_microbatches, track_names=tracked_aux_loss_names(config)
+    )
+
+
+def assert_equals_megatrons_report(ours: dict[str, float], megatron: dict[str, float]) -> None:
+    """Every aux-loss key we report equals megatron's logged value within 1e-6 relative."""
+    assert ours, "no aux-loss metrics to compare"
+    for key, value in ours.items():
+        assert key in megatron, (key, sorted(megatron))
+        assert value == pytest.approx(megatron[key], rel=1e-6, abs=1e-12), key
 
 
 class _ListHandler(logging.Handler):
@@ -166,6 +187,9 @@ def _one_rank_scenarios(rank, world_size):
             metrics=aux_loss_metrics(config, num_microbatches=num_microbatches, per_layer=True),
             tracker_after=_tracker_snapshot(),
             calls=list(calls),
+        )
+        out[name]["megatron"] = _megatron_report_of(
+            out[name]["tracker_before"], config, num_microbatches
         )
 
     # 1. One microbatch by hand.
@@ -280,6 +304,14 @@ def test_several_microbatches_give_mean_per_microbatch_not_sum(one_rank):
     assert res["metrics"][aux_loss_key("load_balancing_loss")] == pytest.approx(
         sum(expected.values()) / 3, rel=1e-5
     )
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("step", ["single", "schedule", "recompute"])
+def test_metrics_equal_megatrons_own_report_of_the_same_step(one_rank, step):
+    # track_moe_metrics on megatron-core 0.16, get_moe_metrics_tracker().report() on 0.19.
+    res = one_rank[step]
+    assert_equals_megatrons_report(res["metrics"], res["megatron"])
 
 
 @pytest.mark.timeout(200)
@@ -446,18 +478,17 @@ def test_bad_microbatch_count_is_rejected_before_any_collective(bad, error):
 
 
 def test_tracker_of_the_wrong_length_names_both_lengths():
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
+    from nemo_moe_metrics.megatron import compat
     from nemo_moe_metrics.moe.aux_loss import local_aux_loss_values
 
-    tracker = get_moe_layer_wise_logging_tracker()
-    assert "load_balancing_loss" not in tracker
-    tracker["load_balancing_loss"] = {"values": torch.zeros(3)}
+    assert "load_balancing_loss" not in compat.tracker_values()
+    compat.put_tracker_entry("load_balancing_loss", torch.zeros(3))
     try:
         with pytest.raises(ValueError, match=r"holds 3 values .* config says 4"):
             local_aux_loss_values(_transformer_config(), ["load_balancing_loss"])
     finally:
-        del tracker["load_balancing_loss"]
+        compat.drop_tracker_entry("load_balancing_loss")
+    assert "load_balancing_loss" not in compat.tracker_values()
 
 
 def test_missing_names_are_force_initialised_to_zeros_of_tracker_length():

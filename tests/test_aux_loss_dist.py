@@ -17,9 +17,11 @@ from test_aux_loss import (
     _capture_routers,
     _expected_per_layer,
     _lbl,
+    _megatron_report_of,
     _run_schedule,
     _tracker_snapshot,
     _zl,
+    assert_equals_megatrons_report,
     router_logits,
     switch_loss,
 )
@@ -37,12 +39,10 @@ def _train_once(model, model_cfg, seed: int) -> None:
 
 
 def _two_rank_scenarios(rank, world_size):
-    from megatron.core.transformer.moe.moe_utils import (
-        MoEAuxLossAutoScaler,
-        get_moe_layer_wise_logging_tracker,
-    )
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from nemo_moe_metrics.config import MegatronConfig, ModelConfig
+    from nemo_moe_metrics.megatron.compat import reset_tracker
     from nemo_moe_metrics.megatron.model import (
         build_gpt_model,
         build_transformer_config,
@@ -62,8 +62,10 @@ def _two_rank_scenarios(rank, world_size):
     calls: list = []
     _capture_routers(model, calls)
     _run_schedule(model, model_cfg, 2, seed=11)
-    out["pp_tracker_names"] = sorted(_tracker_snapshot())
+    before = _tracker_snapshot()
+    out["pp_tracker_names"] = sorted(before)
     out["pp_metrics"] = aux_loss_metrics(config, num_microbatches=2, per_layer=True)
+    out["pp_megatron"] = _megatron_report_of(before, config, 2)
     out["pp_calls"] = calls
 
     # Part 2: the same ranks as data parallel 2 (each holds 4 of 8 experts), different data.
@@ -72,7 +74,7 @@ def _two_rank_scenarios(rank, world_size):
     for balancing in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
         MoEAuxLossAutoScaler.main_loss_backward_scale = None
         # A new model with fewer layers in the same process: drop megatron's 4-layer vectors.
-        get_moe_layer_wise_logging_tracker().clear()
+        reset_tracker()
         cfg = ModelConfig(
             num_layers=2,
             moe_router_load_balancing_type=balancing,
@@ -84,10 +86,11 @@ def _two_rank_scenarios(rank, world_size):
         calls = []
         _capture_routers(model, calls)
         _train_once(model, cfg, seed=100 + rank)
-        metrics = aux_loss_metrics(
-            build_transformer_config(cfg, dp_cfg), num_microbatches=1, per_layer=True
-        )
-        out[balancing] = dict(metrics=metrics, calls=calls)
+        config = build_transformer_config(cfg, dp_cfg)
+        before = _tracker_snapshot()
+        metrics = aux_loss_metrics(config, num_microbatches=1, per_layer=True)
+        megatron = _megatron_report_of(before, config, 1)
+        out[balancing] = dict(metrics=metrics, calls=calls, megatron=megatron)
     return out
 
 
@@ -119,6 +122,33 @@ def test_pipeline_stages_report_the_moe_stage_values_averaged_over_moe_layers(tw
     assert metrics[aux_loss_key("load_balancing_loss")] == pytest.approx(
         sum(expected.values()) / 2, rel=1e-5
     )
+
+
+@pytest.mark.timeout(220)
+def test_pipeline_stages_equal_megatrons_own_report_on_every_rank(two_ranks):
+    # One stage without MoE layers: megatron force-initialises it, we read zeros.
+    for result in two_ranks:
+        assert_equals_megatrons_report(result["pp_metrics"], result["pp_megatron"])
+
+
+@pytest.mark.timeout(220)
+@pytest.mark.parametrize("balancing", ["aux_loss", "seq_aux_loss", "global_aux_loss"])
+def test_load_balancing_losses_equal_megatrons_own_report_on_every_rank(two_ranks, balancing):
+    for result in two_ranks:
+        ours = {k: v for k, v in result[balancing]["metrics"].items() if "z_loss" not in k}
+        assert_equals_megatrons_report(ours, result[balancing]["megatron"])
+
+
+@pytest.mark.timeout(220)
+def test_z_loss_equals_the_data_parallel_mean_of_megatrons_report(two_ranks):
+    # megatron-core 0.16 logs each rank's own z-loss, 0.19 averages it over the ranks; we report
+    # the average on every rank, which is the mean of megatron's per-rank values on both.
+    keys = [k for k in two_ranks[0]["aux_loss"]["metrics"] if "z_loss" in k]
+    assert keys
+    for key in keys:
+        mean = sum(r["aux_loss"]["megatron"][key] for r in two_ranks) / len(two_ranks)
+        for result in two_ranks:
+            assert result["aux_loss"]["metrics"][key] == pytest.approx(mean, rel=1e-6), key
 
 
 def _per_rank(two_ranks, balancing, fn):

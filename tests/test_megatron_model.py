@@ -22,7 +22,6 @@ def _forward_backward(rank, world_size, ep_size):
     model_cfg = recipe.policy.model
     init_distributed(recipe.policy.megatron_cfg)
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
     from megatron.core.transformer.moe.router import TopKRouter
 
     model = build_gpt_model(model_cfg, recipe.policy.megatron_cfg)
@@ -32,11 +31,13 @@ def _forward_backward(rank, world_size, ep_size):
     position_ids = torch.arange(s).expand(2, s)
     loss = model(tokens, position_ids, causal_attention_mask(s), labels=tokens).mean()
     loss.backward()
-    tracker = get_moe_layer_wise_logging_tracker()
+    from nemo_moe_metrics.megatron.compat import tracker_values
+
+    tracker = tracker_values()
     moe_layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     return {
         "loss": float(loss),
-        "tracker": {k: v["values"].tolist() for k, v in tracker.items()},
+        "tracker": {k: v.tolist() for k, v in tracker.items()},
         "routers": [m.layer_number for m in model.modules() if isinstance(m, TopKRouter)],
         "local_experts": [m.num_local_experts for m in moe_layers],
         "router_grad": all(

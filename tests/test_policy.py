@@ -136,21 +136,17 @@ def _single_rank(rank, world_size, parallel):
 
 def _aux_losses_ignore_padding_contents(worker, batch):
     """Tracker aux losses of one training-mode forward, with padding filled two ways."""
-    from megatron.core.transformer.moe.moe_utils import (
-        clear_aux_losses_tracker,
-        get_moe_layer_wise_logging_tracker,
-    )
+    from nemo_moe_metrics.megatron.compat import clear_tracker, tracker_values
 
     out = []
     for fill, use_mask in ((3, True), (90, True), (3, False), (90, False)):
         tokens = batch.tokens.clone()
         tokens[batch.padding_mask()] = fill
-        clear_aux_losses_tracker()
+        clear_tracker()
         worker.model.train()
         worker._forward(worker.model, tokens, batch.padding_mask() if use_mask else None)
-        tracker = get_moe_layer_wise_logging_tracker()
-        out.append({k: v["values"].clone() for k, v in tracker.items()})
-    clear_aux_losses_tracker()
+        out.append({k: v.clone() for k, v in tracker_values().items()})
+    clear_tracker()
     return out
 
 

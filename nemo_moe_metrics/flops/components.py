@@ -9,7 +9,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from nemo_moe_metrics.flops.core import AttentionLayer, DenseMLP, LinearAttentionLayer, MoEMLP
+from nemo_moe_metrics.flops.core import (
+    AttentionLayer,
+    DenseMLP,
+    LinearAttentionLayer,
+    MambaLayer,
+    MoEMLP,
+)
 
 _MISSING = object()
 
@@ -129,6 +135,28 @@ def gated_delta_net_from_config(cfg: ConfigReader, hidden: int) -> LinearAttenti
         key_head_dim=int(cfg.require("linear_key_head_dim")),
         value_head_dim=int(cfg.require("linear_value_head_dim")),
         conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+    )
+
+
+def mamba_mixer(
+    hidden: int,
+    *,
+    num_heads: int,
+    head_dim: int,
+    num_groups: int,
+    state_dim: int,
+    conv_kernel: int,
+) -> MambaLayer:
+    """Mamba-2: in_proj to z, x, B, C, dt; depthwise conv over x, B, C; SSD scan; out_proj."""
+    inner = num_heads * head_dim
+    in_proj = hidden * (2 * inner + 2 * num_groups * state_dim + num_heads)
+    return MambaLayer(
+        projection_params=in_proj + inner * hidden,
+        conv_channels=inner + 2 * num_groups * state_dim,
+        conv_kernel=conv_kernel,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        state_dim=state_dim,
     )
 
 

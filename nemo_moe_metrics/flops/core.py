@@ -6,8 +6,9 @@ Conventions (stated once, used everywhere in this package):
 - Training FLOPs are ``3 x forward``: the backward pass computes the input gradient and the
   weight gradient, each as expensive as the forward matmul.
 - Counted: every matmul with a weight (projections, MLPs, experts actually routed to, routers,
-  gates, the lm_head), the attention score and value products, the Gated DeltaNet short
-  convolution and its recurrence (see ``linear_attention_core`` below).
+  gates, the lm_head), the attention score and value products, the Gated DeltaNet and Mamba-2
+  short convolutions and their recurrences (recurrent-equivalent, see ``linear_attention_core``
+  and ``mamba_core`` below).
 - Not counted: embedding lookups, norms, activations, softmax, rotary embeddings, residual
   adds, biases, the loss. They are memory-bound and together well under 1% of the total for
   the models this package targets.
@@ -30,6 +31,9 @@ ATTENTION_CORE = "attention_core"
 LINEAR_ATTENTION_PROJECTIONS = "linear_attention_projections"
 LINEAR_ATTENTION_CONV = "linear_attention_conv"
 LINEAR_ATTENTION_CORE = "linear_attention_core"
+MAMBA_PROJECTIONS = "mamba_projections"
+MAMBA_CONV = "mamba_conv"
+MAMBA_CORE = "mamba_core"
 DENSE_MLP = "dense_mlp"
 ROUTER = "router"
 ROUTED_EXPERTS = "routed_experts"
@@ -41,6 +45,9 @@ COMPONENTS: tuple[str, ...] = (
     LINEAR_ATTENTION_PROJECTIONS,
     LINEAR_ATTENTION_CONV,
     LINEAR_ATTENTION_CORE,
+    MAMBA_PROJECTIONS,
+    MAMBA_CONV,
+    MAMBA_CORE,
     DENSE_MLP,
     ROUTER,
     ROUTED_EXPERTS,
@@ -54,6 +61,9 @@ FLOPS_PER_MAC = 2.0
 # Recurrent-equivalent Gated DeltaNet forward cost per token and value head, in units of
 # key_dim * value_dim multiply-adds: read S^T k, write the delta outer product, read S^T q.
 GDN_CORE_MACS_PER_STATE_ELEMENT = 3.0
+# Recurrent-equivalent Mamba-2 (SSD) forward cost per token and head, in units of
+# head_dim * state_dim multiply-adds: write the x B^T outer product into the state, read h C.
+MAMBA_CORE_MACS_PER_STATE_ELEMENT = 2.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,18 @@ class LinearAttentionLayer:
 
 
 @dataclass(frozen=True)
+class MambaLayer:
+    """A Mamba-2 mixer: in/out projections, depthwise causal conv over x, B, C, the SSD scan."""
+
+    projection_params: int
+    conv_channels: int
+    conv_kernel: int
+    num_heads: int
+    head_dim: int
+    state_dim: int
+
+
+@dataclass(frozen=True)
 class DenseMLP:
     """A dense MLP; ``params`` are its matmul weights (3 x hidden x width for SwiGLU)."""
 
@@ -106,10 +128,18 @@ class MoEMLP:
 
 @dataclass(frozen=True)
 class Layer:
-    """One decoder layer: a token mixer and a feed-forward block."""
+    """One decoder layer: a token mixer and/or a feed-forward block.
 
-    mixer: AttentionLayer | LinearAttentionLayer
-    ffn: DenseMLP | MoEMLP
+    A GPT-style layer has both; a hybrid model's layer (megatron-core ``HybridModel``, one layer
+    per pattern symbol) has only one of them, the other is None.
+    """
+
+    mixer: AttentionLayer | LinearAttentionLayer | MambaLayer | None
+    ffn: DenseMLP | MoEMLP | None
+
+    def __post_init__(self) -> None:
+        if self.mixer is None and self.ffn is None:
+            raise ValueError("a layer needs a token mixer, a feed-forward block, or both")
 
 
 @dataclass(frozen=True)
@@ -238,11 +268,24 @@ class FlopsEstimator:
         self._attention_groups: dict[int | None, float] = {}
         for layer in shape.layers:
             mixer, ffn = layer.mixer, layer.ffn
-            if isinstance(mixer, AttentionLayer):
+            if mixer is None:
+                pass
+            elif isinstance(mixer, AttentionLayer):
                 _add(per_token, ATTENTION_PROJECTIONS, mixer.projection_params)
                 width = mixer.num_heads * (mixer.qk_head_dim + mixer.v_head_dim)
                 self._attention_groups[mixer.window] = (
                     self._attention_groups.get(mixer.window, 0.0) + width
+                )
+            elif isinstance(mixer, MambaLayer):
+                _add(per_token, MAMBA_PROJECTIONS, mixer.projection_params)
+                _add(per_token, MAMBA_CONV, mixer.conv_channels * mixer.conv_kernel)
+                _add(
+                    per_token,
+                    MAMBA_CORE,
+                    MAMBA_CORE_MACS_PER_STATE_ELEMENT
+                    * mixer.num_heads
+                    * mixer.head_dim
+                    * mixer.state_dim,
                 )
             else:
                 _add(per_token, LINEAR_ATTENTION_PROJECTIONS, mixer.projection_params)
@@ -255,7 +298,9 @@ class FlopsEstimator:
                     * mixer.key_head_dim
                     * mixer.value_head_dim,
                 )
-            if isinstance(ffn, DenseMLP):
+            if ffn is None:
+                pass
+            elif isinstance(ffn, DenseMLP):
                 _add(per_token, DENSE_MLP, ffn.params)
             else:
                 _add(per_token, ROUTER, ffn.router_params)
@@ -305,12 +350,14 @@ class FlopsEstimator:
         total = active = embedding
         for layer in shape.layers:
             mixer, ffn = layer.mixer, layer.ffn
-            mixer_params = mixer.projection_params
-            if isinstance(mixer, LinearAttentionLayer):
+            mixer_params = 0 if mixer is None else mixer.projection_params
+            if isinstance(mixer, (LinearAttentionLayer, MambaLayer)):
                 mixer_params += mixer.conv_channels * mixer.conv_kernel
             total += mixer_params
             active += mixer_params
-            if isinstance(ffn, DenseMLP):
+            if ffn is None:
+                pass
+            elif isinstance(ffn, DenseMLP):
                 total += ffn.params
                 active += ffn.params
             else:

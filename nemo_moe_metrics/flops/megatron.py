@@ -6,6 +6,11 @@ sliding windows (``window_size``, ``window_attn_skip_freq``), Gated DeltaNet
 (``gated_linear_unit``), MoE (``moe_layer_freq``, ``moe_ffn_hidden_size``,
 ``moe_shared_expert_intermediate_size``, ``moe_shared_expert_gate``). Multi-token prediction
 layers (``mtp_num_layers``) are not counted.
+
+Hybrid models (megatron-core ``HybridModel``, ``MambaModel``): when the config carries a layer
+pattern (``hybrid_layer_pattern`` or ``hybrid_override_pattern``), each symbol is one layer costed
+by its component: ``*`` attention (as above), ``+`` MLA, ``G`` Gated DeltaNet (``linear_*``
+fields), ``M`` Mamba-2 (``mamba_*`` fields), ``-`` dense MLP, ``E`` MoE block.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from nemo_moe_metrics.flops.components import (
     dense_mlp,
     gated_delta_net_from_config,
     gqa_attention,
+    mamba_mixer,
     mla_attention,
     moe_block,
 )
@@ -49,6 +55,12 @@ def megatron_config_to_dict(config: Any, vocab_size: int | None) -> dict[str, An
             "or vocab_size=0 to leave the lm_head out deliberately"
         )
     out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    from nemo_moe_metrics.megatron.compat import config_hybrid_pattern
+
+    # A plain TransformerConfig carries a hybrid pattern as an attribute, not a field.
+    pattern = config_hybrid_pattern(config)
+    if pattern is not None:
+        out["hybrid_layer_pattern"] = pattern
     out["vocab_size"] = int(vocab_size)
     out["model_type"] = MEGATRON_MODEL_TYPE
     return out
@@ -80,20 +92,18 @@ def megatron_gpt(config: Mapping[str, Any]) -> FlopsEstimator:
             stacklevel=3,
         )
 
+    from nemo_moe_metrics.megatron.compat import config_hybrid_symbols
+
+    symbols = config_hybrid_symbols(config)
+    if symbols is not None and len(symbols) != n:
+        raise ValueError(
+            f"the hybrid layer pattern has {len(symbols)} layers but num_layers is {n}; "
+            "pass the model's own config"
+        )
+
     # Token mixers.
     if cfg.get("multi_latent_attention", False):
-        qk = int(cfg.require("qk_head_dim"))
-        rope = int(cfg.require("qk_pos_emb_head_dim"))
-        base = mla_attention(
-            hidden,
-            heads,
-            q_lora_rank=cfg.get("q_lora_rank"),
-            kv_lora_rank=int(cfg.require("kv_lora_rank")),
-            qk_nope_head_dim=qk,
-            qk_rope_head_dim=rope,
-            v_head_dim=int(cfg.require("v_head_dim")),
-        )
-        attention = [base] * n
+        attention = [_mla(cfg, hidden, heads)] * n
     else:
         groups = int(cfg.get("num_query_groups", heads))
         kv = int(cfg.get("kv_channels", hidden // heads))
@@ -118,6 +128,8 @@ def megatron_gpt(config: Mapping[str, Any]) -> FlopsEstimator:
                     window=layer_window,
                 )
             )
+    if symbols is not None:
+        return _hybrid_estimator(cfg, symbols, attention, hidden, heads, gated)
     variant = cfg.get("experimental_attention_variant")
     if variant == "gated_delta_net":
         linear = _pattern(
@@ -137,28 +149,22 @@ def megatron_gpt(config: Mapping[str, Any]) -> FlopsEstimator:
         )
 
     # Feed-forward blocks.
-    experts = cfg.get("num_moe_experts")
-    if experts:
+    moe = _moe(cfg, hidden, gated)
+    if moe is not None:
         is_moe = _pattern(
             cfg.get("moe_layer_freq", 1),
             n,
             "moe_layer_freq",
             int_rule=lambda i, f: 1 if i % f == 0 else 0,
         )
-        moe = moe_block(
-            hidden,
-            num_experts=int(experts),
-            top_k=int(cfg.require("moe_router_topk")),
-            expert_width=int(cfg.first("moe_ffn_hidden_size", "ffn_hidden_size")),
-            shared_width=int(cfg.get("moe_shared_expert_intermediate_size", 0)),
-            shared_gate=bool(cfg.get("moe_shared_expert_gate", False)),
-            gated=gated,
-        )
     else:
         is_moe = [0] * n
-        moe = None
     dense = dense_mlp(hidden, int(cfg.require("ffn_hidden_size")), gated=gated)
     layers = tuple(Layer(mixers[i], moe if is_moe[i] else dense) for i in range(n))
+    return _estimator(cfg, hidden, layers)
+
+
+def _estimator(cfg: ConfigReader, hidden: int, layers: tuple[Layer, ...]) -> FlopsEstimator:
     return FlopsEstimator(
         ModelShape(
             MEGATRON_MODEL_TYPE,
@@ -168,6 +174,88 @@ def megatron_gpt(config: Mapping[str, Any]) -> FlopsEstimator:
             tied_embeddings=bool(cfg.get("share_embeddings_and_output_weights", False)),
         )
     )
+
+
+def _mla(cfg: ConfigReader, hidden: int, heads: int) -> Any:
+    return mla_attention(
+        hidden,
+        heads,
+        q_lora_rank=cfg.get("q_lora_rank"),
+        kv_lora_rank=int(cfg.require("kv_lora_rank")),
+        qk_nope_head_dim=int(cfg.require("qk_head_dim")),
+        qk_rope_head_dim=int(cfg.require("qk_pos_emb_head_dim")),
+        v_head_dim=int(cfg.require("v_head_dim")),
+    )
+
+
+def _moe(cfg: ConfigReader, hidden: int, gated: bool) -> Any:
+    experts = cfg.get("num_moe_experts")
+    if not experts:
+        return None
+    return moe_block(
+        hidden,
+        num_experts=int(experts),
+        top_k=int(cfg.require("moe_router_topk")),
+        expert_width=int(cfg.first("moe_ffn_hidden_size", "ffn_hidden_size")),
+        shared_width=int(cfg.get("moe_shared_expert_intermediate_size", 0)),
+        shared_gate=bool(cfg.get("moe_shared_expert_gate", False)),
+        gated=gated,
+    )
+
+
+def _mamba(cfg: ConfigReader, hidden: int) -> Any:
+    # megatron-core's MambaMixer: expand 2, conv kernel 4 (its defaults; the specs keep them).
+    head_dim = int(cfg.require("mamba_head_dim"))
+    heads = cfg.get("mamba_num_heads") or (2 * hidden) // head_dim
+    return mamba_mixer(
+        hidden,
+        num_heads=int(heads),
+        head_dim=head_dim,
+        num_groups=int(cfg.require("mamba_num_groups")),
+        state_dim=int(cfg.require("mamba_state_dim")),
+        conv_kernel=4,
+    )
+
+
+def _hybrid_estimator(
+    cfg: ConfigReader,
+    symbols: list[str],
+    attention: list[Any],
+    hidden: int,
+    heads: int,
+    gated: bool,
+) -> FlopsEstimator:
+    """One layer per pattern symbol, each costed by its own component."""
+    from nemo_moe_metrics.megatron import compat as c
+
+    layers = []
+    for i, symbol in enumerate(symbols):
+        if symbol == c.ATTENTION_SYMBOL:
+            layers.append(Layer(attention[i], None))
+        elif symbol == c.MLA_SYMBOL:
+            layers.append(Layer(_mla(cfg, hidden, heads), None))
+        elif symbol == c.GDN_SYMBOL:
+            layers.append(Layer(gated_delta_net_from_config(cfg, hidden), None))
+        elif symbol == c.MAMBA_SYMBOL:
+            layers.append(Layer(_mamba(cfg, hidden), None))
+        elif symbol == c.MLP_SYMBOL:
+            layers.append(
+                Layer(None, dense_mlp(hidden, int(cfg.require("ffn_hidden_size")), gated=gated))
+            )
+        elif symbol == c.MOE_SYMBOL:
+            moe = _moe(cfg, hidden, gated)
+            if moe is None:
+                raise ValueError(
+                    f"hybrid layer {i} is MoE ('E') but the config has no num_moe_experts"
+                )
+            layers.append(Layer(None, moe))
+        else:
+            raise ValueError(
+                f"hybrid layer {i} is {symbol!r} (DeepSeek sparse attention), which has no FLOP "
+                "formula here; register your own factory with "
+                "register_flops_estimator('megatron_gpt', ...)"
+            )
+    return _estimator(cfg, hidden, tuple(layers))
 
 
 def _is_window_layer(skip_freq: Any, layer_number: int) -> bool:

@@ -12,6 +12,8 @@ from nemo_moe_metrics.flops.core import (
     DenseMLP,
     FlopsEstimator,
     LinearAttentionLayer,
+    MambaLayer,
+    MoEMLP,
 )
 
 
@@ -40,21 +42,25 @@ def megatron_style_flops(est: FlopsEstimator, seq_len: int, batch: int = 1) -> f
     after; from core_v0.18.0 packed batches use each sequence's length), causal attention as
     ``T / 2`` keys per query
     (every layer: windows are ignored), no router GEMM, Gated DeltaNet recurrence as
-    ``4 x value_heads x value_head_dim^2`` multiply-adds per token; norm terms left out.
+    ``4 x value_heads x value_head_dim^2`` multiply-adds per token; norm terms left out. A
+    Mamba-2 layer (hybrid models) is costed as in our estimate (projections, conv, scan).
     """
     shape = est.shape
     macs_per_token = float(shape.hidden_size * shape.vocab_size)
     for layer in shape.layers:
         mixer, ffn = layer.mixer, layer.ffn
-        macs_per_token += mixer.projection_params
+        macs_per_token += 0 if mixer is None else mixer.projection_params
         if isinstance(mixer, AttentionLayer):
             width = mixer.num_heads * (mixer.qk_head_dim + mixer.v_head_dim)
             macs_per_token += width * seq_len / 2
         elif isinstance(mixer, LinearAttentionLayer):
             macs_per_token += mixer.conv_channels * mixer.conv_kernel
             macs_per_token += 4 * mixer.num_value_heads * mixer.value_head_dim**2
+        elif isinstance(mixer, MambaLayer):
+            macs_per_token += mixer.conv_channels * mixer.conv_kernel
+            macs_per_token += 2 * mixer.num_heads * mixer.head_dim * mixer.state_dim
         if isinstance(ffn, DenseMLP):
             macs_per_token += ffn.params
-        else:
+        elif isinstance(ffn, MoEMLP):
             macs_per_token += ffn.top_k * ffn.expert_params + ffn.shared_params
     return 3 * 2 * macs_per_token * seq_len * batch

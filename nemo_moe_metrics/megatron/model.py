@@ -1,4 +1,4 @@
-"""Build a real megatron-core GPTModel with MoE layers from a recipe's model section."""
+"""Build a real megatron-core model (GPTModel or hybrid) with MoE layers from a recipe's model section."""
 
 from __future__ import annotations
 
@@ -80,7 +80,12 @@ def build_transformer_config(model: ModelConfig, megatron_cfg: MegatronConfig):
             moe_router_topk=model.moe_router_topk,
             moe_ffn_hidden_size=model.moe_ffn_hidden_size,
             moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
-            moe_layer_freq=model.moe_layer_freq,
+            # A hybrid model's E symbols, as the 0/1 list megatron's own reporting reads.
+            moe_layer_freq=(
+                model.moe_layer_pattern()
+                if model.hybrid_layer_pattern is not None
+                else model.moe_layer_freq
+            ),
             moe_router_load_balancing_type=model.moe_router_load_balancing_type,
             moe_aux_loss_coeff=model.moe_aux_loss_coeff,
             moe_z_loss_coeff=model.moe_z_loss_coeff,
@@ -95,7 +100,7 @@ def build_transformer_config(model: ModelConfig, megatron_cfg: MegatronConfig):
         )
     elif megatron_cfg.recompute_granularity == "selective":
         recompute = dict(recompute_granularity="selective")
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
@@ -118,6 +123,47 @@ def build_transformer_config(model: ModelConfig, megatron_cfg: MegatronConfig):
         **moe,
         **recompute,
     )
+    if model.hybrid_layer_pattern is not None:
+        # TransformerConfig has no pattern field; carried as an attribute under the name
+        # megatron-core 0.19 and Megatron-Bridge's hybrid providers use, so the aux-loss and
+        # FLOP code (megatron/compat.config_hybrid_pattern) can read it from the config alone.
+        config.hybrid_layer_pattern = model.hybrid_layer_pattern
+    return config
+
+
+def build_model(model: ModelConfig, megatron_cfg: MegatronConfig, vp_stage: int | None = None):
+    """The recipe's model: a hybrid model when ``hybrid_layer_pattern`` is set, else a GPTModel."""
+    if model.hybrid_layer_pattern is not None:
+        return build_hybrid_model(model, megatron_cfg)
+    return build_gpt_model(model, megatron_cfg, vp_stage=vp_stage)
+
+
+def build_hybrid_model(model: ModelConfig, megatron_cfg: MegatronConfig):
+    """A megatron-core hybrid model (HybridModel; MambaModel on 0.16) from the recipe's pattern.
+
+    Layer ``i`` of the pattern is the stack's layer ``i``: a router in an ``E`` layer has
+    ``layer_number = i + 1`` and reports as global layer ``i``. Call init_distributed first.
+    """
+    from nemo_moe_metrics.megatron import compat
+
+    if model.hybrid_layer_pattern is None:
+        raise ValueError("build_hybrid_model needs policy.model.hybrid_layer_pattern")
+    if megatron_cfg.pipeline_model_parallel_size != 1:
+        raise ValueError(
+            "the reference hybrid model runs without pipeline parallelism: set "
+            "policy.megatron_cfg.pipeline_model_parallel_size=1"
+        )
+    apply_cpu_shims()
+    config = build_transformer_config(model, megatron_cfg)
+    hybrid = compat.build_hybrid_model(
+        config,
+        model.hybrid_layer_pattern,
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.seq_length,
+    )
+    if cuda_available():
+        hybrid = hybrid.cuda()
+    return hybrid
 
 
 def build_gpt_model(model: ModelConfig, megatron_cfg: MegatronConfig, vp_stage: int | None = None):

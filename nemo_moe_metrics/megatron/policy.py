@@ -26,7 +26,7 @@ from nemo_moe_metrics import metric_names as names
 from nemo_moe_metrics.algorithms.data import PAD_ID, SequenceBatch
 from nemo_moe_metrics.config import Recipe
 from nemo_moe_metrics.megatron.cpu_shims import cpu_device_mode, cuda_available
-from nemo_moe_metrics.megatron.model import build_gpt_model, causal_attention_mask, init_distributed
+from nemo_moe_metrics.megatron.model import build_model, causal_attention_mask, init_distributed
 
 # loss_fn(token_logprobs [b, s-1], microbatch) -> (loss of this microbatch, {full key: value}).
 # The loss is a mean over the microbatch's sequences: the schedule divides each microbatch's
@@ -41,7 +41,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 class MegatronPolicyWorker:
-    """Trains, scores and samples the recipe's megatron-core GPT model on this rank.
+    """Trains, scores and samples the recipe's megatron-core model (GPT or hybrid) on this rank.
 
     ``hooks`` is an optional, duck-typed metrics object with this protocol:
 
@@ -77,7 +77,7 @@ class MegatronPolicyWorker:
             if cuda_available()
             else (torch.device("cpu"))
         )
-        self.model = build_gpt_model(recipe.policy.model, mcfg)
+        self.model = build_model(recipe.policy.model, mcfg)
         self.transformer_config = self.model.config
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=recipe.training.learning_rate, weight_decay=0.0

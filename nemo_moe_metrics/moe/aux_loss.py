@@ -1,7 +1,9 @@
 """Router aux-loss metrics from megatron-core's layer-wise tracker, with Megatron's semantics.
 
 megatron-core's routers add each layer's auxiliary losses (coefficient excluded) into a
-module-level tracker, ``values[layer_number - 1] += loss``, once per training forward with grad.
+process-wide tracker, ``values[layer_number - 1] += loss``, once per training forward with grad
+(a module dict on megatron-core 0.16, a ``MoEMetricsTracker`` on 0.19: read and cleared through
+:mod:`nemo_moe_metrics.megatron.compat`, the one place that knows the difference).
 At the end of an optimizer step this module turns that tracker into ``moe/`` scalars:
 
 1. every tracked name is read on every rank, force-initialised to zeros where this rank recorded
@@ -85,7 +87,18 @@ def tracked_aux_loss_names(config: Any) -> list[str]:
 
 
 def _moe_layer_pattern(config: Any) -> list[int]:
-    """One 0/1 entry per decoder layer, read from ``moe_layer_freq`` as megatron-core does."""
+    """One 0/1 entry per decoder layer: from the hybrid layer pattern (``E`` = MoE) when the
+    config carries one, else from ``moe_layer_freq`` as megatron-core's GPT decoder reads it."""
+    from nemo_moe_metrics.megatron.compat import MOE_SYMBOL, config_hybrid_symbols
+
+    symbols = config_hybrid_symbols(config)
+    if symbols is not None:
+        if len(symbols) != config.num_layers:
+            raise ValueError(
+                f"the hybrid layer pattern has {len(symbols)} layers but num_layers is "
+                f"{config.num_layers}; pass the model's own config"
+            )
+        return [1 if s == MOE_SYMBOL else 0 for s in symbols]
     num_layers = config.num_layers
     freq = config.moe_layer_freq
     if isinstance(freq, bool) or not isinstance(freq, (int, list, tuple)):
@@ -126,12 +139,6 @@ def moe_layer_indices(config: Any) -> list[int]:
     return layers
 
 
-def _tracker() -> dict:
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
-    return get_moe_layer_wise_logging_tracker()
-
-
 def _default_device() -> torch.device:
     # The tracker lives where the router's loss lives; NCCL needs CUDA tensors.
     if torch.cuda.is_available():
@@ -145,22 +152,25 @@ def local_aux_loss_values(config: Any, names: Sequence[str]) -> torch.Tensor:
     Names this rank never recorded (a stage without MoE layers, no forward yet) are zeros, so
     every rank brings the same shape to the collectives. Megatron's tracker is not modified.
     """
+    from nemo_moe_metrics.megatron import compat
+
     length = tracker_length(config)
-    tracker = _tracker()
+    tracker = compat.tracker_values()
     rows = []
     device = None
     for name in names:
-        entry = tracker.get(name)
-        if entry is None:
+        values = tracker.get(name)
+        if values is None:
             rows.append(None)
             continue
-        values = entry["values"]
         if values.numel() != length:
             raise ValueError(
                 f"megatron's aux-loss tracker holds {values.numel()} values for {name!r} but the "
                 f"config says {length} (num_layers={config.num_layers} + mtp_num_layers="
                 f"{getattr(config, 'mtp_num_layers', None)}); pass the model's own "
-                "TransformerConfig so every rank agrees on the length"
+                "TransformerConfig so every rank agrees on the length. megatron keeps a name's "
+                "vector for the whole process: after building a model with another layer count, "
+                "call nemo_moe_metrics.megatron.compat.reset_tracker() first"
             )
         device = values.device
         rows.append(values.detach().float())
@@ -300,8 +310,9 @@ def _check_num_microbatches(num_microbatches: Any) -> int:
 
 def clear_aux_loss_tracker() -> None:
     """Zero megatron's layer-wise aux-loss tracker (every name), as megatron-core does per step."""
-    for entry in _tracker().values():
-        entry["values"].zero_()
+    from nemo_moe_metrics.megatron import compat
+
+    compat.clear_tracker()
 
 
 def aux_loss_metrics(

@@ -1,0 +1,412 @@
+"""How to do X on the installed megatron-core: the one place that knows release differences.
+
+Supported lines (CI runs both): megatron-core 0.16.x (Python 3.11) and the newest 0.19.x
+(Python 3.12). Every function here feature-detects (``hasattr`` / an import that may fail), never
+compares version strings, and calls no megatron function that is deprecated on the installed
+release. The rest of the package calls these functions and reads as if there were one megatron.
+
+What differs, and how it is answered here:
+
+- **Aux-loss tracker.** 0.16 keeps a module-level dict ``{name: {"values": tensor, ...}}``
+  (``moe_utils.get_moe_layer_wise_logging_tracker()`` returns that dict itself). 0.19 keeps a
+  ``MoEMetricsTracker`` object (``moe_logging.get_moe_metrics_tracker()``, entries
+  ``metrics[name].values``); the old function is deprecated there and returns a *fresh copy*
+  of the dict, so deleting or inserting entries through it changes nothing. The vectors have the
+  same semantics on both: created on a name's first record with length ``num_layers +
+  mtp_num_layers`` of the recording model and reused for every later model in the process.
+  Hence :func:`reset_tracker` (drop every entry) before a model with another layer count.
+- **Megatron's own reporting** (test oracle): ``track_moe_metrics`` on 0.16,
+  ``get_moe_metrics_tracker().report(...)`` on 0.19 (the former is deprecated there).
+- **Hybrid models.** 0.19: ``models.hybrid.HybridModel(hybrid_stack_spec=...,
+  hybrid_layer_pattern=...)``; 0.16: ``models.mamba.MambaModel(mamba_stack_spec=...,
+  hybrid_override_pattern=...)`` with the same layer symbols (``*``, ``-``, ``E``, ``M``; ``G``
+  only on 0.19). Both stacks hard-code Transformer Engine's norm for the final layer norm and
+  megatron's stock specs use Transformer Engine modules, so :func:`local_hybrid_stack_spec`
+  builds one from megatron-core's local (non-TE) GPT modules instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch and megatron are imported where used: config validation imports this
+    import torch
+
+# ----------------------------------------------------------------------------- aux-loss tracker
+
+
+def _metrics_tracker() -> Any | None:
+    """megatron's MoEMetricsTracker where the release has one (0.19), else None (0.16)."""
+    try:
+        moe_logging = importlib.import_module("megatron.core.transformer.moe.moe_logging")
+    except ImportError:
+        return None
+    getter = getattr(moe_logging, "get_moe_metrics_tracker", None)
+    return getter() if getter is not None else None
+
+
+def _legacy_tracker() -> dict:
+    from megatron.core.transformer.moe import moe_utils
+
+    return moe_utils.get_moe_layer_wise_logging_tracker()
+
+
+def tracker_values() -> dict[str, torch.Tensor]:
+    """Megatron's aux-loss tracker as ``{name: values [num_layers + mtp_num_layers]}``.
+
+    The tensors are megatron's own (not copies): read them, do not keep them across a clear.
+    """
+    tracker = _metrics_tracker()
+    if tracker is not None:
+        return {name: entry.values for name, entry in tracker.metrics.items()}
+    return {name: entry["values"] for name, entry in _legacy_tracker().items()}
+
+
+def clear_tracker() -> None:
+    """Zero every tracked value, keeping the entries (what megatron does after each step)."""
+    tracker = _metrics_tracker()
+    if tracker is not None:
+        tracker.clear()
+        return
+    for entry in _legacy_tracker().values():
+        entry["values"].zero_()
+
+
+def reset_tracker() -> None:
+    """Drop every tracker entry, so the next model records vectors of its own length.
+
+    Needed when a process builds a model with another ``num_layers`` (or ``mtp_num_layers``)
+    after one that already recorded: megatron reuses an existing entry's vector.
+    """
+    tracker = _metrics_tracker()
+    if tracker is not None:
+        tracker.metrics.clear()
+    else:
+        _legacy_tracker().clear()
+
+
+def put_tracker_entry(name: str, values: torch.Tensor) -> None:
+    """Install ``values`` as megatron's tracker vector for ``name`` (tests, fault injection)."""
+    tracker = _metrics_tracker()
+    if tracker is not None:
+        from megatron.core.transformer.moe.moe_logging import MetricEntry
+
+        tracker.metrics[name] = MetricEntry(values=values)
+    else:
+        _legacy_tracker()[name] = {
+            "values": values,
+            "reduce_group": None,
+            "avg_group": None,
+            "reduce_group_has_dp": False,
+        }
+
+
+def drop_tracker_entry(name: str) -> None:
+    """Remove ``name`` from megatron's tracker if present."""
+    tracker = _metrics_tracker()
+    if tracker is not None:
+        tracker.metrics.pop(name, None)
+    else:
+        _legacy_tracker().pop(name, None)
+
+
+class _ScalarCapture:
+    """A TensorBoard-writer stand-in that keeps what megatron writes: ``{tag: float}``."""
+
+    def __init__(self) -> None:
+        self.scalars: dict[str, float] = {}
+
+    def add_scalar(self, tag: str, value: Any, step: int | None = None) -> None:
+        self.scalars[tag] = float(value)
+
+
+def megatron_reported_aux_losses(
+    config: Any,
+    *,
+    num_microbatches: int,
+    track_names: Sequence[str],
+    per_layer: bool = True,
+    force_initialize: bool = True,
+    pg_collection: Any | None = None,
+) -> dict[str, float]:
+    """What megatron-core's own per-step reporting logs for the tracker now; clears it.
+
+    Calls ``get_moe_metrics_tracker().report`` where it exists (0.19), else
+    ``moe_utils.track_moe_metrics`` (0.16), with a writer that captures the scalars. Keys are
+    returned in this package's naming: ``moe/{name}`` for megatron's ``{name}`` and the per-layer
+    ``moe/{name}_layer_{i}`` unchanged (megatron writes one per layer, dense layers included).
+    Collective over megatron's groups, like megatron's call. For test oracles and comparisons.
+    """
+    writer = _ScalarCapture()
+    moe_layer_freq = _moe_layer_freq_for_report(config)
+    kwargs = dict(
+        loss_scale=1.0 / num_microbatches,
+        iteration=0,
+        writer=writer,
+        per_layer_logging=per_layer,
+        force_initialize=force_initialize,
+        track_names=list(track_names),
+        num_layers=config.num_layers,
+        moe_layer_freq=moe_layer_freq,
+        mtp_num_layers=getattr(config, "mtp_num_layers", None),
+        pg_collection=pg_collection,
+    )
+    tracker = _metrics_tracker()
+    if tracker is not None:
+        tracker.report(**kwargs)
+    else:
+        from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+        from nemo_moe_metrics.megatron.cpu_shims import cpu_device_mode
+
+        # 0.16 force-initialises missing names with device="cuda" (rewritten to the CPU here;
+        # a no-op with CUDA). Its force-initialised length leaves MTP layers out: a known 0.16
+        # mismatch this oracle reproduces rather than hides.
+        with cpu_device_mode():
+            track_moe_metrics(**kwargs)
+    return {
+        (tag if tag.startswith("moe/") else f"moe/{tag}"): value
+        for tag, value in writer.scalars.items()
+    }
+
+
+def _moe_layer_freq_for_report(config: Any) -> Any:
+    symbols = config_hybrid_symbols(config)
+    if symbols is not None:
+        return [1 if s == MOE_SYMBOL else 0 for s in symbols]
+    freq = config.moe_layer_freq
+    return list(freq) if isinstance(freq, (list, tuple)) else freq
+
+
+# ----------------------------------------------------------------------------- hybrid patterns
+# megatron-core's hybrid layer symbols (models/hybrid/hybrid_layer_allocation.Symbols).
+MAMBA_SYMBOL = "M"
+GDN_SYMBOL = "G"
+ATTENTION_SYMBOL = "*"
+DS_ATTENTION_SYMBOL = "D"
+MLA_SYMBOL = "+"
+MLP_SYMBOL = "-"
+MOE_SYMBOL = "E"
+PIPE_SYMBOL = "|"
+MTP_SEPARATOR = "/"
+LAYER_SYMBOLS = (
+    MAMBA_SYMBOL,
+    GDN_SYMBOL,
+    ATTENTION_SYMBOL,
+    DS_ATTENTION_SYMBOL,
+    MLA_SYMBOL,
+    MLP_SYMBOL,
+    MOE_SYMBOL,
+)
+
+
+def hybrid_layer_symbols(pattern: str) -> list[str]:
+    """One symbol per decoder layer of a hybrid pattern; ``|`` (pipeline cuts) is dropped.
+
+    Layer ``i`` of the returned list is the hybrid stack's layer ``i`` (megatron's
+    ``layer_number = i + 1``). Multi-token-prediction parts (after ``/``) are rejected.
+    """
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"hybrid layer pattern must be a non-empty string, got {pattern!r}")
+    if MTP_SEPARATOR in pattern:
+        raise ValueError(
+            f"hybrid layer pattern {pattern!r} has a multi-token-prediction part ('/'), which "
+            "nemo_moe_metrics does not support for hybrid models; drop the '/...' suffix"
+        )
+    symbols = [s for s in pattern if s != PIPE_SYMBOL]
+    bad = sorted({s for s in symbols if s not in LAYER_SYMBOLS})
+    if bad or not symbols:
+        raise ValueError(
+            f"hybrid layer pattern {pattern!r} has unknown symbols {bad}; use M (Mamba), "
+            "G (Gated DeltaNet), * (attention), D (DeepSeek attention), + (MLA), - (MLP), "
+            "E (MoE) and | (pipeline stage boundary)"
+        )
+    return symbols
+
+
+def config_hybrid_pattern(config: Any) -> str | None:
+    """The hybrid layer pattern a config carries, if any.
+
+    Read from ``hybrid_layer_pattern`` (megatron-core 0.19 naming, Megatron-Bridge's hybrid
+    providers) or ``hybrid_override_pattern`` (0.16 and older providers); works on config
+    objects and plain dicts. A plain ``TransformerConfig`` has neither: set the attribute on it.
+    """
+    for key in ("hybrid_layer_pattern", "hybrid_override_pattern"):
+        value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+        if value:
+            return str(value)
+    return None
+
+
+def config_hybrid_symbols(config: Any) -> list[str] | None:
+    """:func:`hybrid_layer_symbols` of the config's pattern, or None for a non-hybrid config."""
+    pattern = config_hybrid_pattern(config)
+    return None if pattern is None else hybrid_layer_symbols(pattern)
+
+
+# ----------------------------------------------------------------------------- hybrid models
+
+
+def hybrid_model_class() -> tuple[type, str, str]:
+    """``(model class, spec keyword, pattern keyword)`` of this release's hybrid model.
+
+    0.19: ``HybridModel(hybrid_stack_spec=..., hybrid_layer_pattern=...)``; 0.16:
+    ``MambaModel(mamba_stack_spec=..., hybrid_override_pattern=...)``.
+    """
+    try:
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+    except ImportError:
+        from megatron.core.models.mamba.mamba_model import MambaModel
+
+        return MambaModel, "mamba_stack_spec", "hybrid_override_pattern"
+    return HybridModel, "hybrid_stack_spec", "hybrid_layer_pattern"
+
+
+def _stack_classes() -> tuple[type, type]:
+    try:
+        from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    except ImportError:
+        from megatron.core.ssm.mamba_block import MambaStack as HybridStack
+        from megatron.core.ssm.mamba_block import MambaStackSubmodules as HybridStackSubmodules
+    return HybridStack, HybridStackSubmodules
+
+
+def locally_supported_symbols() -> set[str]:
+    """Hybrid symbols :func:`local_hybrid_stack_spec` builds: attention, MLP and MoE layers.
+
+    Mamba (``M``) needs the ``mamba-ssm`` CUDA kernels, Gated DeltaNet (``G``) the
+    ``flash-linear-attention`` Triton kernels, and megatron-core builds both (and ``D``, ``+``)
+    only from Transformer Engine specs.
+    """
+    return {ATTENTION_SYMBOL, MLP_SYMBOL, MOE_SYMBOL}
+
+
+_LOCAL_STACK: dict[str, type] = {}
+
+
+def _local_final_norm_stack() -> type:
+    """The release's hybrid stack with the final norm built from megatron's local norm.
+
+    Both ``HybridStack`` (0.19) and ``MambaStack`` (0.16) create ``TENorm`` for their final
+    layer norm, which needs Transformer Engine. This subclass builds the stack without it and
+    adds megatron-core's ``WrappedTorchNorm`` under the same name (``final_norm``).
+    """
+    if "cls" not in _LOCAL_STACK:
+        stack_cls, _ = _stack_classes()
+
+        def __init__(self, *args: Any, post_layer_norm: bool = True, **kwargs: Any) -> None:
+            stack_cls.__init__(self, *args, post_layer_norm=False, **kwargs)
+            self.post_layer_norm = post_layer_norm
+            if self.post_process and post_layer_norm:
+                from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+                self.final_norm = WrappedTorchNorm(
+                    config=self.config,
+                    hidden_size=self.config.hidden_size,
+                    eps=self.config.layernorm_epsilon,
+                )
+
+        _LOCAL_STACK["cls"] = type(
+            f"Local{stack_cls.__name__}",
+            (stack_cls,),
+            {"__init__": __init__, "__module__": __name__},
+        )
+    return _LOCAL_STACK["cls"]
+
+
+def local_hybrid_stack_spec(num_experts: int | None) -> Any:
+    """A hybrid stack spec from megatron-core's local (non-TE) GPT modules: ``*``, ``-``, ``E``.
+
+    Each layer type is a slice of megatron's own ``get_gpt_layer_local_spec``: ``*`` its
+    input norm + self-attention, ``-`` its pre-MLP norm + dense MLP (``MLPLayer``), ``E`` its
+    pre-MLP norm + MoE block (``MoETransformerLayer`` where the release has it).
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer import transformer_layer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    stack_cls = _local_final_norm_stack()
+    _, submodules_cls = _stack_classes()
+    dense = get_gpt_layer_local_spec(normalization="RMSNorm").submodules
+    fields = {
+        "attention_layer": ModuleSpec(
+            module=transformer_layer.TransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                input_layernorm=dense.input_layernorm,
+                self_attention=dense.self_attention,
+                self_attn_bda=dense.self_attn_bda,
+            ),
+        ),
+        "mlp_layer": ModuleSpec(
+            module=MLPLayer,
+            submodules=TransformerLayerSubmodules(
+                pre_mlp_layernorm=dense.pre_mlp_layernorm,
+                mlp=dense.mlp,
+                mlp_bda=dense.mlp_bda,
+            ),
+        ),
+    }
+    if num_experts:
+        moe = get_gpt_layer_local_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm"
+        ).submodules
+        fields["moe_layer"] = ModuleSpec(
+            module=getattr(
+                transformer_layer, "MoETransformerLayer", transformer_layer.TransformerLayer
+            ),
+            submodules=TransformerLayerSubmodules(
+                pre_mlp_layernorm=moe.pre_mlp_layernorm, mlp=moe.mlp, mlp_bda=moe.mlp_bda
+            ),
+        )
+    known = {f.name for f in dataclasses.fields(submodules_cls)}
+    return ModuleSpec(
+        module=stack_cls,
+        submodules=submodules_cls(**{k: v for k, v in fields.items() if k in known}),
+    )
+
+
+def build_hybrid_model(
+    config: Any,
+    pattern: str,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    pre_process: bool = True,
+    post_process: bool = True,
+) -> torch.nn.Module:
+    """This release's hybrid language model for ``pattern``, built from local modules.
+
+    Raises a clear error for symbols the local spec cannot build (see
+    :func:`locally_supported_symbols`), instead of megatron's silent identity layers.
+    """
+    symbols = hybrid_layer_symbols(pattern)
+    unsupported = sorted(set(symbols) - locally_supported_symbols())
+    if unsupported:
+        raise ValueError(
+            f"hybrid layer pattern {pattern!r} uses {unsupported}, which nemo_moe_metrics' "
+            "reference model builds only from attention (*), MLP (-) and MoE (E) layers: "
+            "Mamba (M) needs the mamba-ssm CUDA kernels, Gated DeltaNet (G) the "
+            "flash-linear-attention Triton kernels, and megatron-core builds them from "
+            "Transformer Engine specs; build such a model with megatron's own hybrid_stack_spec"
+        )
+    if len(symbols) != config.num_layers:
+        raise ValueError(
+            f"hybrid layer pattern {pattern!r} has {len(symbols)} layers but the "
+            f"TransformerConfig has num_layers={config.num_layers}; they must agree"
+        )
+    model_cls, spec_kw, pattern_kw = hybrid_model_class()
+    return model_cls(
+        config=config,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+        **{spec_kw: local_hybrid_stack_spec(config.num_moe_experts), pattern_kw: pattern},
+    )
