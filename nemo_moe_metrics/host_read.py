@@ -37,6 +37,11 @@ class Pending(Generic[T]):
     finish: Callable[[list[np.ndarray]], T]
     fence: Callable[[], bool] | None = None
 
+    def then(self, fn: Callable[[T], Any]) -> Pending[Any]:
+        """The same read, with ``fn`` applied to the finished result (host arithmetic)."""
+        finish = self.finish
+        return Pending(self.tensors, lambda host: fn(finish(host)), self.fence)
+
 
 def done(result: T) -> Pending[T]:
     """A family with nothing to read this step (e.g. no tracked loss): its result as is."""
@@ -70,7 +75,9 @@ def read_once(pendings: Sequence[Pending[Any]]) -> list[Any]:
     return out
 
 
-def _copy_to_host(tensors: list[torch.Tensor], fences: list[Callable[[], bool]]) -> list[np.ndarray]:
+def _copy_to_host(
+    tensors: list[torch.Tensor], fences: list[Callable[[], bool]]
+) -> list[np.ndarray]:
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)

@@ -151,30 +151,39 @@ class PolicyMetrics:
             raise
 
     def _finish_step(self, num_microbatches: int) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self._track_moe:
-            from nemo_moe_metrics.moe.aux_loss import aux_loss_metrics
-            from nemo_moe_metrics.moe.balance import expert_load_metrics
-            from nemo_moe_metrics.moe.reduction import export_expert_loads
+        # Every family launches its device work and collectives (same order on every rank),
+        # then ONE host read brings all results back and each family finishes on host numbers.
+        # A new family joins by appending its Pending here.
+        from nemo_moe_metrics.host_read import read_once
 
-            out.update(
-                aux_loss_metrics(
+        pending = []
+        if self._track_moe:
+            from nemo_moe_metrics.moe.aux_loss import enqueue_aux_loss_metrics
+            from nemo_moe_metrics.moe.balance import expert_load_metrics
+
+            pending.append(
+                enqueue_aux_loss_metrics(
                     self._transformer_config,
                     num_microbatches=num_microbatches,
                     per_layer=self.cfg.moe_per_layer_logging,
                 )
             )
-            loads = export_expert_loads(self._collector, reducer=self._reducer)
-            out.update(
-                expert_load_metrics(
-                    loads,
-                    per_layer=self.cfg.moe_per_layer_logging,
-                    table=self.cfg.log_expert_table,
-                    ep_size=self._ep_size,
+            loads = self._reducer.enqueue(self._collector)
+            pending.append(
+                loads.then(
+                    lambda result: expert_load_metrics(
+                        result,
+                        per_layer=self.cfg.moe_per_layer_logging,
+                        table=self.cfg.log_expert_table,
+                        ep_size=self._ep_size,
+                    )
                 )
             )
         if self._meter is not None:
-            out.update(self._meter.export())
+            pending.append(self._meter.enqueue())
+        out: dict[str, Any] = {}
+        for metrics in read_once(pending):
+            out.update(metrics)
         return out
 
     def detach(self) -> None:
