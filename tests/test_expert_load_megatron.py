@@ -365,7 +365,11 @@ def test_routed_counts_exclude_padding_and_fill_the_table(two_ranks):
     assert valid < 2 * BATCH * 32  # the step really was padded
     assert p0["routed"] == [valid] * 3
     assert [sum(r) for r in p0["counts"]] == [valid * 2] * 3
-    assert all(r <= x for rc, rx in zip(p0["counts"], p0["executed"]) for r, x in zip(rc, rx))
+    assert all(
+        r <= x
+        for rc, rx in zip(p0["counts"], p0["executed"], strict=True)
+        for r, x in zip(rc, rx, strict=True)
+    )
     table = {(row[0], row[1]): row[2] for row in p0["table"]}
     assert [[table[(k, e)] for e in range(8)] for k in (1, 2, 3)] == p0["counts"]
 
@@ -377,7 +381,7 @@ def test_ep_imbalance_is_computed_from_the_experts_executed_work(two_ranks):
     metrics = two_ranks[0]["pad"]["metrics"]
     assert metrics == two_ranks[1]["pad"]["metrics"]
     expected = []
-    for layer, row in zip((1, 2, 3), _padded_owner_dispatch(two_ranks)):
+    for layer, row in zip((1, 2, 3), _padded_owner_dispatch(two_ranks), strict=True):
         per_rank = [sum(row[:4]), sum(row[4:])]  # what each EP rank's experts computed
         value = max(per_rank) / (sum(per_rank) / 2)
         expected.append(value)
@@ -386,7 +390,7 @@ def test_ep_imbalance_is_computed_from_the_experts_executed_work(two_ranks):
     assert metrics[mn.EP_IMBALANCE_MAX] == pytest.approx(max(expected), rel=1e-12)
     # The padding changes the answer: the routed (non-padding) counts give other values.
     routed = [max(sum(r[:4]), sum(r[4:])) / (sum(r) / 2) for r in two_ranks[0]["pad"]["counts"]]
-    assert any(abs(a - b) > 1e-3 for a, b in zip(routed, expected))
+    assert any(abs(a - b) > 1e-3 for a, b in zip(routed, expected, strict=True))
 
 
 @pytest.mark.timeout(240)
