@@ -224,6 +224,10 @@ class StepMeter:
             None = the world size (1 without torch.distributed).
         context_parallel_group: when set, export checks that its ranks passed the same lengths
             (every CP rank passes the full, unsplit lengths).
+        host_timing_group: a CPU (gloo) group with the timing group's ranks. With device
+            events the step seconds are known only after the export's wait; their MAX then goes
+            over this group, host to host, so the export waits on the device once. None: over
+            ``timing_group`` (under NCCL a second device round trip on multi-rank runs).
         causal: passed to the estimator (causal attention counts half the score products).
         event_factory: makes timing events (``record/wait/synchronize/elapsed_time``), e.g. a
             stand-in on CPU; giving it selects the event path.
@@ -240,6 +244,7 @@ class StepMeter:
         timing_group: Any = None,
         world_size: int | None = None,
         context_parallel_group: Any = None,
+        host_timing_group: Any = None,
         causal: bool = True,
         event_factory: Callable[[], Any] | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -264,6 +269,7 @@ class StepMeter:
         self._data_group = data_group
         self._timing_group = timing_group
         self._cp_group = context_parallel_group
+        self._host_timing_group = host_timing_group
         self._world_size = world_size
         self._causal = causal
         self._timer: _WallClockTimer | _EventTimer
@@ -371,7 +377,8 @@ class StepMeter:
         the lengths never travel to the host. Two paths read more: a custom estimator without
         ``from_sums`` needs the lengths on the host first (one read before the collectives), and
         device-event timing (CUDA) knows the step seconds only after the wait, so their MAX over
-        a multi-rank timing group is a second, small collective and read.
+        a multi-rank timing group is a second, small collective: host to host over
+        ``host_timing_group`` when given (no second device wait), else a second read.
         """
         if self._in_step:
             raise RuntimeError("export() inside `with meter.step():`; export after the step ends")
@@ -511,6 +518,10 @@ class StepMeter:
         """Event timing: the step seconds are known after the wait; MAX them over the group."""
         if not (dist.is_available() and dist.is_initialized()):
             return seconds
+        if self._host_timing_group is not None:
+            on_host = torch.tensor([seconds], dtype=torch.float64)
+            dist.all_reduce(on_host, op=dist.ReduceOp.MAX, group=self._host_timing_group)
+            return float(on_host[0])  # host memory: no device wait
         if dist.get_world_size(self._timing_group) == 1:
             return seconds
         maxed = torch.tensor(

@@ -102,8 +102,17 @@ class PolicyMetrics:
         device = (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         )
+        host_timing_group = None
+        if device is not None and dist.is_initialized() and dist.get_backend() != "gloo":
+            # CUDA events: the step seconds' MAX goes host to host, so the export waits once.
+            # Creating a group is collective: every rank attaches with the same flags.
+            host_timing_group = dist.new_group(backend="gloo")
         return StepMeter(
-            flops_estimator=estimator, peak_flops_per_gpu=peak, device=device, data_group=data_group
+            flops_estimator=estimator,
+            peak_flops_per_gpu=peak,
+            device=device,
+            data_group=data_group,
+            host_timing_group=host_timing_group,
         )
 
     @contextlib.contextmanager
