@@ -124,13 +124,13 @@ def padding_fraction(counts: np.ndarray, executed: np.ndarray) -> float:
     0 when nothing was executed, and for routers that cannot see padding (executed == routed).
     """
     c, x = _check_counts(counts), _check_counts(executed)
-    if c.size != x.size or np.any(c > x):
+    routed, total = c.sum(), x.sum()
+    if c.size != x.size or routed > total:
         raise ValueError(
-            f"routed counts {c.astype(np.int64).tolist()} must not exceed executed counts "
-            f"{x.astype(np.int64).tolist()} (executed = routed + padding assignments)"
+            f"routed counts (sum {routed:.0f}, {c.size} experts) exceed executed counts (sum "
+            f"{total:.0f}, {x.size} experts); executed = routed + padding assignments, per layer"
         )
-    total = x.sum()
-    return float(1.0 - c.sum() / total) if total > 0 else 0.0
+    return float(1.0 - routed / total) if total > 0 else 0.0
 
 
 def dropped_fraction(counts: np.ndarray, routed_tokens: int, topk: int) -> float:
