@@ -408,12 +408,15 @@ class StepMeter:
         maxed = torch.stack([secs, bad]).to(max_device)
         tensors = [summed, maxed]
         if dist_on:
-            dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self._data_group)
-            dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=self._timing_group)
+            spread = None
             if self._cp_group is not None:
+                # This rank's own tokens (summed may alias sums and is reduced in place below);
                 # max(t) and max(-t) give max and -min in one collective.
                 tokens = sums[0].to(self._collective_device(self._cp_group))
                 spread = torch.stack([tokens, -tokens])
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self._data_group)
+            dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=self._timing_group)
+            if spread is not None:
                 dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self._cp_group)
                 tensors.append(spread)
         tensors.append(check)
