@@ -36,6 +36,7 @@ EP_IMBALANCE = "moe/ep_imbalance"
 EP_IMBALANCE_MAX = "moe/ep_imbalance_max"
 DEAD_EXPERTS = "moe/dead_experts"
 DROPPED_FRACTION = "moe/dropped_fraction"
+PADDING_FRACTION = "moe/padding_fraction"
 
 # Per-layer balance statistics, logged as moe/layer_{i}/{stat} with moe_per_layer_logging.
 LAYER_STATS = (
@@ -46,6 +47,7 @@ LAYER_STATS = (
     "zero_token_experts",
     "ep_imbalance",
     "dropped_fraction",
+    "padding_fraction",
 )
 
 
@@ -96,6 +98,7 @@ BALANCE_SUMMARY_KEYS = (
     EP_IMBALANCE_MAX,
     DEAD_EXPERTS,
     DROPPED_FRACTION,
+    PADDING_FRACTION,
 )
 
 

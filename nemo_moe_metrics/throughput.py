@@ -19,7 +19,8 @@ Conventions (docs/en/throughput.md has every key with its formula and caveats):
   CP ranks counts once; give ``context_parallel_group`` and the meter checks that the CP ranks
   agree.
 - a rate over zero seconds is undefined: its key is left out (a gap on the dashboard), never 0.
-- the per-microbatch path makes no host-device synchronisation; ``export()`` makes one.
+- the per-microbatch path makes no host-device synchronisation; ``export()`` makes one, shared
+  with the other families when the worker reads them together (``enqueue`` + ``read_once``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.host_read import Pending, read_once
 
 #: ``estimator(seq_lens: np.ndarray[int64], causal: bool) -> obj with .total`` (training FLOPs).
 FlopsEstimator = Callable[..., Any]
@@ -222,6 +224,10 @@ class StepMeter:
             None = the world size (1 without torch.distributed).
         context_parallel_group: when set, export checks that its ranks passed the same lengths
             (every CP rank passes the full, unsplit lengths).
+        host_timing_group: a CPU (gloo) group with the timing group's ranks. With device
+            events the step seconds are known only after the export's wait; their MAX then goes
+            over this group, host to host, so the export waits on the device once. None: over
+            ``timing_group`` (under NCCL a second device round trip on multi-rank runs).
         causal: passed to the estimator (causal attention counts half the score products).
         event_factory: makes timing events (``record/wait/synchronize/elapsed_time``), e.g. a
             stand-in on CPU; giving it selects the event path.
@@ -238,6 +244,7 @@ class StepMeter:
         timing_group: Any = None,
         world_size: int | None = None,
         context_parallel_group: Any = None,
+        host_timing_group: Any = None,
         causal: bool = True,
         event_factory: Callable[[], Any] | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -262,6 +269,7 @@ class StepMeter:
         self._data_group = data_group
         self._timing_group = timing_group
         self._cp_group = context_parallel_group
+        self._host_timing_group = host_timing_group
         self._world_size = world_size
         self._causal = causal
         self._timer: _WallClockTimer | _EventTimer
@@ -356,35 +364,114 @@ class StepMeter:
         """Reduce the interval across ranks and return the ``train_perf/`` metrics.
 
         Collective: every rank of the groups must call it at the same point. One host-device
-        synchronisation. Bad input found here is raised on every rank after the collectives,
-        so no rank is left waiting.
+        synchronisation (see :meth:`enqueue` for the exceptions). Bad input found here is raised
+        on every rank after the collectives, so no rank is left waiting.
+        """
+        return read_once([self.enqueue()])[0]
+
+    def enqueue(self) -> Pending[dict[str, float]]:
+        """The first half of :meth:`export`: device sums and collectives, no host read.
+
+        Tokens and, for a :class:`~nemo_moe_metrics.flops.core.FlopsEstimator`, the attended
+        pairs per attention window are summed on the device (the estimate is linear in them), so
+        the lengths never travel to the host. Two paths read more: a custom estimator without
+        ``from_sums`` needs the lengths on the host first (one read before the collectives), and
+        device-event timing (CUDA) knows the step seconds only after the wait, so their MAX over
+        a multi-rank timing group is a second, small collective: host to host over
+        ``host_timing_group`` when given (no second device wait), else a second read.
         """
         if self._in_step:
             raise RuntimeError("export() inside `with meter.step():`; export after the step ends")
         parts, self._lens = self._lens, []
         self._timer.order_after_steps()
-        pending = _queue_host_copy(parts)
-        step_seconds = self._timer.collect()
-        lens = _host_lengths(pending)
-
+        estimator = self._estimator
+        on_device = estimator is None or _has_sums(estimator)
+        windows = tuple(estimator.attention_windows) if on_device and estimator else ()
         errors: list[str] = []
-        if lens.size and lens.min() < 0:
-            errors.append(
-                f"sequence lengths must be >= 0; got {int(lens.min())} (pass real token counts, "
-                "e.g. attention_mask.sum(-1))"
-            )
-        local_tokens = float(lens.sum()) if not errors else 0.0
-        local_flops = 0.0
-        if self._estimator is not None and lens.size and not errors:
+        if on_device:
+            sums, check = _length_sums(parts, windows, self._causal, self._device)
+        else:
+            sums, check = self._host_flops(parts, errors)
+        seconds_box: list[float] = []
+        if not self._timer.uses_events:
+            seconds_box.append(math.fsum(self._timer.collect()))
+        dist_on = dist.is_available() and dist.is_initialized()
+        sum_device = self._collective_device(self._data_group) if dist_on else sums.device
+        max_device = self._collective_device(self._timing_group) if dist_on else sums.device
+        # float64 holds token counts and attended pairs exactly up to 2**53.
+        summed = sums.to(sum_device)
+        bad = ((check[0] + check[2]) > 0).to(torch.float64)
+        if seconds_box:  # the wall clock: host seconds, known now
+            secs = _host_scalar(seconds_box[0], bad.device)
+        else:  # device events: known after the wait; MAXed by _max_seconds
+            secs = torch.zeros((), dtype=torch.float64, device=bad.device)
+        maxed = torch.stack([secs, bad]).to(max_device)
+        tensors = [summed, maxed]
+        if dist_on:
+            spread = None
+            if self._cp_group is not None:
+                # This rank's own tokens (summed may alias sums and is reduced in place below);
+                # max(t) and max(-t) give max and -min in one collective.
+                tokens = sums[0].to(self._collective_device(self._cp_group))
+                spread = torch.stack([tokens, -tokens])
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self._data_group)
+            dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=self._timing_group)
+            if spread is not None:
+                dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self._cp_group)
+                tensors.append(spread)
+        tensors.append(check)
+
+        fence = None
+        if self._timer.uses_events:
+
+            def fence() -> bool:
+                seconds = self._timer.collect()  # waits on an event after the queued copies
+                seconds_box.append(math.fsum(seconds))
+                return bool(seconds)
+
+        def finish(host: list[np.ndarray]) -> dict[str, float]:
+            return self._finish(host, windows, on_device, errors, seconds_box)
+
+        return Pending(tuple(tensors), finish, fence)
+
+    def _host_flops(self, parts: list[torch.Tensor], errors: list[str]):
+        """A custom estimator takes host lengths: read them first, then estimate (one read)."""
+        lens = (
+            torch.cat([p.to("cpu") for p in parts]).numpy()  # the lengths' own host read
+            if parts
+            else np.zeros(0, dtype=np.int64)
+        )
+        negative = bool(lens.size > 0 and lens.min() < 0)
+        tokens = float(lens.sum()) if not negative else 0.0
+        flops = 0.0
+        if lens.size and not negative:
             try:
-                local_flops = _flops_total(self._estimator(lens, causal=self._causal))
+                flops = _flops_total(self._estimator(lens, causal=self._causal))
             except Exception as err:  # noqa: BLE001 - re-raised after the collectives
                 errors.append(f"flops_estimator failed: {type(err).__name__}: {err}")
-        local_seconds = math.fsum(step_seconds)
+        check = torch.tensor([int(negative), int(lens.min()) if lens.size else 0, len(errors)])
+        return torch.tensor([tokens, flops], dtype=torch.float64), check
 
-        tokens, flops, seconds, any_error, cp_mismatch = self._reduce(
-            local_tokens, local_flops, local_seconds, bool(errors)
-        )
+    def _finish(
+        self,
+        host: list[np.ndarray],
+        windows: tuple,
+        on_device: bool,
+        errors: list[str],
+        seconds_box: list[float],
+    ) -> dict[str, float]:
+        summed, maxed, check = host[0], host[1], host[-1]
+        if check[0] > 0:
+            errors.insert(
+                0,
+                f"sequence lengths must be >= 0; got {int(check[1])} (pass real token counts, "
+                "e.g. attention_mask.sum(-1))",
+            )
+        seconds = float(maxed[0])
+        if self._timer.uses_events:
+            seconds = self._max_seconds(seconds_box[-1] if seconds_box else 0.0)
+        any_error = maxed[1] > 0
+        cp_mismatch = len(host) == 4 and float(host[2][0]) != -float(host[2][1])
         if errors:
             raise ValueError("StepMeter.export: " + "; ".join(errors))
         if any_error:
@@ -398,10 +485,16 @@ class StepMeter:
                 "every CP rank must pass the full (unsplit) lengths of the same sequences, and "
                 "data_group must be the data-parallel group without context parallel"
             )
+        tokens = float(summed[0])
+        has_flops = self._estimator is not None
+        flops = 0.0
+        if has_flops and on_device:
+            flops = _flops_total(self._estimator.from_sums(tokens, [float(p) for p in summed[1:]]))
+        elif has_flops:
+            flops = float(summed[1])
         self._total_tokens += tokens
         self._total_seconds += seconds
         self._total_flops += flops
-        has_flops = self._estimator is not None
         result = perf_metrics(
             tokens=tokens,
             seconds=seconds,
@@ -420,9 +513,25 @@ class StepMeter:
                 "context-parallel or tensor-parallel replicas are not in data_group (their "
                 "sequences would be counted more than once)",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=4,
             )
         return result
+
+    def _max_seconds(self, seconds: float) -> float:
+        """Event timing: the step seconds are known after the wait; MAX them over the group."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return seconds
+        if self._host_timing_group is not None:
+            on_host = torch.tensor([seconds], dtype=torch.float64)
+            dist.all_reduce(on_host, op=dist.ReduceOp.MAX, group=self._host_timing_group)
+            return float(on_host[0])  # host memory: no device wait
+        if dist.get_world_size(self._timing_group) == 1:
+            return seconds
+        maxed = torch.tensor(
+            [seconds], dtype=torch.float64, device=self._collective_device(self._timing_group)
+        )
+        dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=self._timing_group)
+        return float(maxed.item())  # the event path's second read (multi-rank only)
 
     def _resolved_world_size(self) -> int:
         if self._world_size is not None:
@@ -441,53 +550,42 @@ class StepMeter:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _reduce(
-        self, tokens: float, flops: float, seconds: float, bad: bool
-    ) -> tuple[float, float, float, bool, bool]:
-        """The thin collective layer: SUM over data, MAX over timing, CP agreement check."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return tokens, flops, seconds, bad, False
-        # float64 holds token counts exactly up to 2**53.
-        summed = torch.tensor(
-            [tokens, flops], dtype=torch.float64, device=self._collective_device(self._data_group)
+
+def _has_sums(estimator: Any) -> bool:
+    return hasattr(estimator, "from_sums") and hasattr(estimator, "attention_windows")
+
+
+def _host_scalar(value: float, device: torch.device) -> torch.Tensor:
+    """A float64 0-d tensor on ``device`` without a blocking host-to-device copy."""
+    t = torch.tensor(value, dtype=torch.float64)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _length_sums(
+    parts: list[torch.Tensor], windows: tuple, causal: bool, device: torch.device | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device sums of the lengths: float64 ``[tokens, pairs per window...]`` and int64 check
+    ``[negative lengths, min length, 0]``. Integer arithmetic on the device, exact; no sync."""
+    if not parts:
+        device = device or torch.device("cpu")
+        return (
+            torch.zeros(1 + len(windows), dtype=torch.float64, device=device),
+            torch.zeros(3, dtype=torch.int64, device=device),
         )
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self._data_group)
-        maxed = torch.tensor(
-            [seconds, float(bad)],
-            dtype=torch.float64,
-            device=self._collective_device(self._timing_group),
-        )
-        dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=self._timing_group)
-        # One host read for both results.
-        values = torch.cat([summed, maxed.to(summed.device)]).tolist()
-        mismatch = False
-        if self._cp_group is not None:
-            # max(t) and max(-t) give max and -min in one collective.
-            spread = torch.tensor(
-                [tokens, -tokens],
-                dtype=torch.float64,
-                device=self._collective_device(self._cp_group),
-            )
-            dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self._cp_group)
-            high, neg_low = spread.tolist()
-            mismatch = high != -neg_low
-        return values[0], values[1], values[2], values[3] > 0, mismatch
-
-
-def _queue_host_copy(parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Start copying the lengths to the host: one concatenation and one async copy per device."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in parts:
-        by_device.setdefault(t.device, []).append(t)
-    out = []
-    for device, tensors in by_device.items():
-        joined = torch.cat(tensors)
-        # Non-blocking device-to-host lands in pinned memory; valid after the export fence.
-        out.append(joined if device.type == "cpu" else joined.to("cpu", non_blocking=True))
-    return out
-
-
-def _host_lengths(copies: list[torch.Tensor]) -> np.ndarray:
-    if not copies:
-        return np.zeros(0, dtype=np.int64)
-    return np.concatenate([c.numpy() for c in copies]).astype(np.int64, copy=False)
+    device = parts[0].device
+    lens = torch.cat([p.to(device) for p in parts])
+    cols = [lens.sum()]
+    for window in windows:
+        if not causal:
+            pairs = lens * lens
+        elif window is None:
+            pairs = lens * (lens + 1) // 2
+        else:
+            # The first min(L, w) queries see i+1 keys; the remaining ones see exactly w.
+            inside = lens.clamp(max=int(window))
+            pairs = inside * (inside + 1) // 2 + (lens - inside) * int(window)
+        cols.append(pairs.sum())
+    check = torch.stack([(lens < 0).sum(), lens.min(), torch.zeros_like(lens[0])])
+    return torch.stack(cols).to(torch.float64), check

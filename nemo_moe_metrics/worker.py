@@ -102,8 +102,17 @@ class PolicyMetrics:
         device = (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         )
+        host_timing_group = None
+        if device is not None and dist.is_initialized() and dist.get_backend() != "gloo":
+            # CUDA events: the step seconds' MAX goes host to host, so the export waits once.
+            # Creating a group is collective: every rank attaches with the same flags.
+            host_timing_group = dist.new_group(backend="gloo")
         return StepMeter(
-            flops_estimator=estimator, peak_flops_per_gpu=peak, device=device, data_group=data_group
+            flops_estimator=estimator,
+            peak_flops_per_gpu=peak,
+            device=device,
+            data_group=data_group,
+            host_timing_group=host_timing_group,
         )
 
     @contextlib.contextmanager
@@ -151,30 +160,39 @@ class PolicyMetrics:
             raise
 
     def _finish_step(self, num_microbatches: int) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self._track_moe:
-            from nemo_moe_metrics.moe.aux_loss import aux_loss_metrics
-            from nemo_moe_metrics.moe.balance import expert_load_metrics
-            from nemo_moe_metrics.moe.reduction import export_expert_loads
+        # Every family launches its device work and collectives (same order on every rank),
+        # then ONE host read brings all results back and each family finishes on host numbers.
+        # A new family joins by appending its Pending here.
+        from nemo_moe_metrics.host_read import read_once
 
-            out.update(
-                aux_loss_metrics(
+        pending = []
+        if self._track_moe:
+            from nemo_moe_metrics.moe.aux_loss import enqueue_aux_loss_metrics
+            from nemo_moe_metrics.moe.balance import expert_load_metrics
+
+            pending.append(
+                enqueue_aux_loss_metrics(
                     self._transformer_config,
                     num_microbatches=num_microbatches,
                     per_layer=self.cfg.moe_per_layer_logging,
                 )
             )
-            loads = export_expert_loads(self._collector, reducer=self._reducer)
-            out.update(
-                expert_load_metrics(
-                    loads,
-                    per_layer=self.cfg.moe_per_layer_logging,
-                    table=self.cfg.log_expert_table,
-                    ep_size=self._ep_size,
+            loads = self._reducer.enqueue(self._collector)
+            pending.append(
+                loads.then(
+                    lambda result: expert_load_metrics(
+                        result,
+                        per_layer=self.cfg.moe_per_layer_logging,
+                        table=self.cfg.log_expert_table,
+                        ep_size=self._ep_size,
+                    )
                 )
             )
         if self._meter is not None:
-            out.update(self._meter.export())
+            pending.append(self._meter.enqueue())
+        out: dict[str, Any] = {}
+        for metrics in read_once(pending):
+            out.update(metrics)
         return out
 
     def detach(self) -> None:

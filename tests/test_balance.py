@@ -19,6 +19,7 @@ from nemo_moe_metrics.moe.balance import (
     max_over_ideal,
     min_over_ideal,
     normalized_entropy,
+    padding_fraction,
     zero_token_experts,
 )
 
@@ -155,3 +156,27 @@ def test_inconsistent_loads_raise_clear_error():
 def test_negative_counts_are_rejected():
     with pytest.raises(ValueError, match=">= 0"):
         max_over_ideal(np.array([1, -1]))
+
+
+def test_ep_imbalance_reads_executed_counts_and_routing_statistics_read_routed_ones():
+    routed = np.array([[4, 4, 4, 4]])
+    executed = np.array([[4, 4, 10, 10]])  # 12 padding assignments on EP rank 1's experts
+    loads = ExpertLoads([0], routed, np.array([8]), 2, [4], executed)
+    m = expert_load_metrics(loads, per_layer=True, table=True, ep_size=2)
+    assert m[mn.layer_stat_key(0, "max_over_ideal")] == 1.0  # 4 * 4 / 16
+    assert m[mn.EP_IMBALANCE] == pytest.approx(20 / ((8 + 20) / 2))
+    assert m[mn.PADDING_FRACTION] == pytest.approx(1 - 16 / 28)
+    assert m[mn.layer_stat_key(0, "padding_fraction")] == pytest.approx(1 - 16 / 28)
+    assert [row[2] for row in m[mn.EXPERT_LOADS]] == [4, 4, 4, 4]  # the table is routed
+
+
+def test_without_executed_counts_padding_fraction_is_zero():
+    loads = ExpertLoads([0], np.array([[3, 1]]), np.array([2]), 2)
+    m = expert_load_metrics(loads, per_layer=False, table=False, ep_size=2)
+    assert m[mn.PADDING_FRACTION] == 0.0
+    assert m[mn.EP_IMBALANCE] == pytest.approx(3 / 2)
+
+
+def test_routed_above_executed_is_an_error():
+    with pytest.raises(ValueError, match="exceed executed counts"):
+        padding_fraction(np.array([5, 5]), np.array([1, 1]))

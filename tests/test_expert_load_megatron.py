@@ -278,6 +278,30 @@ def _two_rank_layouts(rank, world_size):
         "routed": loads.routed_tokens.tolist(),
         "local_dispatched": {k: np.sum(v, axis=0).tolist() for k, v in seen.items()},
     }
+
+    # A padded step (True = padding): megatron still dispatches the padding tokens.
+    import torch
+
+    from nemo_moe_metrics import metric_names as mn
+    from nemo_moe_metrics.moe.balance import expert_load_metrics
+
+    for k in seen:
+        seen[k].clear()
+    pad = torch.zeros(BATCH, cfg.seq_length, dtype=torch.bool)
+    pad[0, 5 + 7 * rank :] = True
+    pad[1, 11 + 3 * rank :] = True
+    _step(model, cfg, seed=300 + rank, padding_mask=pad)
+    loads = collector.export()
+    metrics = expert_load_metrics(loads, per_layer=True, table=True, ep_size=2)
+    out["pad"] = {
+        "counts": loads.counts.tolist(),
+        "executed": loads.executed.tolist(),
+        "routed": loads.routed_tokens.tolist(),
+        "valid": int((~pad).sum()),
+        "local_dispatched": {k: np.sum(v, axis=0).tolist() for k, v in seen.items()},
+        "metrics": {k: v for k, v in metrics.items() if k != mn.EXPERT_LOADS},
+        "table": metrics[mn.EXPERT_LOADS],
+    }
     collector.detach()
 
     # Pipeline parallel 2 (same processes, new layout): stage 0 holds layers 0-1, stage 1 2-3.
@@ -316,6 +340,67 @@ def test_expert_parallel_two_ranks_reduced_counts_equal_owners_dispatch(two_rank
     tokens = 2 * 2 * BATCH * 32  # 2 ranks x 2 microbatches
     assert r0["routed"] == [tokens] * 3
     assert [sum(r) for r in r0["counts"]] == [tokens * 2] * 3
+
+
+def _padded_owner_dispatch(two_ranks):
+    """Each layer's global tokens_per_expert: EP rank r's experts' own counts, concatenated."""
+    p0, p1 = two_ranks[0]["pad"], two_ranks[1]["pad"]
+    return [p0["local_dispatched"][k] + p1["local_dispatched"][k] for k in (1, 2, 3)]
+
+
+@pytest.mark.timeout(240)
+def test_executed_counts_equal_experts_tokens_per_expert_with_padding(two_ranks):
+    p0, p1 = two_ranks[0]["pad"], two_ranks[1]["pad"]
+    assert p0["executed"] == p1["executed"]
+    dispatched = _padded_owner_dispatch(two_ranks)
+    assert p0["executed"] == dispatched
+    # Every token, padding included, is executed top-k times (no capacity factor).
+    assert [sum(r) for r in p0["executed"]] == [2 * BATCH * 32 * 2] * 3
+
+
+@pytest.mark.timeout(240)
+def test_routed_counts_exclude_padding_and_fill_the_table(two_ranks):
+    p0 = two_ranks[0]["pad"]
+    valid = two_ranks[0]["pad"]["valid"] + two_ranks[1]["pad"]["valid"]
+    assert valid < 2 * BATCH * 32  # the step really was padded
+    assert p0["routed"] == [valid] * 3
+    assert [sum(r) for r in p0["counts"]] == [valid * 2] * 3
+    assert all(
+        r <= x
+        for rc, rx in zip(p0["counts"], p0["executed"], strict=True)
+        for r, x in zip(rc, rx, strict=True)
+    )
+    table = {(row[0], row[1]): row[2] for row in p0["table"]}
+    assert [[table[(k, e)] for e in range(8)] for k in (1, 2, 3)] == p0["counts"]
+
+
+@pytest.mark.timeout(240)
+def test_ep_imbalance_is_computed_from_the_experts_executed_work(two_ranks):
+    from nemo_moe_metrics import metric_names as mn
+
+    metrics = two_ranks[0]["pad"]["metrics"]
+    assert metrics == two_ranks[1]["pad"]["metrics"]
+    expected = []
+    for layer, row in zip((1, 2, 3), _padded_owner_dispatch(two_ranks), strict=True):
+        per_rank = [sum(row[:4]), sum(row[4:])]  # what each EP rank's experts computed
+        value = max(per_rank) / (sum(per_rank) / 2)
+        expected.append(value)
+        assert metrics[mn.layer_stat_key(layer, "ep_imbalance")] == pytest.approx(value, rel=1e-12)
+    assert metrics[mn.EP_IMBALANCE] == pytest.approx(sum(expected) / 3, rel=1e-12)
+    assert metrics[mn.EP_IMBALANCE_MAX] == pytest.approx(max(expected), rel=1e-12)
+    # The padding changes the answer: the routed (non-padding) counts give other values.
+    routed = [max(sum(r[:4]), sum(r[4:])) / (sum(r) / 2) for r in two_ranks[0]["pad"]["counts"]]
+    assert any(abs(a - b) > 1e-3 for a, b in zip(routed, expected, strict=True))
+
+
+@pytest.mark.timeout(240)
+def test_padding_fraction_is_the_padding_share_of_executed_assignments(two_ranks):
+    from nemo_moe_metrics import metric_names as mn
+
+    p0 = two_ranks[0]["pad"]
+    valid = p0["valid"] + two_ranks[1]["pad"]["valid"]
+    total = 2 * BATCH * 32
+    assert p0["metrics"][mn.PADDING_FRACTION] == pytest.approx(1 - valid / total, rel=1e-12)
 
 
 def test_pipeline_stages_use_global_layer_ids_and_meet_in_a_union(two_ranks):

@@ -418,3 +418,40 @@ def test_every_export_is_a_ratio_of_sums(intervals):
         assert out.get(mn.TOKENS_PER_SECOND) == (tokens / seconds if seconds else None)
         expected_cumulative = seen_tokens / seen_seconds if seen_seconds else None
         assert out.get(mn.CUMULATIVE_TOKENS_PER_SECOND) == expected_cumulative
+
+
+# --- FLOPs from device sums: the lengths never travel to the host ------------------------------
+@pytest.mark.parametrize("fixture", ["gpt-oss-120b", "qwen3-30b-a3b", "qwen3-next-80b-a3b"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_device_sums_give_the_estimators_own_flops_exactly(fixture, causal):
+    import numpy as np
+
+    from nemo_moe_metrics.flops import get_flops_estimator, load_fixture
+
+    est = get_flops_estimator(load_fixture(fixture))
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(1, 9000, size=n) for n in (3, 1, 5)]
+    meter = StepMeter(flops_estimator=est, causal=causal)
+    with meter.step():
+        for lens in batches:
+            meter.add_sequences(torch.tensor(lens))
+    out = meter.export()
+    expected = est(np.concatenate(batches), causal=causal).total  # the host formula
+    assert out[mn.ESTIMATED_FLOPS] == expected
+    assert out[mn.TOKENS] == float(np.concatenate(batches).sum())
+
+
+def test_export_with_a_registered_estimator_reads_the_host_once():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.host_reads import HostReadCounter
+    from nemo_moe_metrics.flops import get_flops_estimator, load_fixture
+
+    meter = StepMeter(flops_estimator=get_flops_estimator(load_fixture("gpt-oss-120b")))
+    with meter.step():
+        meter.add_sequences(torch.tensor([5, 7000]))
+    with HostReadCounter() as counter:
+        meter.export()
+    assert counter.total == 1, counter.by_site

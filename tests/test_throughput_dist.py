@@ -90,6 +90,18 @@ def _scenarios(rank, world_size):
         meter.add_sequences(torch.tensor([-1 if rank == 0 else 5]))
     out["bad"] = _capture(meter.export)
 
+    # 3b. Device-event timing (a stand-in stream): one wait per export; the step seconds' MAX
+    # goes over a host (gloo) group, or over the timing group when none is given.
+    from throughput_helpers import FakeStream
+
+    for label, host_group in (("host_group", dist.new_group(backend="gloo")), ("plain", None)):
+        stream = FakeStream()
+        meter = StepMeter(event_factory=stream.event, host_timing_group=host_group)
+        with meter.step():
+            meter.add_sequences(torch.tensor([4 + rank]))
+            stream.run(3.0 + 2.0 * rank)  # rank 0: 3 ms, rank 1: 5 ms
+        out[f"events_{label}"] = (meter.export(), stream.synchronizations)
+
     # 4. Context parallel 2 with megatron-core's own process groups.
     from megatron.core import parallel_state
 
@@ -174,6 +186,15 @@ def test_tokens_sum_and_seconds_take_the_max_over_ranks(ranks):
     assert first[mn.TOKENS] == 38
     assert first[mn.SECONDS] == pytest.approx(4.0)
     assert first[mn.TOKENS_PER_SECOND] == pytest.approx(38 / 4.0)
+
+
+@pytest.mark.parametrize("label", ["host_group", "plain"])
+def test_event_timed_seconds_take_the_max_over_ranks_with_one_wait(ranks, label):
+    for rank in (0, 1):
+        metrics, waits = ranks[rank][f"events_{label}"]
+        assert metrics[mn.SECONDS] == pytest.approx(0.005)  # the slower rank's 5 ms
+        assert metrics[mn.TOKENS] == 4 + 5
+        assert waits == 1
 
 
 def test_every_rank_exports_the_same_values(ranks):

@@ -19,7 +19,7 @@ This module is pure numpy arithmetic: no torch, no torch.distributed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -327,14 +327,35 @@ class FlopsEstimator:
         """Training FLOPs (forward + backward) of a batch of sequences of these lengths."""
         lengths = validate_seq_lens(seq_lens)
         tokens = float(np.sum(lengths))
+        pairs = [
+            attended_pairs(lengths, causal=causal, window=window)
+            for window in self._attention_groups
+        ]
+        return self.from_sums(tokens, pairs)
+
+    @property
+    def attention_windows(self) -> tuple[int | None, ...]:
+        """The distinct attention windows (None = full), in the order :meth:`from_sums` takes."""
+        return tuple(self._attention_groups)
+
+    def from_sums(self, tokens: float, pairs: Sequence[float]) -> FlopsBreakdown:
+        """Training FLOPs from a batch's sums: its tokens and its attended pairs per window.
+
+        The estimate is linear in these sums (``pairs[j]`` = :func:`attended_pairs` of the
+        lengths for ``attention_windows[j]``), so sums taken on the device, or over ranks, give
+        the same FLOPs as the lengths themselves.
+        """
+        if len(pairs) != len(self._attention_groups):
+            raise ValueError(
+                f"from_sums needs one attended-pair sum per attention window "
+                f"{self.attention_windows}, got {len(pairs)}"
+            )
         out = {c: 0.0 for c in self._components}
         for key, flops_per_token in self._per_token.items():
             out[key] = flops_per_token * tokens
         scale = TRAINING_MULTIPLIER * FLOPS_PER_MAC
-        for window, width in self._attention_groups.items():
-            out[ATTENTION_CORE] += (
-                scale * width * attended_pairs(lengths, causal=causal, window=window)
-            )
+        for width, pair_sum in zip(self._attention_groups.values(), pairs, strict=True):
+            out[ATTENTION_CORE] += scale * width * float(pair_sum)
         return FlopsBreakdown(total=float(sum(out.values())), by_component=out)
 
     def flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:

@@ -34,9 +34,11 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from nemo_moe_metrics.host_read import Pending, done, read_once
 from nemo_moe_metrics.metric_names import (
     AUX_LOSS_TRACKER_NAMES,
     Z_LOSS,
@@ -328,19 +330,40 @@ def aux_loss_metrics(
     with this rank's microbatch count for the step; every rank gets the same dict. ``config`` is
     the model's megatron ``TransformerConfig``. Clears megatron's tracker afterwards.
     """
+    pending = enqueue_aux_loss_metrics(
+        config, num_microbatches=num_microbatches, per_layer=per_layer, pg_collection=pg_collection
+    )
+    return read_once([pending])[0]
+
+
+def enqueue_aux_loss_metrics(
+    config: Any,
+    *,
+    num_microbatches: int,
+    per_layer: bool,
+    pg_collection: Any | None = None,
+) -> Pending[dict[str, float]]:
+    """The first half of :func:`aux_loss_metrics`: launch the reduction, read nothing.
+
+    The returned :class:`~nemo_moe_metrics.host_read.Pending` summarises the reduced values and
+    clears megatron's tracker once the export's one host read has happened.
+    """
     _check_num_microbatches(num_microbatches)
     names = tracked_aux_loss_names(config)
     if not names:
         clear_aux_loss_tracker()
-        return {}
+        return done({})
     moe_layers = moe_layer_indices(config)
     values = local_aux_loss_values(config, names)
     # Scale before reducing: each rank's own count, so ranks with different counts still agree.
     values.div_(num_microbatches)
     reduce_aux_losses(values, names, pg_collection=pg_collection)
-    host = values.tolist()  # the one device-to-host copy of the step
-    metrics = summarize_aux_losses(
-        dict(zip(names, host, strict=True)), moe_layers, per_layer=per_layer
-    )
-    clear_aux_loss_tracker()
-    return metrics
+
+    def finish(host: list[np.ndarray]) -> dict[str, float]:
+        metrics = summarize_aux_losses(
+            dict(zip(names, host[0].tolist(), strict=True)), moe_layers, per_layer=per_layer
+        )
+        clear_aux_loss_tracker()
+        return metrics
+
+    return Pending((values,), finish)

@@ -19,11 +19,14 @@ from nemo_moe_metrics import metric_names as mn
 class ExpertLoads:
     """Reduced expert assignment counts of one training step (identical on every rank).
 
-    ``counts[i, e]``: token assignments of global layer ``layer_ids[i]`` to expert ``e``
-    (after capacity dropping; a token routed to k experts counts k times).
+    ``counts[i, e]``: routed assignments of global layer ``layer_ids[i]`` to expert ``e``:
+    non-padding tokens, after capacity dropping (a token routed to k experts counts k times).
     ``routed_tokens[i]``: non-padding tokens the router of that layer saw.
     ``topk``: experts per token. Layers with fewer experts than ``counts.shape[1]`` are padded
     with zeros on the right; ``num_experts[i]`` says how many columns are real.
+    ``executed[i, e]``: assignments the dispatcher handed to expert ``e``, padding tokens
+    included (megatron-core routes padding too); None means equal to ``counts`` (routers that
+    cannot see padding, such as Hugging Face's).
     """
 
     layer_ids: list[int]
@@ -31,10 +34,16 @@ class ExpertLoads:
     routed_tokens: np.ndarray
     topk: int
     num_experts: list[int] | None = None
+    executed: np.ndarray | None = None
 
     def experts_of(self, i: int) -> int:
         """Number of real experts of row ``i``."""
         return self.num_experts[i] if self.num_experts is not None else int(self.counts.shape[1])
+
+    @property
+    def executed_counts(self) -> np.ndarray:
+        """``executed`` where known, else ``counts`` (executed equals routed there)."""
+        return self.counts if self.executed is None else np.asarray(self.executed)
 
 
 def _check_counts(counts: np.ndarray) -> np.ndarray:
@@ -102,8 +111,26 @@ def ep_rank_loads(counts: np.ndarray, ep_size: int) -> np.ndarray:
 
 
 def ep_imbalance(counts: np.ndarray, ep_size: int) -> float:
-    """Busiest EP rank's tokens over the mean EP rank (the all-to-all straggler); 0 if empty."""
+    """Busiest EP rank's tokens over the mean EP rank (the all-to-all straggler); 0 if empty.
+
+    Pass executed counts (padding included): the experts' real work.
+    """
     return max_over_ideal(ep_rank_loads(counts, ep_size))
+
+
+def padding_fraction(counts: np.ndarray, executed: np.ndarray) -> float:
+    """Share of the experts' executed assignments that were padding: ``1 - routed / executed``.
+
+    0 when nothing was executed, and for routers that cannot see padding (executed == routed).
+    """
+    c, x = _check_counts(counts), _check_counts(executed)
+    routed, total = c.sum(), x.sum()
+    if c.size != x.size or routed > total:
+        raise ValueError(
+            f"routed counts (sum {routed:.0f}, {c.size} experts) exceed executed counts (sum "
+            f"{total:.0f}, {x.size} experts); executed = routed + padding assignments, per layer"
+        )
+    return float(1.0 - routed / total) if total > 0 else 0.0
 
 
 def dropped_fraction(counts: np.ndarray, routed_tokens: int, topk: int) -> float:
@@ -126,17 +153,27 @@ def load_percent(counts: np.ndarray) -> np.ndarray:
 
 
 def layer_statistics(
-    counts: np.ndarray, routed_tokens: int, topk: int, ep_size: int = 1
+    counts: np.ndarray,
+    routed_tokens: int,
+    topk: int,
+    ep_size: int = 1,
+    executed: np.ndarray | None = None,
 ) -> dict[str, float]:
-    """Every per-layer statistic of ``metric_names.LAYER_STATS`` for one layer."""
+    """Every per-layer statistic of ``metric_names.LAYER_STATS`` for one layer.
+
+    Routing statistics use the routed ``counts``; ``ep_imbalance`` and ``padding_fraction``
+    describe the experts' work and use ``executed`` (default: equal to ``counts``).
+    """
+    work = counts if executed is None else executed
     return {
         "max_over_ideal": max_over_ideal(counts),
         "min_over_ideal": min_over_ideal(counts),
         "coefficient_of_variation": coefficient_of_variation(counts),
         "normalized_entropy": normalized_entropy(counts),
         "zero_token_experts": float(zero_token_experts(counts)),
-        "ep_imbalance": ep_imbalance(counts, ep_size),
+        "ep_imbalance": ep_imbalance(work, ep_size),
         "dropped_fraction": dropped_fraction(counts, routed_tokens, topk),
+        "padding_fraction": padding_fraction(counts, work),
     }
 
 
@@ -147,15 +184,24 @@ def expert_load_metrics(
 
     Summaries: ``moe/max_over_ideal`` and ``moe/ep_imbalance`` are means over MoE layers that
     routed tokens this step, ``..._max`` the worst layer; ``moe/dead_experts`` counts
-    (layer, expert) pairs with no token; ``moe/dropped_fraction`` is over all layers together.
+    (layer, expert) pairs with no token; ``moe/dropped_fraction`` and ``moe/padding_fraction``
+    are over all layers together. ``ep_imbalance`` and ``padding_fraction`` use the executed
+    counts (padding included), everything else and the table the routed ones.
     Returns ``{}`` when there is no MoE layer.
     """
     counts = np.asarray(loads.counts)
+    executed = loads.executed_counts
     n = len(loads.layer_ids)
-    if counts.ndim != 2 or counts.shape[0] != n or len(loads.routed_tokens) != n:
+    if (
+        counts.ndim != 2
+        or counts.shape[0] != n
+        or len(loads.routed_tokens) != n
+        or executed.shape != counts.shape
+    ):
         raise ValueError(
             f"ExpertLoads is inconsistent: {n} layer ids, counts shape {counts.shape}, "
-            f"{len(loads.routed_tokens)} routed-token entries; build it with export_expert_loads"
+            f"executed shape {executed.shape}, {len(loads.routed_tokens)} routed-token entries; "
+            "build it with export_expert_loads"
         )
     if n == 0:
         return {}
@@ -164,7 +210,8 @@ def expert_load_metrics(
     rows: list[list] = []
     for i, layer in enumerate(loads.layer_ids):
         c = counts[i, : loads.experts_of(i)]
-        s = layer_statistics(c, int(loads.routed_tokens[i]), loads.topk, ep_size)
+        x = executed[i, : loads.experts_of(i)]
+        s = layer_statistics(c, int(loads.routed_tokens[i]), loads.topk, ep_size, executed=x)
         stats.append((c.sum() > 0, s))
         if per_layer:
             for name, value in s.items():
@@ -182,6 +229,8 @@ def expert_load_metrics(
     out[mn.DEAD_EXPERTS] = float(sum(s["zero_token_experts"] for _, s in stats))
     wanted = float(np.asarray(loads.routed_tokens, dtype=np.float64).sum()) * loads.topk
     out[mn.DROPPED_FRACTION] = float(1.0 - counts.sum() / wanted) if wanted > 0 else 0.0
+    work = float(executed.sum())
+    out[mn.PADDING_FRACTION] = float(1.0 - counts.sum() / work) if work > 0 else 0.0
     if table:
         out[mn.EXPERT_LOADS] = rows
     return out

@@ -29,10 +29,13 @@ from torch import nn
 if TYPE_CHECKING:
     from nemo_moe_metrics.moe.balance import ExpertLoads
 
-# counts_fn(module, args, kwargs, output) -> (counts, tokens):
-#   counts: per-expert integer counts [E], or a boolean assignment map [T, E] (summed over T);
-#   tokens: tokens the router saw (non-padding), a 0-d integer tensor or a Python int.
-CountsFn = Callable[[nn.Module, tuple, dict, Any], tuple[torch.Tensor, "torch.Tensor | int"]]
+# counts_fn(module, args, kwargs, output) -> (counts, tokens) or (counts, tokens, executed):
+#   counts: routed assignments of non-padding tokens, per-expert integer counts [E] or a boolean
+#     assignment map [T, E] (summed over T);
+#   tokens: tokens the router saw (non-padding), a 0-d integer tensor or a Python int;
+#   executed (optional, same forms as counts): what the dispatcher hands to the experts,
+#     padding included; omitted when the router cannot see padding (then executed == counts).
+CountsFn = Callable[[nn.Module, tuple, dict, Any], tuple]
 
 
 @dataclass(frozen=True)
@@ -49,17 +52,21 @@ def _megatron_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     # TopKRouter.forward(input, padding_mask=None) -> (probs, routing_map [T, E] bool), the map
     # after capacity dropping. In the code (not the docstring) padding_mask is True = padding:
     # routing() masks with `routing_map & ~padding_mask` and counts `(~padding_mask).sum()`.
+    # The returned map still routes padding rows, and MoELayer hands exactly this map to the
+    # token dispatcher: its column sums are what the experts execute (padding included).
     routing_map = output[1]
+    executed = routing_map.sum(dim=0)
     padding_mask = kwargs.get("padding_mask", args[1] if len(args) > 1 else None)
     if padding_mask is None:
-        return routing_map.sum(dim=0), routing_map.shape[0]
+        return executed, routing_map.shape[0], executed
     valid = ~padding_mask.reshape(-1).bool()
-    return (routing_map & valid.unsqueeze(-1)).sum(dim=0), valid.sum()
+    return (routing_map & valid.unsqueeze(-1)).sum(dim=0), valid.sum(), executed
 
 
 def _topk_index_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     # Hugging Face routers return (router_logits, topk_weights, topk_indices): count the indices
-    # (never topk(router_logits): DeepSeek-V3 adds a bias and a group mask first).
+    # (never topk(router_logits): DeepSeek-V3 adds a bias and a group mask first). These routers
+    # see no padding mask, so what they route is what the experts execute: no third item.
     indices = output[2]
     flat = indices.reshape(-1).to(torch.int64)
     # scatter_add_ with a fixed size: bincount/one_hot would read max(indices) on the host.
@@ -120,8 +127,10 @@ def register_router(
     """Count the routers of class ``router_cls`` (and subclasses) with ``counts_fn``.
 
     ``counts_fn(module, args, kwargs, output)`` returns ``(counts, tokens)``: per-expert integer
-    counts ``[E]`` or a boolean assignment map ``[T, E]``, and the number of (non-padding) tokens
-    routed, as a 0-d tensor or int. It must not synchronise with the host. ``num_experts`` and
+    counts ``[E]`` or a boolean assignment map ``[T, E]`` of the non-padding tokens, and the
+    number of (non-padding) tokens routed, as a 0-d tensor or int. It may return a third item,
+    ``executed`` (same forms): what the experts really process, padding included; without it
+    executed counts equal ``counts``. It must not synchronise with the host. ``num_experts`` and
     ``topk`` default to the attributes ``num_experts`` and ``top_k``/``topk``; ``layer_id(module,
     qualified_name)`` defaults to the integer after ``layers.`` in the module's name.
     """
@@ -166,23 +175,33 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _per_expert(counts: torch.Tensor) -> torch.Tensor:
+    if counts.dtype == torch.bool or counts.dim() == 2:
+        counts = counts.sum(dim=0)
+    return counts.to(torch.int64)
+
+
 class _LayerAccumulator:
-    """Device int64 counts [E] and routed tokens [] of one router."""
+    """Device int64 routed counts [E], executed counts [E] and routed tokens [] of one router."""
 
     def __init__(self, layer_id: int, num_experts: int, topk: int, device: torch.device):
         self.layer_id = layer_id
         self.num_experts = num_experts
         self.topk = topk
         self.counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+        self.executed = torch.zeros(num_experts, dtype=torch.int64, device=device)
         self.tokens = torch.zeros((), dtype=torch.int64, device=device)
 
-    def add(self, counts: torch.Tensor, tokens: torch.Tensor | int) -> None:
-        if counts.dtype == torch.bool or counts.dim() == 2:
-            counts = counts.sum(dim=0)
+    def add(
+        self, counts: torch.Tensor, tokens: torch.Tensor | int, executed: torch.Tensor | None
+    ) -> None:
+        counts = _per_expert(counts)
         if counts.device != self.counts.device:  # the model moved after attach
             self.counts = self.counts.to(counts.device)
+            self.executed = self.executed.to(counts.device)
             self.tokens = self.tokens.to(counts.device)
-        self.counts.add_(counts.to(torch.int64))
+        self.counts.add_(counts)
+        self.executed.add_(counts if executed is None else _per_expert(executed))
         self.tokens.add_(tokens)
 
 
@@ -257,8 +276,8 @@ class ExpertLoadCollector:
     def _router_hook(self, acc: _LayerAccumulator, spec: RouterSpec):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if self._active_depth > 0 and module.training and not _in_backward():
-                counts, tokens = spec.counts_fn(module, args, kwargs, output)
-                acc.add(counts, tokens)
+                counted = spec.counts_fn(module, args, kwargs, output)
+                acc.add(counted[0], counted[1], counted[2] if len(counted) > 2 else None)
 
         return hook
 
@@ -282,13 +301,18 @@ class ExpertLoadCollector:
         return ks.pop()
 
     def local_counts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """This rank's device accumulators (per-layer counts [E] and tokens []), not copied."""
+        """This rank's device accumulators (per-layer routed counts [E] and tokens []), not copied."""
         return [a.counts for a in self._accs], [a.tokens for a in self._accs]
+
+    def local_executed(self) -> list[torch.Tensor]:
+        """This rank's per-layer executed counts [E] (padding included), not copied."""
+        return [a.executed for a in self._accs]
 
     def reset(self) -> None:
         """Zero the device accumulators (start of a new step)."""
         for a in self._accs:
             a.counts.zero_()
+            a.executed.zero_()
             a.tokens.zero_()
 
     def export(self, group: Any = None, *, contribute: bool | None = None) -> ExpertLoads:

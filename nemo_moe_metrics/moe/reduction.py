@@ -9,8 +9,10 @@ Every rank, with or without MoE layers, keeps one :class:`ExpertLoadReducer` per
 :meth:`ExpertLoadReducer.export` at the same points. The first export gathers each rank's
 signature (pipeline stage, top-k, layer ids, experts per layer) and validates it; a mismatch
 raises the same :class:`ExpertLoadSignatureError` on every rank. Later exports make exactly one
-``all_reduce`` and one device-to-host copy, with guard slots that catch a rank whose layers
-changed since (re-attaching a collector to another model).
+``all_reduce`` of routed counts, executed counts and routed tokens together, and no host read of
+their own (:meth:`ExpertLoadReducer.enqueue` hands the result to the export's one read), with
+guard slots that catch a rank whose layers changed since (re-attaching a collector to another
+model).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nemo_moe_metrics.host_read import Pending, read_once
 from nemo_moe_metrics.moe.balance import ExpertLoads
 
 _GUARD = 2  # [participants, ranks whose signature changed]
@@ -154,23 +157,31 @@ class ExpertLoadReducer:
         offsets = np.concatenate([[0], np.cumsum(experts)]).astype(np.int64)
         n_counts = int(offsets[-1])
         pos = {layer: i for i, layer in enumerate(layer_ids)}
-        # Where this rank's flat [counts of each local layer..., tokens of each local layer...]
-        # land in the global payload [all counts..., all tokens..., guard].
-        index = [int(offsets[pos[layer]]) + j for layer, e in sig.layers for j in range(e)] + [
-            n_counts + pos[layer] for layer, _ in sig.layers
-        ]
+        # Where this rank's flat [routed counts of each local layer..., executed counts of each
+        # local layer..., tokens of each local layer...] land in the global payload
+        # [all routed counts..., all executed counts..., all tokens..., guard].
+        local = [int(offsets[pos[layer]]) + j for layer, e in sig.layers for j in range(e)]
+        index = local + [n_counts + i for i in local]
+        index += [2 * n_counts + pos[layer] for layer, _ in sig.layers]
         self._index = torch.tensor(index, dtype=torch.int64)
-        self._size = n_counts + len(layer_ids) + _GUARD
+        self._size = 2 * n_counts + len(layer_ids) + _GUARD
 
     def export(self, collector: Any, *, contribute: bool | None = None) -> ExpertLoads:
         """Sum this step's counts over the group, reset the collector, return the global loads."""
+        return read_once([self.enqueue(collector, contribute=contribute)])[0]
+
+    def enqueue(self, collector: Any, *, contribute: bool | None = None) -> Pending[ExpertLoads]:
+        """Launch the step's summing ``all_reduce``; the returned Pending builds the loads.
+
+        The first call also agrees on the layer signature (``all_gather_object``, its own
+        host read, once per run). Finishing resets the collector.
+        """
         world, _ = _world(self.group)
         stage = self.stage if self.stage is not None else default_stage()
         sig = local_signature(collector, stage)
         if self._layout is None:
             self._agree(sig, world)
         assert self._layout is not None and self._index is not None
-        layer_ids, experts, topk = self._layout
         if contribute is None:
             contribute = default_contribute(collector)
         device = _collective_device(self.group, collector)
@@ -179,7 +190,11 @@ class ExpertLoadReducer:
         if collector is not None and contribute and not changed and self._index.numel():
             counts, tokens = collector.local_counts()
             flat = torch.cat(
-                [*(c.to(device) for c in counts), *(t.reshape(1).to(device) for t in tokens)]
+                [
+                    *(c.to(device) for c in counts),
+                    *(c.to(device) for c in collector.local_executed()),
+                    *(t.reshape(1).to(device) for t in tokens),
+                ]
             )
             if device not in self._index_on:
                 self._index_on[device] = self._index.to(device)
@@ -188,7 +203,11 @@ class ExpertLoadReducer:
         payload[-1] = int(changed)
         if world > 1:
             dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=self.group)
-        values = payload.cpu().numpy()  # the one host synchronisation of the step
+        return Pending((payload,), lambda host: self._finish(collector, world, host[0]))
+
+    def _finish(self, collector: Any, world: int, values: np.ndarray) -> ExpertLoads:
+        assert self._layout is not None
+        layer_ids, experts, topk = self._layout
         if collector is not None:
             collector.reset()
         if values[-2] != world or values[-1] != 0:
@@ -200,17 +219,20 @@ class ExpertLoadReducer:
         n_counts = int(sum(experts))
         width = max(experts, default=0)
         counts = np.zeros((len(layer_ids), width), dtype=np.int64)
+        executed = np.zeros((len(layer_ids), width), dtype=np.int64)
         start = 0
         for i, e in enumerate(experts):
             counts[i, :e] = values[start : start + e]
+            executed[i, :e] = values[n_counts + start : n_counts + start + e]
             start += e
-        routed = values[n_counts : n_counts + len(layer_ids)].astype(np.int64)
+        routed = values[2 * n_counts : 2 * n_counts + len(layer_ids)].astype(np.int64)
         return ExpertLoads(
             layer_ids=list(layer_ids),
             counts=counts,
             routed_tokens=routed,
             topk=topk,
             num_experts=list(experts),
+            executed=executed,
         )
 
 
