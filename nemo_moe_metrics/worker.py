@@ -1,6 +1,6 @@
 """The policy-worker integration: what a training worker calls to get its metrics.
 
-A worker adopts it with four calls (docs/en/integration.md has a runnable example of each)::
+A worker adopts it with five calls, the constructor and four methods (docs/en/integration.md)::
 
     metrics = PolicyMetrics(metrics_cfg, vocab_size=padded_vocab_size)  # megatron: lm_head size
     metrics.attach(model_chunks, config)    # once; megatron TransformerConfig or HF model.config
