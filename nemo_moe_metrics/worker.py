@@ -67,7 +67,8 @@ def model_facts(config: Any) -> ModelFacts:
         text = config.get_text_config()  # composite configs (qwen3_5_moe) keep it inside
         experts = next((getattr(text, f) for f in _HF_EXPERT_FIELDS if getattr(text, f, None)), 0)
         aux = "hf" if experts and has_hf_load_balancing_loss(text) else None
-        return ModelFacts(int(experts or 0), int(text.num_hidden_layers), 1, aux)
+        layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+        return ModelFacts(int(experts or 0), layers, 1, aux)
     if not hasattr(config, "num_layers"):
         raise TypeError(
             f"PolicyMetrics.attach(model, config): config is a {type(config).__name__}; pass the "
@@ -96,6 +97,7 @@ class PolicyMetrics:
         self._facts: ModelFacts | None = None
         self._hf_aux: Any = None  # moe.hf_aux_loss.HFAuxLossAccumulator for transformers models
         self._steps_since_export = 0
+        self._microbatches_since_export = 0  # a host counter: no device read per microbatch
 
     @property
     def active(self) -> bool:
@@ -202,6 +204,7 @@ class PolicyMetrics:
         """Record one training microbatch; ``seq_lens``: see the module docstring (one per sequence)."""
         if self._meter is not None:
             self._meter.add_sequences(seq_lens)
+            self._microbatches_since_export += 1
 
     def finish_step(self, num_microbatches: int) -> dict[str, Any]:
         """Reduce across ranks and return the step's metrics; collective, same dict on every rank.
@@ -242,6 +245,7 @@ class PolicyMetrics:
             self._check_microbatches_recorded(perf)
             out.update(perf)
         self._steps_since_export = 0
+        self._microbatches_since_export = 0
         return out
 
     def _aux_loss_metrics(self, num_microbatches: int) -> dict[str, float]:
@@ -266,14 +270,23 @@ class PolicyMetrics:
         )
 
     def _check_microbatches_recorded(self, perf: dict[str, Any]) -> None:
-        # perf holds the tokens already reduced over every rank (read at export anyway): the
-        # same value, hence the same error, on every rank; no extra read per microbatch.
-        if self._steps_since_export and perf.get(mn.TOKENS) == 0:
+        # perf holds the tokens already reduced over every rank (read at export anyway), so
+        # every rank takes this branch together; only then one more tiny collective asks
+        # whether any rank called microbatch() (zero-length sequences are a valid 0 tokens).
+        if not self._steps_since_export or perf.get(mn.TOKENS) != 0:
+            return
+        calls = self._microbatches_since_export
+        if dist.is_available() and dist.is_initialized():
+            device = "cpu" if str(dist.get_backend()) == "gloo" else "cuda"
+            total = torch.tensor([calls], dtype=torch.int64, device=device)
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            calls = int(total.item())
+        if calls == 0:
             raise RuntimeError(
-                "PolicyMetrics.finish_step: track_throughput is on but no rank recorded a "
-                "microbatch() with any tokens since the last finish_step, so train_perf/ would "
-                "report 0 tokens. Call metrics.microbatch(seq_lens=...) once per microbatch "
-                "inside `with metrics.step():` (e.g. in forward_step_func)."
+                "PolicyMetrics.finish_step: track_throughput is on but no rank called "
+                "microbatch() since the last finish_step, so train_perf/ would report 0 tokens. "
+                "Call metrics.microbatch(seq_lens=...) once per microbatch inside "
+                "`with metrics.step():` (e.g. in forward_step_func)."
             )
 
     def detach(self) -> None:
