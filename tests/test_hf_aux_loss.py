@@ -158,3 +158,21 @@ def test_warning_filter_does_not_hide_user_warnings():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         PolicyMetrics(MetricsConfig(track_moe_metrics=True)).attach(model, model.config)
+
+
+def test_gradient_checkpointing_recompute_adds_no_second_aux_loss():
+    # transformers recomputes each layer's forward in backward: the router runs twice per step.
+    model = tiny_model("qwen3_moe")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    metrics = PolicyMetrics(MetricsConfig(track_moe_metrics=True, moe_per_layer_logging=True))
+    metrics.attach(model, model.config)
+    func = _transformers_loss("qwen3_moe")
+    with metrics.step():
+        ids = _microbatch(3)
+        out = model(input_ids=ids, labels=ids, output_router_logits=True)
+        expected = [float(func((lg.detach(),), num_experts=8, top_k=K)) for lg in out.router_logits]
+        out.loss.backward()
+    got = metrics.finish_step(num_microbatches=1)
+    for layer in (0, 1):
+        key = mn.aux_loss_layer_key("load_balancing_loss", layer)
+        assert got[key] == pytest.approx(expected[layer], rel=1e-5)
