@@ -28,7 +28,7 @@ import contextlib
 import logging
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -60,6 +60,11 @@ def model_facts(config: Any) -> ModelFacts:
 
     FLOPs need no adapter: ``nemo_moe_metrics.flops`` takes either config type.
     """
+    if isinstance(config, Mapping) and "model_type" in config:  # a config.json dict
+        from transformers import AutoConfig
+
+        data = {k: v for k, v in config.items() if k != "model_type"}
+        config = AutoConfig.for_model(config["model_type"], **data)
     transformers = sys.modules.get("transformers")  # a PretrainedConfig means it is imported
     if transformers is not None and isinstance(config, transformers.PretrainedConfig):
         from nemo_moe_metrics.moe.hf_aux_loss import has_hf_load_balancing_loss
@@ -73,7 +78,7 @@ def model_facts(config: Any) -> ModelFacts:
         raise TypeError(
             f"PolicyMetrics.attach(model, config): config is a {type(config).__name__}; pass the "
             "model's megatron-core TransformerConfig or its transformers PretrainedConfig "
-            "(model.config)"
+            "(model.config, or its config.json as a dict with model_type)"
         )
     experts = int(getattr(config, "num_moe_experts", None) or 0)
     ep = int(getattr(config, "expert_model_parallel_size", 1) or 1)

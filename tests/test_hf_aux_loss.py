@@ -176,3 +176,9 @@ def test_gradient_checkpointing_recompute_adds_no_second_aux_loss():
     for layer in (0, 1):
         key = mn.aux_loss_layer_key("load_balancing_loss", layer)
         assert got[key] == pytest.approx(expected[layer], rel=1e-5)
+
+
+def test_config_json_dict_picks_the_hugging_face_adapter():
+    data = tiny_config("mixtral").to_dict()
+    facts = model_facts(data)
+    assert (facts.num_experts, facts.num_layers, facts.aux_loss) == (8, 2, "hf")
