@@ -1,17 +1,22 @@
-"""The policy-worker integration: what a Megatron policy worker calls to get its metrics.
+"""The policy-worker integration: what a training worker calls to get its metrics.
 
-A worker adopts it in a few lines::
+A worker adopts it with five calls, the constructor and four methods (docs/en/integration.md)::
 
-    metrics = PolicyMetrics(megatron_cfg.metrics(), vocab_size=padded_vocab_size)
-    metrics.attach(model_chunks, transformer_config)       # once, after building the model
-    for global_batch in batches:                            # one optimizer step each
+    metrics = PolicyMetrics(metrics_cfg, vocab_size=padded_vocab_size)  # megatron: lm_head size
+    metrics.attach(model_chunks, config)    # once; megatron TransformerConfig or HF model.config
+    for global_batch in batches:            # one optimizer step each
         with metrics.step():
-            for microbatch in ...:                          # inside forward_step_func
+            for microbatch in ...:          # inside forward_step_func
                 metrics.microbatch(seq_lens=attention_mask.sum(-1))
                 ...forward, backward...
             optimizer.step()
         step_metrics = metrics.finish_step(num_microbatches=n)   # collective: every rank calls it
         results.update(step_metrics)
+
+``seq_lens`` counts, per sequence of the microbatch, its real tokens: padding excluded, each
+packed sequence separately (``attention_mask.sum(-1)`` with a transformers mask, 1 = real token;
+``(~padding_mask).sum(-1)`` with megatron's, True = padding; ``lengths_from_cu_seqlens`` when
+packed).
 
 ``finish_step`` returns the same dict on every rank, with keys exactly as in
 ``nemo_moe_metrics.metric_names``; loops merge it as is (no extra prefix).
@@ -21,16 +26,64 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
-from typing import Any
+import sys
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import MetricsConfig
+from nemo_moe_metrics.host_read import Pending, done, read_once
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the worker needs to know about a model, read from its config."""
+
+    num_experts: int  #: routed experts per MoE layer; 0 for a dense model
+    num_layers: int  #: decoder layers (global layer ids index into them)
+    ep_size: int  #: expert-parallel ranks (1 for Hugging Face models)
+    aux_loss: Literal["megatron", "hf"] | None  #: where aux losses come from; None: none
+
+
+_HF_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def model_facts(config: Any) -> ModelFacts:
+    """The adapter: a transformers ``PretrainedConfig`` or a megatron ``TransformerConfig``.
+
+    FLOPs need no adapter: ``nemo_moe_metrics.flops`` takes either config type.
+    """
+    if isinstance(config, Mapping) and "model_type" in config:  # a config.json dict
+        from transformers import AutoConfig
+
+        data = {k: v for k, v in config.items() if k != "model_type"}
+        config = AutoConfig.for_model(config["model_type"], **data)
+    transformers = sys.modules.get("transformers")  # a PretrainedConfig means it is imported
+    if transformers is not None and isinstance(config, transformers.PretrainedConfig):
+        from nemo_moe_metrics.moe.hf_aux_loss import has_hf_load_balancing_loss
+
+        text = config.get_text_config()  # composite configs (qwen3_5_moe) keep it inside
+        experts = next((getattr(text, f) for f in _HF_EXPERT_FIELDS if getattr(text, f, None)), 0)
+        aux = "hf" if experts and has_hf_load_balancing_loss(text) else None
+        layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+        return ModelFacts(int(experts or 0), layers, 1, aux)
+    if not hasattr(config, "num_layers"):
+        raise TypeError(
+            f"PolicyMetrics.attach(model, config): config is a {type(config).__name__}; pass the "
+            "model's megatron-core TransformerConfig or its transformers PretrainedConfig "
+            "(model.config, or its config.json as a dict with model_type)"
+        )
+    experts = int(getattr(config, "num_moe_experts", None) or 0)
+    ep = int(getattr(config, "expert_model_parallel_size", 1) or 1)
+    return ModelFacts(experts, int(config.num_layers), ep, "megatron" if experts else None)
 
 
 class PolicyMetrics:
@@ -47,31 +100,40 @@ class PolicyMetrics:
         self._ep_size = 1
         self._meter: Any = None
         self._attached = False
+        self._facts: ModelFacts | None = None
+        self._hf_aux: Any = None  # moe.hf_aux_loss.HFAuxLossAccumulator for transformers models
+        self._steps_since_export = 0
+        self._microbatches_since_export = 0  # a host counter: no device read per microbatch
 
     @property
     def active(self) -> bool:
         """Whether anything is measured (False: every call is a no-op)."""
         return self._track_moe or self._meter is not None
 
-    def attach(self, model: nn.Module | list[nn.Module], transformer_config: Any) -> None:
-        """Hook the model chunks as the flags say; nothing at all when they are off or not MoE."""
+    def attach(self, model: nn.Module | list[nn.Module], config: Any) -> None:
+        """Hook the model chunks as the flags say; nothing at all when they are off or not MoE.
+
+        ``config`` is the model's megatron-core ``TransformerConfig`` or its transformers
+        ``PretrainedConfig`` (``model.config``); its type picks the adapter (:func:`model_facts`).
+        """
         if self._attached:
             raise RuntimeError("PolicyMetrics.attach() was already called; attach once per model")
         self._attached = True
-        self._transformer_config = transformer_config
+        self._transformer_config = config
+        self._facts = model_facts(config)
         chunks = model if isinstance(model, list | tuple) else [model]
         if self.cfg.track_moe_metrics:
-            self._attach_moe(chunks, transformer_config)
+            self._attach_moe(chunks, self._facts)
         if self.cfg.track_throughput:
-            self._meter = self._build_meter(transformer_config)
+            self._meter = self._build_meter(config)
 
-    def _attach_moe(self, chunks: list[nn.Module], transformer_config: Any) -> None:
+    def _attach_moe(self, chunks: list[nn.Module], facts: ModelFacts) -> None:
         from nemo_moe_metrics.moe.hooks import ExpertLoadCollector
         from nemo_moe_metrics.moe.reduction import ExpertLoadReducer
 
         # Decided from the config, not from this rank's modules: a pipeline stage without MoE
         # layers must still join every collective the other stages make.
-        if not getattr(transformer_config, "num_moe_experts", None):
+        if not facts.num_experts:
             log.warning(
                 "track_moe_metrics is on but the model has no MoE layers: no moe/ metrics, no hooks"
             )
@@ -79,7 +141,22 @@ class PolicyMetrics:
         self._track_moe = True
         self._collector = ExpertLoadCollector.attach(chunks)
         self._reducer = ExpertLoadReducer(None)
-        self._ep_size = int(getattr(transformer_config, "expert_model_parallel_size", 1) or 1)
+        self._ep_size = facts.ep_size
+        if self._collector is None:
+            warnings.warn(
+                f"PolicyMetrics.attach: the config says {facts.num_experts} experts but no known "
+                "MoE router was found in the model, so no expert loads are counted on this rank "
+                "(expected only on a pipeline stage without MoE layers). For a custom router "
+                "class call nemo_moe_metrics.moe.hooks.register_router(RouterClass, counts_fn) "
+                "before attach().",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        if facts.aux_loss == "hf" and self._collector is not None:
+            from nemo_moe_metrics.moe.hf_aux_loss import HFAuxLossAccumulator
+
+            self._hf_aux = HFAuxLossAccumulator(facts.num_layers)
+            self._collector.add_observer(self._hf_aux.observe)
 
     def _build_meter(self, transformer_config: Any) -> Any:
         from nemo_moe_metrics.throughput import StepMeter
@@ -93,12 +170,11 @@ class PolicyMetrics:
             device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
             if estimator is not None:
                 peak = resolve_peak_flops(device_name, self.cfg.peak_flops_per_gpu)
-        data_group = None
-        if dist.is_initialized():
-            from megatron.core import parallel_state
-
-            if parallel_state.model_parallel_is_initialized():
-                data_group = parallel_state.get_data_parallel_group(with_context_parallel=False)
+        data_group = None  # world: every rank a data-parallel replica (DDP, FSDP)
+        parallel_state = sys.modules.get("megatron.core.parallel_state")  # only if in use
+        ps = parallel_state
+        if dist.is_initialized() and ps is not None and ps.model_parallel_is_initialized():
+            data_group = ps.get_data_parallel_group(with_context_parallel=False)
         device = (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         )
@@ -127,19 +203,23 @@ class PolicyMetrics:
         except BaseException:
             self._discard_partial_step()
             raise
+        self._steps_since_export += 1
 
     def _discard_partial_step(self) -> None:
         if self._collector is not None:
             self._collector.reset()
-        if self._track_moe:
+        if self._hf_aux is not None:
+            self._hf_aux.reset()
+        elif self._track_moe:
             from nemo_moe_metrics.moe.aux_loss import clear_aux_loss_tracker
 
             clear_aux_loss_tracker()
 
     def microbatch(self, seq_lens: torch.Tensor) -> None:
-        """Record one training microbatch: real (non-padding) length of each sequence, on device."""
+        """Record one training microbatch; ``seq_lens``: see the module docstring (one per sequence)."""
         if self._meter is not None:
             self._meter.add_sequences(seq_lens)
+            self._microbatches_since_export += 1
 
     def finish_step(self, num_microbatches: int) -> dict[str, Any]:
         """Reduce across ranks and return the step's metrics; collective, same dict on every rank.
@@ -163,20 +243,11 @@ class PolicyMetrics:
         # Every family launches its device work and collectives (same order on every rank),
         # then ONE host read brings all results back and each family finishes on host numbers.
         # A new family joins by appending its Pending here.
-        from nemo_moe_metrics.host_read import read_once
-
         pending = []
         if self._track_moe:
-            from nemo_moe_metrics.moe.aux_loss import enqueue_aux_loss_metrics
             from nemo_moe_metrics.moe.balance import expert_load_metrics
 
-            pending.append(
-                enqueue_aux_loss_metrics(
-                    self._transformer_config,
-                    num_microbatches=num_microbatches,
-                    per_layer=self.cfg.moe_per_layer_logging,
-                )
-            )
+            pending.append(self._enqueue_aux_loss(num_microbatches))
             loads = self._reducer.enqueue(self._collector)
             pending.append(
                 loads.then(
@@ -193,7 +264,52 @@ class PolicyMetrics:
         out: dict[str, Any] = {}
         for metrics in read_once(pending):
             out.update(metrics)
+        if self._meter is not None:
+            self._check_microbatches_recorded(out)
+        self._steps_since_export = 0
+        self._microbatches_since_export = 0
         return out
+
+    def _enqueue_aux_loss(self, num_microbatches: int) -> Pending[dict[str, float]]:
+        # One source per config type: megatron's tracker, or the HF router-output accumulator.
+        if self._hf_aux is not None:
+            from nemo_moe_metrics.moe.hf_aux_loss import enqueue_hf_aux_loss_metrics
+
+            return enqueue_hf_aux_loss_metrics(
+                self._hf_aux,
+                self._collector.layer_ids,
+                num_microbatches=num_microbatches,
+                per_layer=self.cfg.moe_per_layer_logging,
+            )
+        if self._facts is not None and self._facts.aux_loss != "megatron":
+            return done({})
+        from nemo_moe_metrics.moe.aux_loss import enqueue_aux_loss_metrics
+
+        return enqueue_aux_loss_metrics(
+            self._transformer_config,
+            num_microbatches=num_microbatches,
+            per_layer=self.cfg.moe_per_layer_logging,
+        )
+
+    def _check_microbatches_recorded(self, perf: dict[str, Any]) -> None:
+        # perf holds the tokens already reduced over every rank (read at export anyway), so
+        # every rank takes this branch together; only then one more tiny collective asks
+        # whether any rank called microbatch() (zero-length sequences are a valid 0 tokens).
+        if not self._steps_since_export or perf.get(mn.TOKENS) != 0:
+            return
+        calls = self._microbatches_since_export
+        if dist.is_available() and dist.is_initialized():
+            device = "cpu" if str(dist.get_backend()) == "gloo" else "cuda"
+            total = torch.tensor([calls], dtype=torch.int64, device=device)
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            calls = int(total.item())
+        if calls == 0:
+            raise RuntimeError(
+                "PolicyMetrics.finish_step: track_throughput is on but no rank called "
+                "microbatch() since the last finish_step, so train_perf/ would report 0 tokens. "
+                "Call metrics.microbatch(seq_lens=...) once per microbatch inside "
+                "`with metrics.step():` (e.g. in forward_step_func)."
+            )
 
     def detach(self) -> None:
         """Remove every hook (the model runs exactly as before)."""

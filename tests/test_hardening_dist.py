@@ -87,8 +87,8 @@ def _scenario(rank, world_size, fail):
             torch.tensor(seen)
         ).total,
     }
-    with metrics.step():  # a step with no microbatch at all: zero tokens everywhere
-        pass
+    with metrics.step():  # a microbatch without sequences: zero tokens everywhere
+        metrics.microbatch(seq_lens=torch.zeros(0, dtype=torch.int64))
     out["empty"] = metrics.finish_step(num_microbatches=1)
     if fail is None:
         return out

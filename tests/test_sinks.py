@@ -186,3 +186,14 @@ def test_build_sinks_records_the_model_shape_in_run_json(tmp_path):
         4,
     )
     assert meta["config"] == config
+
+
+def test_split_tables_separates_the_expert_table_from_scalars():
+    from nemo_moe_metrics.sinks import split_tables
+
+    table = [[0, 0, 3, 75.0], [0, 1, 1, 25.0]]
+    scalars, tables = split_tables(
+        {"moe/expert_loads": table, "moe/max_over_ideal": 1.5, "train_perf/tokens": 4.0}
+    )
+    assert scalars == {"moe/max_over_ideal": 1.5, "train_perf/tokens": 4.0}
+    assert tables == {"moe/expert_loads": table}

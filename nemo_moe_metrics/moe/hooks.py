@@ -215,6 +215,7 @@ class ExpertLoadCollector:
         self._handles: list[Any] = []
         self._accs: list[_LayerAccumulator] = []
         self._reducers: dict[Any, Any] = {}
+        self._observers: list[Callable[[int, nn.Module, Any], None]] = []
         self.sequence_parallel = False
         seen: dict[int, str] = {}
         for name, module, spec in routers:
@@ -278,8 +279,18 @@ class ExpertLoadCollector:
             if self._active_depth > 0 and module.training and not _in_backward():
                 counted = spec.counts_fn(module, args, kwargs, output)
                 acc.add(counted[0], counted[1], counted[2] if len(counted) > 2 else None)
+                for observe in self._observers:
+                    observe(acc.layer_id, module, output)
 
         return hook
+
+    def add_observer(self, observe: Callable[[int, nn.Module, Any], None]) -> None:
+        """Also call ``observe(layer_id, router, output)`` wherever a router forward is counted.
+
+        Same gating as the counts (training forwards only, never a backward recomputation);
+        ``observe`` must only launch device ops (e.g. ``moe.hf_aux_loss``).
+        """
+        self._observers.append(observe)
 
     # -- step boundary -----------------------------------------------------------------------
     @property

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_moe_metrics.config import LoggerConfig
-from nemo_moe_metrics.sinks.base import MultiSink, NullSink, Sink, validate_metrics
+from nemo_moe_metrics.sinks.base import MultiSink, NullSink, Sink, split_tables, validate_metrics
 from nemo_moe_metrics.sinks.jsonl import METRICS_FILE, JsonlSink
 
 RUN_FILE = "run.json"
@@ -31,6 +31,7 @@ __all__ = [
     "Sink",
     "build_sinks",
     "run_metadata",
+    "split_tables",
     "validate_metrics",
 ]
 

@@ -12,7 +12,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from nemo_moe_metrics.metric_names import TABLE_COLUMNS
 
@@ -46,6 +46,20 @@ class NullSink:
 def is_table(key: str) -> bool:
     """Whether ``key`` names a table (a list of rows) rather than a scalar."""
     return key in TABLE_COLUMNS
+
+
+def split_tables(metrics: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(scalars, tables)``: split one step's metrics for a logger that takes numbers only.
+
+    ``tables`` holds the table-valued keys (``moe/expert_loads``: a list of rows, columns in
+    ``TABLE_COLUMNS``); ``scalars`` holds everything else, unchanged. Give ``scalars`` to e.g.
+    megatron's ``training_log`` or NeMo RL's logger, and ``tables`` to a sink that keeps tables.
+    """
+    scalars: dict[str, Any] = {}
+    tables: dict[str, Any] = {}
+    for key, value in metrics.items():
+        (tables if is_table(key) else scalars)[key] = value
+    return scalars, tables
 
 
 def validate_metrics(metrics: Metrics, step: int) -> dict[str, MetricValue]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nemo_moe_metrics.sinks.base import Metrics, is_table
+from nemo_moe_metrics.sinks.base import Metrics, split_tables
 
 
 class TensorBoardSink:
@@ -22,9 +22,9 @@ class TensorBoardSink:
 
     def log(self, metrics: Metrics, step: int) -> None:
         """Add one point per scalar key; skip tables (they live in JSONL and W&B)."""
-        for key, value in metrics.items():
-            if not is_table(key):
-                self._writer.add_scalar(key, value, global_step=step)
+        scalars, _ = split_tables(metrics)
+        for key, value in scalars.items():
+            self._writer.add_scalar(key, value, global_step=step)
         self._writer.flush()
 
     def close(self) -> None:

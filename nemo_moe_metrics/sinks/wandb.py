@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_moe_metrics.metric_names import TABLE_COLUMNS
-from nemo_moe_metrics.sinks.base import Metrics, is_table
+from nemo_moe_metrics.sinks.base import Metrics, split_tables
 
 
 class WandbSink:
@@ -54,20 +54,17 @@ class WandbSink:
 
     def log(self, metrics: Metrics, step: int) -> None:
         """Log scalars (and tables when ``step`` is a multiple of ``table_every``) for ``step``."""
-        data: dict[str, Any] = {}
-        for key, value in metrics.items():
-            if is_table(key):
-                if step % self.table_every:
-                    continue
-                if len(value) > self._wandb.Table.MAX_ROWS:
-                    self._wandb.Table.MAX_ROWS = len(value)
-                # optional=False: cells are validated numbers, never None; W&B's per-row type
-                # inference is then about 5x cheaper (0.25 s instead of 1.5 s for 64 x 256).
-                data[key] = self._wandb.Table(
-                    columns=list(TABLE_COLUMNS[key]), data=value, optional=False
-                )
-            else:
-                data[key] = value
+        data, tables = split_tables(metrics)
+        if step % self.table_every:
+            tables = {}
+        for key, value in tables.items():
+            if len(value) > self._wandb.Table.MAX_ROWS:
+                self._wandb.Table.MAX_ROWS = len(value)
+            # optional=False: cells are validated numbers, never None; W&B's per-row type
+            # inference is then about 5x cheaper (0.25 s instead of 1.5 s for 64 x 256).
+            data[key] = self._wandb.Table(
+                columns=list(TABLE_COLUMNS[key]), data=value, optional=False
+            )
         # commit=True: the row is written now, not held back until the next step arrives.
         self.run.log(data, step=step, commit=True)
 

@@ -1,0 +1,150 @@
+"""Router load-balancing loss of Hugging Face MoE models, per layer, on the device.
+
+transformers computes its auxiliary loss in ``load_balancing_loss_func`` (the Switch Transformer
+loss) over the router logits of ALL layers concatenated, once per forward, and only with
+``output_router_logits=True``. This module computes the same function on ONE layer's router
+logits at a time, inside the router forward hook the expert-load collector already installs:
+
+    loss_layer = E * sum_e f_e * P_e,   f_e = (top-k picks of expert e) / T,
+                                        P_e = mean over the T tokens of softmax(logits)[:, e]
+
+with the top-k taken on ``softmax(logits)`` exactly as transformers does (coefficient
+``router_aux_loss_coef`` excluded, as megatron's tracker excludes its coefficient; padding
+included, as transformers' function without ``attention_mask``). Calling
+``load_balancing_loss_func((logits,), E, k)`` on one layer's logits gives the same number
+(tests/test_hf_aux_loss.py). Per layer the values are summed over the step's training forwards
+on the device (no host synchronisation); at the end of the step :func:`enqueue_hf_aux_loss_metrics`
+scales them by ``1 / num_microbatches``, reduces them with the same code as megatron's tracker
+(``aux_loss.reduce_aux_losses``: mean over data parallel) and reports the mean over MoE layers
+under the same keys (``moe/load_balancing_loss``, per layer ``moe/load_balancing_loss_layer_{i}``).
+How this differs from megatron's and from transformers' concatenated loss: docs/en/aux_loss.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nemo_moe_metrics.host_read import Pending
+from nemo_moe_metrics.metric_names import AUX_LOSS_TRACKER_NAMES
+
+#: The one loss a Hugging Face MoE model defines, under megatron's tracker name.
+HF_AUX_LOSS_NAMES: tuple[str, ...] = (AUX_LOSS_TRACKER_NAMES["aux_loss"],)
+
+
+def has_hf_load_balancing_loss(text_config: Any) -> bool:
+    """Whether the transformers family trains with ``load_balancing_loss_func``.
+
+    Those configs carry ``router_aux_loss_coef`` (qwen3_moe, mixtral, olmoe, gpt_oss,
+    qwen3_next, qwen3_5_moe); deepseek_v3 balances with a routing bias and has none.
+    """
+    return hasattr(text_config, "router_aux_loss_coef")
+
+
+def layer_load_balancing_loss(router_logits: torch.Tensor, num_experts: int, top_k: int):
+    """transformers' ``load_balancing_loss_func`` on one layer's ``[T, E]`` logits (0-d tensor).
+
+    Device ops only: no host read, no branching on values.
+    """
+    logits = router_logits.detach()
+    tokens = logits.shape[0]
+    weights = torch.softmax(logits, dim=-1)
+    _, selected = torch.topk(weights, top_k, dim=-1)
+    flat = selected.reshape(-1)
+    picks = torch.zeros(num_experts, dtype=torch.float32, device=logits.device)
+    picks.scatter_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=flat.device))
+    prob_sum = weights.float().sum(dim=0)
+    return (picks / tokens * (prob_sum / tokens)).sum() * num_experts
+
+
+class HFAuxLossAccumulator:
+    """Per-layer sum of the load-balancing loss over a step's training forwards, on device.
+
+    ``values`` is ``[len(HF_AUX_LOSS_NAMES), num_layers]`` float32 (zeros for dense layers),
+    the same shape megatron's tracker gives ``aux_loss.local_aux_loss_values``.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        """``num_layers``: decoder layers of the model (the global layer ids index into it)."""
+        self.num_layers = num_layers
+        self.values = torch.zeros(len(HF_AUX_LOSS_NAMES), num_layers, dtype=torch.float32)
+
+    def observe(self, layer_id: int, module: nn.Module, output: Any) -> None:
+        """Router-hook callback: add this forward's loss of ``layer_id`` (device ops only)."""
+        logits = output[0]
+        if logits.shape[0] == 0:  # metadata, not a value: an empty microbatch adds nothing
+            return
+        if self.values.device != logits.device:  # first forward, or the model moved
+            self.values = self.values.to(logits.device)
+        loss = layer_load_balancing_loss(logits, int(module.num_experts), int(module.top_k))
+        self.values[0, layer_id].add_(loss)
+
+    def reset(self) -> None:
+        """Zero the sums (start of a new step, or a step that raised)."""
+        self.values.zero_()
+
+
+def _hf_groups(data_group: Any) -> SimpleNamespace:
+    """The four groups ``reduce_aux_losses`` takes, for a model without TP/PP/CP.
+
+    Every rank is a data-parallel replica: tensor/context and pipeline groups are the rank
+    alone (``reduce_aux_losses`` skips collectives over a one-rank group, so a group of one
+    is passed as the rank's own one-rank group, never the world).
+    """
+    single = _single_rank_group()
+    return SimpleNamespace(pp=single, tp_cp=single, dp=data_group, tp_dp_cp=data_group)
+
+
+_SINGLE: dict[int, Any] = {}
+
+
+def _single_rank_group() -> Any:
+    # new_subgroups is collective: made once per process, at the first export (every rank).
+    rank = dist.get_rank()
+    if rank not in _SINGLE:
+        group, _ = dist.new_subgroups(group_size=1)
+        _SINGLE[rank] = group
+    return _SINGLE[rank]
+
+
+def enqueue_hf_aux_loss_metrics(
+    acc: HFAuxLossAccumulator,
+    moe_layers: Sequence[int],
+    *,
+    num_microbatches: int,
+    per_layer: bool,
+    data_group: Any = None,
+) -> Pending[dict[str, float]]:
+    """``moe/load_balancing_loss`` (mean over ``moe_layers``) and optional per-layer keys, queued.
+
+    Collective when torch.distributed is initialised: every rank calls it once per step.
+    Scales this rank's sums by ``1/num_microbatches``, averages over ``data_group`` (None =
+    world) through ``aux_loss.reduce_aux_losses`` and resets; the values are read with the
+    export's one host read (:func:`~nemo_moe_metrics.host_read.read_once`).
+    """
+    from nemo_moe_metrics.moe.aux_loss import (
+        _check_num_microbatches,
+        reduce_aux_losses,
+        summarize_aux_losses,
+    )
+
+    _check_num_microbatches(num_microbatches)
+    values = acc.values.clone()
+    acc.reset()
+    values.div_(num_microbatches)
+    if dist.is_available() and dist.is_initialized():
+        if str(dist.get_backend(data_group)) == "gloo" and values.device.type != "cpu":
+            values = values.cpu()
+        reduce_aux_losses(values, HF_AUX_LOSS_NAMES, pg_collection=_hf_groups(data_group))
+
+    def finish(host: list[np.ndarray]) -> dict[str, float]:
+        by_name = dict(zip(HF_AUX_LOSS_NAMES, host[0].tolist(), strict=True))
+        return summarize_aux_losses(by_name, moe_layers, per_layer=per_layer)
+
+    return Pending((values,), finish)
