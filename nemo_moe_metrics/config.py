@@ -216,6 +216,35 @@ class GRPOConfig(StrictModel):
     temperature: float = Field(1.0, gt=0)
 
 
+class AlertsConfig(StrictModel):
+    """``logger.alerts``: one warning line when an expert-balance threshold is crossed.
+
+    Checked on rank 0 from the numbers each step already logs (no collective, no device read);
+    ``moe/alerts`` counts the crossings of each step. A threshold set to null is not checked.
+    """
+
+    enabled: bool = Field(False, description="Check the thresholds below at every logged step.")
+    max_over_ideal: float | None = Field(
+        4.0, gt=1, description="A layer's busiest expert above this multiple of the ideal load."
+    )
+    dead_steps: int | None = Field(
+        10, ge=1, description="An expert with no token for this many consecutive logged steps."
+    )
+    drift: float | None = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="Jensen-Shannon divergence (bits, 0..1) of a layer's expert shares between "
+        "two consecutive logged steps.",
+    )
+    dropped_fraction: float | None = Field(
+        0.1, gt=0, le=1, description="Share of a layer's top-k choices dropped by expert capacity."
+    )
+    max_lines_per_step: int = Field(
+        10, ge=1, description="Warning lines printed per step; the rest are counted in one line."
+    )
+
+
 class LoggerConfig(StrictModel):
     """``logger``: where metrics go."""
 
@@ -230,6 +259,7 @@ class LoggerConfig(StrictModel):
         description="Send moe/expert_loads to W&B every N steps (scalars go every step); "
         "a 64 x 256 table costs W&B 0.5 to 1 s of host time. JSONL keeps every step's table.",
     )
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
 
 
 class Recipe(StrictModel):

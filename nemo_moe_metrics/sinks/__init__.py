@@ -48,6 +48,8 @@ def build_sinks(
     A backend that cannot start (W&B most often) warns once and is left out; the others run.
     ``logger_cfg.wandb_table_every=N`` sends the expert table to W&B every N steps only (it
     costs 0.5 to 1 s of host time per step at 64 x 256); JSONL always keeps every step's table.
+    ``logger_cfg.alerts.enabled`` adds the alert monitor (:mod:`nemo_moe_metrics.moe.alerts`)
+    in front of the backends: every loop that logs through this sink gets ``moe/alerts``.
     """
     if rank != 0:
         return NullSink()
@@ -67,7 +69,16 @@ def build_sinks(
             "W&B",
             lambda: _wandb(run_dir, logger_cfg, run_name, config, logger_cfg.wandb_table_every),
         )
-    return MultiSink(sinks)
+    return MultiSink(sinks, monitor=_alert_monitor(logger_cfg))
+
+
+def _alert_monitor(logger_cfg: LoggerConfig) -> Any:
+    # Rank 0 only (other ranks returned above): alerts read the logged numbers, nothing else.
+    if not logger_cfg.alerts.enabled:
+        return None
+    from nemo_moe_metrics.moe.alerts import AlertMonitor
+
+    return AlertMonitor(logger_cfg.alerts)
 
 
 def run_metadata(run_name: str, config: dict[str, Any] | None) -> dict[str, Any]:

@@ -141,19 +141,35 @@ def finite_or_none(value: float | int) -> float | int | None:
     return value
 
 
-class MultiSink:
-    """Fan one step out to several sinks; a failing sink warns once and never stops the others."""
+class StepMonitor(Protocol):
+    """Looks at each validated step before the sinks do; returns extra metrics to log with it."""
 
-    def __init__(self, sinks: Sequence[Sink]) -> None:
+    def observe(self, metrics: Mapping[str, MetricValue], step: int) -> Mapping[str, int | float]:
+        """Judge one step (e.g. print alerts); the returned keys are added to the step."""
+        ...
+
+
+class MultiSink:
+    """Fan one step out to several sinks; a failing sink warns once and never stops the others.
+
+    An optional ``monitor`` (the alert monitor of ``logger.alerts``) sees each validated step
+    first; the metrics it returns (``moe/alerts``) are logged with the step by every sink.
+    """
+
+    def __init__(self, sinks: Sequence[Sink], *, monitor: StepMonitor | None = None) -> None:
         self.sinks = list(sinks)
+        self.monitor = monitor
         self._warned: set[int] = set()
         self._closed = False
 
     def log(self, metrics: Metrics, step: int) -> None:
-        """Validate once, then hand the step to every sink."""
+        """Validate once, let the monitor add its keys, then hand the step to every sink."""
         if self._closed:
             raise RuntimeError("log() after close(); build a new sink for a new run")
         clean = validate_metrics(metrics, step)
+        if self.monitor is not None:
+            extra = self._guarded(self.monitor, "observe", clean, int(step))
+            clean.update(extra or {})
         for sink in self.sinks:
             self._guarded(sink, "log", clean, int(step))
 
@@ -165,9 +181,9 @@ class MultiSink:
         for sink in self.sinks:
             self._guarded(sink, "close")
 
-    def _guarded(self, sink: Sink, method: str, *args: object) -> None:
+    def _guarded(self, sink: object, method: str, *args: object) -> object:
         try:
-            getattr(sink, method)(*args)
+            return getattr(sink, method)(*args)
         except Exception as err:  # one sink's failure must not cost the others their data
             if id(sink) not in self._warned:
                 self._warned.add(id(sink))
