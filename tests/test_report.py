@@ -140,7 +140,11 @@ def test_max_over_ideal_plot_uses_per_layer_keys_when_no_table_was_logged(tmp_pa
     summary = render_report(tmp_path)
     assert (tmp_path / MAX_OVER_IDEAL_FILE).is_file()
     assert not (tmp_path / HEATMAP_FILE).exists()
-    assert "no moe/expert_loads table in the log: heatmap skipped" in summary
+    assert (
+        "no expert-load counts in the run (no expert_loads.bin, no moe/expert_loads rows): "
+        "expert_load_heatmap.png, expert_load_over_steps.png and routing_drift.png skipped; "
+        "log them with policy.megatron_cfg.track_moe_metrics=true and log_expert_table=true"
+    ) in summary
 
 
 def test_summary_reports_window_tokens_per_second_and_mfu(tmp_path):

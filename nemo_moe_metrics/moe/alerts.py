@@ -28,7 +28,7 @@ import numpy as np
 
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import AlertsConfig
-from nemo_moe_metrics.moe.timeline import DeadStreaks, js_divergence
+from nemo_moe_metrics.moe.timeline import DeadStreaks, Drift
 
 log = logging.getLogger("nemo_moe_metrics.alerts")
 
@@ -46,20 +46,10 @@ class Alert:
     message: str
 
 
-def table_counts(rows: Any) -> tuple[list[int], np.ndarray]:
-    """``moe/expert_loads`` rows ``[layer, expert, tokens, load_percent]`` -> (layer ids, counts).
+def _table(rows: Any) -> tuple[list[int], np.ndarray]:
+    from nemo_moe_metrics.sinks.store import table_to_counts
 
-    ``counts[i, e]`` is expert ``e``'s tokens in layer ``layer_ids[i]``; layers sorted by id.
-    """
-    table = np.asarray(rows, dtype=np.float64)
-    if table.ndim != 2 or table.shape[1] != len(mn.EXPERT_LOAD_COLUMNS) or not len(table):
-        raise ValueError(
-            f"{mn.EXPERT_LOADS} must be rows {list(mn.EXPERT_LOAD_COLUMNS)}, got shape {table.shape}"
-        )
-    layer_ids, row = np.unique(table[:, 0].astype(np.int64), return_inverse=True)
-    experts = table[:, 1].astype(np.int64)
-    counts = np.zeros((len(layer_ids), int(experts.max()) + 1), dtype=np.int64)
-    np.add.at(counts, (row, experts), table[:, 2].astype(np.int64))
+    layer_ids, counts = table_to_counts(rows)
     return [int(la) for la in layer_ids], counts
 
 
@@ -70,6 +60,7 @@ class AlertMonitor:
         self.cfg = cfg
         self._streaks = DeadStreaks(cfg.dead_steps) if cfg.dead_steps else None
         self._prev: tuple[int, list[int], np.ndarray] | None = None  # step, layers, counts
+        self._drift = Drift()
         self._active: set[tuple[str, int | None]] = set()
         self._noted_no_table = False
 
@@ -83,7 +74,7 @@ class AlertMonitor:
         """The crossings of this step, without printing them (state advances)."""
         step = int(step)
         table = metrics.get(mn.EXPERT_LOADS)
-        layers, counts = table_counts(table) if table else ([], None)
+        layers, counts = _table(table) if table else ([], None)
         per_layer: dict[str, dict[int, float]] = {"max_over_ideal": {}, "dropped_fraction": {}}
         for key, value in metrics.items():
             m = _LAYER_KEY.match(key)
@@ -96,6 +87,7 @@ class AlertMonitor:
             self._check_drift(step, layers, counts, holding)
         else:
             self._prev = None
+            self._drift.reset()
             self._note_no_table()
         fired = [a for key, a in holding.items() if key not in self._active]
         self._active = set(holding)
@@ -194,11 +186,11 @@ class AlertMonitor:
 
     def _check_drift(self, step, layers, counts, holding) -> None:
         prev, self._prev = self._prev, (step, layers, counts)
+        js = self._drift.update(counts)
         limit = self.cfg.drift
         if limit is None or prev is None or prev[1] != layers or prev[2].shape != counts.shape:
             return
         prev_step, _, prev_counts = prev
-        js = js_divergence(prev_counts, counts)
         for i, layer in enumerate(layers):
             if not js[i] > limit:  # NaN (a layer without tokens) never alerts
                 continue

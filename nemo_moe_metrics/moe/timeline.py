@@ -19,6 +19,25 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def shares(counts: np.ndarray) -> np.ndarray:
+    """Each row of counts ``[..., E]`` as a distribution over experts; NaN rows where empty."""
+    c = np.asarray(counts, dtype=np.float64)
+    if c.ndim == 0 or c.shape[-1] == 0:
+        raise ValueError(f"expected expert counts of shape [..., experts], got {c.shape}")
+    if np.any(c < 0):
+        raise ValueError("expert counts must be >= 0")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return c / c.sum(axis=-1, keepdims=True)
+
+
+def entropy_bits(p: np.ndarray) -> np.ndarray:
+    """Shannon entropy in bits of each row of distributions ``p`` (``0 log 0 = 0``; NaN stays)."""
+    p = np.asarray(p, dtype=np.float64)
+    logs = np.zeros_like(p)
+    np.log2(p, out=logs, where=p > 0)
+    return -(p * logs).sum(axis=-1)
+
+
 def js_divergence(prev: np.ndarray, cur: np.ndarray) -> np.ndarray:
     """Jensen-Shannon divergence in bits between count rows ``prev`` and ``cur`` (``[..., E]``).
 
@@ -26,27 +45,42 @@ def js_divergence(prev: np.ndarray, cur: np.ndarray) -> np.ndarray:
     Returns one value per row in ``[0, 1]``; NaN for a row where either step routed no token
     (there is no distribution to compare).
     """
-    p = np.asarray(prev, dtype=np.float64)
-    q = np.asarray(cur, dtype=np.float64)
-    if p.shape != q.shape or p.ndim == 0 or p.shape[-1] == 0:
+    p, q = shares(prev), shares(cur)
+    if p.shape != q.shape:
         raise ValueError(
-            f"js_divergence needs two count arrays of the same shape [..., experts], got "
-            f"{p.shape} and {q.shape}"
+            f"js_divergence needs two count arrays of one shape, got {p.shape}, {q.shape}"
         )
-    if np.any(p < 0) or np.any(q < 0):
-        raise ValueError("expert counts must be >= 0")
-    p_tot = p.sum(axis=-1, keepdims=True)
-    q_tot = q.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = p / p_tot
-        q = q / q_tot
-        m = 0.5 * (p + q)
-        # 0 * log(0 / m) is 0: np.where drops the NaN/inf of empty cells.
-        kl_p = np.where(p > 0, p * np.log2(p / m), 0.0).sum(axis=-1)
-        kl_q = np.where(q > 0, q * np.log2(q / m), 0.0).sum(axis=-1)
-    js = np.clip(0.5 * (kl_p + kl_q), 0.0, 1.0)
-    empty = (p_tot[..., 0] <= 0) | (q_tot[..., 0] <= 0)
-    return np.where(empty, np.nan, js)
+    return _js(p, entropy_bits(p), q, entropy_bits(q))
+
+
+def _js(p: np.ndarray, h_p: np.ndarray, q: np.ndarray, h_q: np.ndarray) -> np.ndarray:
+    # JS(p, q) = H((p + q) / 2) - (H(p) + H(q)) / 2; rounding can make it -1e-16, never below 0.
+    return np.clip(entropy_bits(0.5 * (p + q)) - 0.5 * (h_p + h_q), 0.0, 1.0)
+
+
+class Drift:
+    """Routing drift of each layer between consecutive steps, one step at a time.
+
+    ``update(counts)`` returns the JS divergence (bits) of each row against the previous call's
+    counts (NaN at the first call, for an empty row, or after the layer shape changed).
+    Each step's distribution and entropy are computed once and reused for the next pair.
+    """
+
+    def __init__(self) -> None:
+        self._prev: tuple[np.ndarray, np.ndarray] | None = None
+
+    def update(self, counts: np.ndarray) -> np.ndarray:
+        """Divergence of ``counts`` ``[L, E]`` from the previous step's, per row."""
+        p = shares(counts)
+        h = entropy_bits(p)
+        prev, self._prev = self._prev, (p, h)
+        if prev is None or prev[0].shape != p.shape:
+            return np.full(p.shape[:-1], np.nan)
+        return _js(prev[0], prev[1], p, h)
+
+    def reset(self) -> None:
+        """Forget the previous step (the next update has nothing to compare with)."""
+        self._prev = None
 
 
 @dataclass(frozen=True)
