@@ -1,4 +1,5 @@
-"""Pictures and a text summary of a run, from its ``metrics.jsonl`` (and ``run.json``).
+"""Pictures and a text summary of a run, from its ``metrics.jsonl``, expert-load store and
+``run.json``.
 
 ``render_report(run_dir)`` writes two PNGs into the run directory and returns the summary:
 
@@ -8,8 +9,9 @@
   Over a window of steps the tokens are summed first, so the picture is the window's load.
 - ``max_over_ideal.png``: each layer's worst-expert load over ideal, step by step.
 
-Only the JSONL is needed; ``run.json`` (written by ``build_sinks``) adds the run name and the
-expert count. Later lines win when a resumed run logged a step twice; a torn last line from a
+The scalars come from the JSONL, the expert tables from the store beside it (``expert_loads.bin``;
+older runs kept table rows in the JSONL, which is still read); ``run.json`` (written by
+``build_sinks``) adds the run name and the expert count. Later lines win when a resumed run logged a step twice; a torn last line from a
 crash is skipped with a warning.
 """
 
@@ -27,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
 
 HEATMAP_FILE = "expert_load_heatmap.png"
 MAX_OVER_IDEAL_FILE = "max_over_ideal.png"
@@ -162,6 +165,7 @@ def _load_run(run_dir: Path, steps: tuple[int, int] | None) -> _Run:
                 holder.counts = None
             holder = entry
         records.append(entry)
+    _attach_store_counts(run_dir, records, steps)
     if not seen:
         raise ReportError(f"{path} holds no step records yet")
     if not records:
@@ -174,6 +178,30 @@ def _load_run(run_dir: Path, steps: tuple[int, int] | None) -> _Run:
         num_experts=num_experts,
         topk=meta.get("moe_router_topk"),
     )
+
+
+def _attach_store_counts(
+    run_dir: Path, records: list[_Step], steps: tuple[int, int] | None
+) -> None:
+    """Tables from the expert-load store (runs since the store; older runs kept table rows in
+    the JSONL, read above). Without a window only the last stored step keeps its counts."""
+    path = store_path(run_dir)
+    if not path.is_file():
+        return
+    by_step = {r.step: r for r in records}
+    window = slice(steps[0], steps[1] + 1) if steps is not None else None
+    holder: _Step | None = None
+    for step, layer_ids, counts in read_expert_loads(path, window):
+        entry = by_step.get(step)
+        if entry is None:  # not in the JSONL's final timeline
+            continue
+        per_layer = {int(la): counts[i] for i, la in enumerate(layer_ids)}
+        entry.table_moi = {la: _max_over_ideal(c) for la, c in per_layer.items()}
+        entry.counts = per_layer
+        if steps is None:
+            if holder is not None:
+                holder.counts = None
+            holder = entry
 
 
 def _max_over_ideal(counts: np.ndarray) -> float:
