@@ -20,8 +20,8 @@ N_EXPERTS = 8
 def _record(
     run_dir: Path, counts_by_step: dict[int, np.ndarray], extra: dict[int, dict] | None = None
 ) -> Path:
-    """Log [layers, experts] token counts per step through the real JSONL sink."""
-    cfg = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False)
+    """Log [layers, experts] token counts per step through the real sinks (JSONL + store)."""
+    cfg = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False, table_every=1)
     config = {"policy": {"model": {"num_experts": N_EXPERTS, "moe_router_topk": 2}}}
     sink = build_sinks(cfg, run_dir, run_name="tiny-moe", config=config)
     for step, counts in counts_by_step.items():

@@ -10,15 +10,17 @@ from nemo_moe_metrics.sinks.base import Metrics, is_table
 class TensorBoardSink:
     """Write every scalar metric with ``add_scalar``; flush each step so a crash loses nothing."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, *, purge_step: int | None = None) -> None:
+        """``purge_step``: a resumed run's first step; events at or after it that an earlier
+        process wrote are hidden, so a step is never shown twice."""
         # Imported here: torch.utils.tensorboard pulls in tensorboard, which is slow to import.
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = Path(log_dir)
-        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
 
     def log(self, metrics: Metrics, step: int) -> None:
-        """Add one point per scalar key; skip tables (they live in JSONL and W&B)."""
+        """Add one point per scalar key; skip tables (they live in the store and W&B)."""
         for key, value in metrics.items():
             if not is_table(key):
                 self._writer.add_scalar(key, value, global_step=step)
