@@ -132,7 +132,7 @@ def _window_text(window: Window) -> str:
     return f"{'' if window[0] is None else window[0]}:{'' if window[1] is None else window[1]}"
 
 
-def _scan_jsonl(path: Path, window: Window | None) -> tuple[list[_Line], tuple[int, int]]:
+def _scan_jsonl(path: Path, window: Window | None) -> tuple[list[_Line], tuple[int, int] | None]:
     """The logged steps of the run as it finally went, restricted to the window, and the
     first/last step of the whole log."""
     lines: list[_Line] = []
@@ -152,10 +152,21 @@ def _scan_jsonl(path: Path, window: Window | None) -> tuple[list[_Line], tuple[i
             lines.append(line)
     if torn:
         warnings.warn(f"{path}: skipped {torn} unreadable line(s) (torn by a crash?)", stacklevel=3)
-    if not lines:
-        raise ReportError(f"{path} holds no step records yet")
-    seen = (lines[0].step, lines[-1].step)
+    seen = (lines[0].step, lines[-1].step) if lines else None
     return [ln for ln in lines if _in_window(ln.step, window)], seen
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Every step record of a JSONL file, parsed, in step order, as the run finally went.
+
+    When a resumed run logs a step at or below one already in the file, the earlier records
+    from that step on are dropped (they belong to the timeline abandoned by the restart).
+    A torn line (crash mid-write) is skipped with one warning.
+    """
+    path = Path(path)
+    lines, _ = _scan_jsonl(path, None)
+    with path.open("rb") as f:
+        return [_read_line(f, line) for line in lines]
 
 
 def _read_line(f: Any, line: _Line) -> dict[str, Any]:
@@ -706,6 +717,8 @@ def render_report(
         raise ReportError(f"--dead-steps {dead_steps}: a streak is at least 1 logged step")
     run = _run_info(run_dir)
     lines_, seen = _scan_jsonl(path, steps)
+    if seen is None:
+        raise ReportError(f"{path} holds no step records yet")
     if not lines_:
         assert steps is not None
         raise ReportError(
