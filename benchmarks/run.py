@@ -16,7 +16,10 @@ Measures (JSON keys, targets):
   qwen3_moe and qwen3_5_moe; ``flops_vectorised_speedup`` (>= 50): the smaller speedup over
   calling the estimator once per sequence;
 - ``syncs_per_microbatch`` (0) and ``syncs_per_export`` (1): host reads of tensor data that the
-  metrics add (on minus off), counted, not timed (``benchmarks/host_reads.py``).
+  metrics add (on minus off), counted, not timed (``benchmarks/host_reads.py``);
+- ``report_seconds_10k_94x256`` (<= 15) and ``report_peak_rss_mb_10k_94x256`` (<= 2048):
+  wall seconds and peak RSS of ``nemo-moe-metrics report`` in its own process over a generated
+  10,000-step run at 94 x 256 (``benchmarks/long_run.py``, default table cadence).
 
 Exits 1 if a correctness check of the measured path fails (the numbers would mean nothing);
 missed targets are reported, not fatal. Method and results: docs/en/performance.md.
@@ -33,6 +36,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -51,6 +55,8 @@ from benchmarks.harness import (  # noqa: E402
     spawn_ranks,
     step_rank,
 )
+from benchmarks.long_run import report_bench  # noqa: E402
+from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY  # noqa: E402
 
 RESULT_KEYS = (
     "step_overhead_ratio",
@@ -59,6 +65,8 @@ RESULT_KEYS = (
     "flops_vectorised_speedup",
     "syncs_per_microbatch",
     "syncs_per_export",
+    "report_seconds_10k_94x256",
+    "report_peak_rss_mb_10k_94x256",
 )
 TARGETS: dict[str, tuple[str, float]] = {
     "step_overhead_ratio": ("<=", 1.02),
@@ -67,21 +75,28 @@ TARGETS: dict[str, tuple[str, float]] = {
     "flops_vectorised_speedup": (">=", 50.0),
     "syncs_per_microbatch": ("==", 0),
     "syncs_per_export": ("==", 1),
+    "report_seconds_10k_94x256": ("<=", 15.0),
+    "report_peak_rss_mb_10k_94x256": ("<=", 2048.0),
 }
 FLOPS_FIXTURES = {"qwen3_moe": "qwen3-30b-a3b", "qwen3_5_moe": "qwen3.5-35b-a3b"}
 STEP_WORLD_SIZE = 1  # one rank, one thread: the other core absorbs the machine's other load
 EXPORT_WORLD_SIZE = 2
+
+# The generated run the report is timed on: 10,000 steps at 94 x 256, default table cadence.
+REPORT_RUN = dict(steps=10_000, layers=94, experts=256, table_every=DEFAULT_TABLE_EVERY)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "full": dict(
         bench=BenchConfig(warmup_pairs=2, pairs=80, export_repeats=100),
         flops_repeats=200,
         loop_repeats=5,
+        report=REPORT_RUN,
     ),
     "quick": dict(
         bench=BenchConfig(warmup_pairs=1, pairs=40, export_repeats=30),
         flops_repeats=50,
         loop_repeats=3,
+        report=REPORT_RUN,
     ),
     # Tiny model and few repeats: exercises every path in seconds; the numbers mean little.
     "smoke": dict(
@@ -103,6 +118,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         ),
         flops_repeats=5,
         loop_repeats=1,
+        report=dict(steps=300, layers=8, experts=16, table_every=1),
     ),
 }
 
@@ -144,11 +160,15 @@ def _site_diff(on: dict[str, int], off: dict[str, int]) -> dict[str, int]:
 
 
 def summarise(
-    ranks: list[dict[str, Any]], exports: list[dict[str, Any]], flops: dict[str, Any]
+    ranks: list[dict[str, Any]],
+    exports: list[dict[str, Any]],
+    flops: dict[str, Any],
+    report: dict[str, Any],
 ) -> dict[str, Any]:
-    """The JSON result: the six keys, then the details they were computed from.
+    """The JSON result: the keys of ``RESULT_KEYS``, then the details they were computed from.
 
-    ``ranks``: the step ranks' results; ``exports``: the export ranks' results.
+    ``ranks``: the step ranks' results; ``exports``: the export ranks' results; ``report``:
+    ``benchmarks.long_run.report_bench``'s result.
     """
     off = _slowest([r["step"]["off_s"] for r in ranks])
     on = _slowest([r["step"]["on_s"] for r in ranks])
@@ -188,6 +208,7 @@ def summarise(
         }
     )
     checks.update({f"flops_{m}_same_total": v["check_same_total"] for m, v in flops.items()})
+    checks.update(report["checks"])
 
     result: dict[str, Any] = {
         "step_overhead_ratio": _median(ratios),
@@ -196,6 +217,8 @@ def summarise(
         "flops_vectorised_speedup": min(v["speedup"] for v in flops.values()),
         "syncs_per_microbatch": int(max(per_mb)),
         "syncs_per_export": int(max(per_export)),
+        "report_seconds_10k_94x256": report["report_seconds"],
+        "report_peak_rss_mb_10k_94x256": report["report_peak_rss_mb"],
     }
     result["met"] = {k: _meets(result[k], *TARGETS[k]) for k in RESULT_KEYS}
     result["targets"] = {k: f"{op} {v}" for k, (op, v) in TARGETS.items()}
@@ -236,6 +259,7 @@ def summarise(
             "host_read_sites": exports[0]["host_read_sites"],
         },
         "flops": flops,
+        "report": report["details"],
         "host_reads": {
             "per_microbatch_on_minus_off": per_mb,
             "per_step_boundary_on_minus_off": max(per_boundary),
@@ -351,7 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         repeats=preset["flops_repeats"],
         loop_repeats=preset["loop_repeats"],
     )
-    result = summarise(ranks, exports, flops)
+    with tempfile.TemporaryDirectory(prefix="nmm_report_") as work:
+        report = report_bench(Path(work), **preset["report"])
+    result = summarise(ranks, exports, flops, report)
     result["machine"] = {
         **machine(),
         "load_average_1m_before": load_before[0],
