@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -65,7 +66,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(summary)
+    try:
+        print(summary, flush=True)
+    except BrokenPipeError:  # `report ... | head`: the reader left; that is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -362,10 +362,17 @@ def _log_ratio(counts: np.ndarray) -> tuple[np.ndarray, np.ma.MaskedArray]:
     return ratio, np.ma.masked_array(log_ratio, mask=(counts == 0) | ~np.isfinite(log_ratio))
 
 
-def _colour_limit(*shown: np.ma.MaskedArray) -> tuple[float, float]:
-    """(worst |log2 ratio|, colour limit): symmetric whole powers of two, at least x1/2..x2."""
-    worst = max((float(np.abs(s).max()) for s in shown if s.count()), default=0.0)
-    return worst, float(min(max(1, math.ceil(worst - 1e-9)), 5))
+def _colour_limit(heat: np.ma.MaskedArray, over_steps: np.ma.MaskedArray) -> tuple[float, float]:
+    """(worst |log2 ratio|, colour limit): symmetric whole powers of two, at least x1/2..x2,
+    at most x1/32..x32. The heatmap's cells all count; over steps, the 99.9th percentile, so
+    that a short collapse does not wash out the rest of the run (arrows mark what is beyond)."""
+    worst = float(np.abs(heat).max()) if heat.count() else 0.0
+    scale = worst
+    if over_steps.count():
+        values = np.abs(over_steps.compressed())
+        worst = max(worst, float(values.max()))
+        scale = max(scale, float(np.quantile(values, 0.999)))
+    return worst, float(min(max(1, math.ceil(scale - 1e-9)), 5))
 
 
 def _colour_map() -> Any:
@@ -486,17 +493,8 @@ def _render_over_steps(
             shading="flat",
         )
         ax.set_ylim(n_experts - 0.5, -0.5)  # expert 0 on top, as in the heatmap
-        ax.set_ylabel(f"layer {timeline.layer_ids[row]}\nexpert")
         mean = np.nanmean(moi[:, row])
-        ax.text(
-            1.0,
-            1.0,
-            f"mean max/ideal {mean:.2f}",
-            transform=ax.transAxes,
-            ha="right",
-            va="bottom",
-            fontsize=8,
-        )
+        ax.set_ylabel(f"layer {timeline.layer_ids[row]}: expert\n(mean max/ideal {mean:.2f})")
     axes[-1].set_xlabel("training step")
     _colour_bar(fig, image, list(axes), lim, worst, 2.5 * height)
     per_bin = (
@@ -575,7 +573,13 @@ def _render_layer_series(
         finite = mean[np.isfinite(mean)]
         ax.set_ylim(bottom=min(0.95, float(finite.min()) - 0.05) if finite.size else 0)
     else:
-        ax.set_ylim(bottom=0)
+        positive = values[np.isfinite(values) & (values > 0)]
+        if positive.size and positive.max() > 100 * positive.min():
+            # Spikes and the noise floor both stay readable on a log axis.
+            ax.set_yscale("log")
+            ax.set_ylim(bottom=max(float(positive.min()), 1e-6))
+        else:
+            ax.set_ylim(bottom=0)
     if many:
         fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="MoE layer", pad=0.01)
     ax.legend(fontsize=8, loc="upper right", ncols=2 if len(layers) > 5 else 1)
