@@ -322,6 +322,10 @@ class ExpertLoadSink:
         self.table_every = table_every
         self.store = ExpertLoadStore(path, fsync=fsync)
 
+    def wants_tables(self, step: int) -> bool:
+        """Whether ``step`` is on the table cadence."""
+        return step % self.table_every == 0
+
     def log(self, metrics: Metrics, step: int) -> None:
         """Append the step's counts when it has a table and ``step`` is on the cadence."""
         rows = metrics.get(EXPERT_LOADS)
