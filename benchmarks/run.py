@@ -329,7 +329,8 @@ def _format(result: dict[str, Any]) -> str:
     lines.append(
         f"  store: {st['store_bytes_per_table_step'] / 1e3:.0f} KB and "
         f"{st['store_write_ms_per_table_step']:.1f} ms ({st['store_write_cpu_ms_per_table_step']:.1f}"
-        f" ms CPU) per table step; W&B {st['wandb']['table_step_ms']:.0f} ms per table step; "
+        f" ms CPU) per table step; W&B {st['wandb']['table_step_ms']:.0f} ms "
+        f"({st['wandb']['table_step_cpu_ms']:.0f} ms CPU) per table step; "
         f"one table every {st['table_every']} steps"
     )
     sites = result["details"]["host_reads"]["export_sites_on"]
