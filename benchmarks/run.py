@@ -20,6 +20,11 @@ Measures (JSON keys, targets):
 - ``report_seconds_10k_94x256`` (<= 15) and ``report_peak_rss_mb_10k_94x256`` (<= 2048):
   wall seconds and peak RSS of ``nemo-moe-metrics report`` in its own process over a generated
   10,000-step run at 94 x 256 (``benchmarks/long_run.py``, default table cadence).
+- ``store_bytes_per_step_94x256`` (<= 100,000), ``store_write_ms_94x256`` (<= 5) and
+  ``wandb_table_ms_94x256`` (<= 100): the expert table of 94 MoE layers x 256 experts in the
+  expert-load store (bytes on disk, ms to write) and in W&B offline (ms of host time), per step,
+  amortised at the default ``logger.table_every`` (``benchmarks/store_bench.py``; the
+  per-table-step figures are in ``details.store``).
 
 Exits 1 if a correctness check of the measured path fails (the numbers would mean nothing);
 missed targets are reported, not fatal. Method and results: docs/en/performance.md.
@@ -56,7 +61,8 @@ from benchmarks.harness import (  # noqa: E402
     step_rank,
 )
 from benchmarks.long_run import report_bench  # noqa: E402
-from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY  # noqa: E402
+from benchmarks.store_bench import store_bench  # noqa: E402
+from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, LoggerConfig  # noqa: E402
 
 RESULT_KEYS = (
     "step_overhead_ratio",
@@ -67,6 +73,9 @@ RESULT_KEYS = (
     "syncs_per_export",
     "report_seconds_10k_94x256",
     "report_peak_rss_mb_10k_94x256",
+    "store_bytes_per_step_94x256",
+    "store_write_ms_94x256",
+    "wandb_table_ms_94x256",
 )
 TARGETS: dict[str, tuple[str, float]] = {
     "step_overhead_ratio": ("<=", 1.02),
@@ -77,6 +86,9 @@ TARGETS: dict[str, tuple[str, float]] = {
     "syncs_per_export": ("==", 1),
     "report_seconds_10k_94x256": ("<=", 15.0),
     "report_peak_rss_mb_10k_94x256": ("<=", 2048.0),
+    "store_bytes_per_step_94x256": ("<=", 100_000.0),
+    "store_write_ms_94x256": ("<=", 5.0),
+    "wandb_table_ms_94x256": ("<=", 100.0),
 }
 FLOPS_FIXTURES = {"qwen3_moe": "qwen3-30b-a3b", "qwen3_5_moe": "qwen3.5-35b-a3b"}
 STEP_WORLD_SIZE = 1  # one rank, one thread: the other core absorbs the machine's other load
@@ -91,12 +103,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         flops_repeats=200,
         loop_repeats=5,
         report=REPORT_RUN,
+        store_repeats=100,
+        wandb_repeats=5,
     ),
     "quick": dict(
         bench=BenchConfig(warmup_pairs=1, pairs=40, export_repeats=30),
         flops_repeats=50,
         loop_repeats=3,
         report=REPORT_RUN,
+        store_repeats=30,
+        wandb_repeats=3,
     ),
     # Tiny model and few repeats: exercises every path in seconds; the numbers mean little.
     "smoke": dict(
@@ -119,6 +135,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         flops_repeats=5,
         loop_repeats=1,
         report=dict(steps=300, layers=8, experts=16, table_every=1),
+        store_repeats=3,
+        wandb_repeats=1,
     ),
 }
 
@@ -163,12 +181,13 @@ def summarise(
     ranks: list[dict[str, Any]],
     exports: list[dict[str, Any]],
     flops: dict[str, Any],
+    store: dict[str, Any],
     report: dict[str, Any],
 ) -> dict[str, Any]:
     """The JSON result: the keys of ``RESULT_KEYS``, then the details they were computed from.
 
-    ``ranks``: the step ranks' results; ``exports``: the export ranks' results; ``report``:
-    ``benchmarks.long_run.report_bench``'s result.
+    ``ranks``: the step ranks' results; ``exports``: the export ranks' results; ``store``:
+    ``store_bench``'s result; ``report``: ``benchmarks.long_run.report_bench``'s result.
     """
     off = _slowest([r["step"]["off_s"] for r in ranks])
     on = _slowest([r["step"]["on_s"] for r in ranks])
@@ -209,6 +228,7 @@ def summarise(
     )
     checks.update({f"flops_{m}_same_total": v["check_same_total"] for m, v in flops.items()})
     checks.update(report["checks"])
+    checks.update(store["checks"])
 
     result: dict[str, Any] = {
         "step_overhead_ratio": _median(ratios),
@@ -219,6 +239,7 @@ def summarise(
         "syncs_per_export": int(max(per_export)),
         "report_seconds_10k_94x256": report["report_seconds"],
         "report_peak_rss_mb_10k_94x256": report["report_peak_rss_mb"],
+        **{k: store[k] for k in RESULT_KEYS if k in store},
     }
     result["met"] = {k: _meets(result[k], *TARGETS[k]) for k in RESULT_KEYS}
     result["targets"] = {k: f"{op} {v}" for k, (op, v) in TARGETS.items()}
@@ -260,6 +281,7 @@ def summarise(
         },
         "flops": flops,
         "report": report["details"],
+        "store": store["details"],
         "host_reads": {
             "per_microbatch_on_minus_off": per_mb,
             "per_step_boundary_on_minus_off": max(per_boundary),
@@ -323,6 +345,14 @@ def _format(result: dict[str, Any]) -> str:
         f"pairs; CPU-time ratio {d['cpu_time_ratio_median']:.4f}; metrics' own code "
         f"{d['direct_ms_per_step']:.1f} ms/step (ratio {d['direct_overhead_ratio']:.4f})"
     )
+    st = result["details"]["store"]
+    lines.append(
+        f"  store: {st['store_bytes_per_table_step'] / 1e3:.0f} KB and "
+        f"{st['store_write_ms_per_table_step']:.1f} ms ({st['store_write_cpu_ms_per_table_step']:.1f}"
+        f" ms CPU) per table step; W&B {st['wandb']['table_step_ms']:.0f} ms "
+        f"({st['wandb']['table_step_cpu_ms']:.0f} ms CPU) per table step; "
+        f"one table every {st['table_every']} steps"
+    )
     sites = result["details"]["host_reads"]["export_sites_on"]
     lines.append("  host reads added per step: " + (json.dumps(sites) if sites else "none"))
     failed = [k for k, ok in result["checks"].items() if not ok]
@@ -375,9 +405,12 @@ def main(argv: list[str] | None = None) -> int:
         repeats=preset["flops_repeats"],
         loop_repeats=preset["loop_repeats"],
     )
+    store = store_bench(
+        LoggerConfig().table_every, preset["store_repeats"], preset["wandb_repeats"]
+    )
     with tempfile.TemporaryDirectory(prefix="nmm_report_") as work:
         report = report_bench(Path(work), **preset["report"])
-    result = summarise(ranks, exports, flops, report)
+    result = summarise(ranks, exports, flops, store, report)
     result["machine"] = {
         **machine(),
         "load_average_1m_before": load_before[0],

@@ -216,10 +216,11 @@ class GRPOConfig(StrictModel):
     temperature: float = Field(1.0, gt=0)
 
 
-#: ``logger.table_every`` default. At 94 x 256 one table step costs about 55 KB in the store
-#: and 820 KB in W&B's offline files; every 20th step over 10,000 steps is 500 tables, about
-#: 440 MB, which leaves room under 2 GB for every step's scalars in JSONL, TensorBoard and W&B
-#: even with per-layer logging (docs/en/scale.md has the measured budget).
+#: ``logger.table_every`` default. At 94 x 256 one table step costs about 57 KB in the store
+#: and 630 KB in W&B's offline files (measured, benchmarks/store_bench.py); every 20th step of
+#: a 10,000-step run is 500 tables, about 345 MB, plus about 35 MB of scalars in JSONL,
+#: TensorBoard and W&B with the default flags: under 2 GB with room to spare, and W&B's
+#: ~0.8 s per table becomes ~40 ms per step. docs/en/storage.md has the budget.
 DEFAULT_TABLE_EVERY = 20
 
 

@@ -222,3 +222,21 @@ def test_run_without_resume_gets_a_new_run_id_and_resume_keeps_it(tmp_path):
     assert len(resumed["resumed"]) == 1
     build_sinks(cfg, tmp_path, run_name="r").close()
     assert json.loads((tmp_path / RUN_FILE).read_text())["run_id"] != first["run_id"]
+
+
+def test_logger_resume_and_table_every_come_from_the_recipe_overrides():
+    from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, load_recipe
+
+    recipe = load_recipe(SFT, ["logger.resume=true", "logger.table_every=7"])
+    assert recipe.logger.resume is True
+    assert recipe.logger.table_every == 7
+    assert recipe.logger.wandb_table_cadence == 7  # W&B follows table_every when unset
+    assert LoggerConfig().table_every == DEFAULT_TABLE_EVERY == 20
+    assert LoggerConfig(wandb_table_every=3).wandb_table_cadence == 3
+
+
+def test_table_every_zero_is_refused_by_name():
+    from nemo_moe_metrics.config import ConfigError, recipe_from_dict
+
+    with pytest.raises(ConfigError, match=r"logger\.table_every: .*greater than or equal to 1"):
+        recipe_from_dict({"policy": {"model": {}}, "logger": {"table_every": 0}})

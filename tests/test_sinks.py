@@ -16,7 +16,7 @@ from nemo_moe_metrics.config import LoggerConfig
 from nemo_moe_metrics.report import read_metrics
 from nemo_moe_metrics.sinks import METRICS_FILE, RUN_FILE, MultiSink, NullSink, build_sinks
 from nemo_moe_metrics.sinks.jsonl import JsonlSink
-from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
+from nemo_moe_metrics.sinks.store import ExpertLoadSink, read_expert_loads, store_path
 
 REPO = Path(__file__).resolve().parent.parent
 JSONL_ONLY = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False)
@@ -136,13 +136,13 @@ def test_list_under_a_non_table_key_is_refused(tmp_path):
 
 
 def test_table_row_of_wrong_width_is_refused(tmp_path):
-    sink = MultiSink([JsonlSink(tmp_path / METRICS_FILE)])
+    sink = MultiSink([JsonlSink(tmp_path / METRICS_FILE), ExpertLoadSink(store_path(tmp_path))])
     with pytest.raises(ValueError, match=r"row 1 .*4 values \['layer', 'expert'"):
         sink.log({mn.EXPERT_LOADS: [[0, 0, 5, 50.0], [0, 1, 5]]}, step=0)
 
 
 def test_nan_in_a_table_cell_is_refused_before_any_sink_writes(tmp_path):
-    sink = MultiSink([JsonlSink(tmp_path / METRICS_FILE)])
+    sink = MultiSink([JsonlSink(tmp_path / METRICS_FILE), ExpertLoadSink(store_path(tmp_path))])
     with pytest.raises(ValueError, match=r"row 0 column 'load_percent' is nan.*not NaN"):
         sink.log({mn.EXPERT_LOADS: [[0, 0, 0, math.nan]]}, step=0)
     assert (tmp_path / METRICS_FILE).read_text() == ""
@@ -200,3 +200,28 @@ def test_build_sinks_records_the_model_shape_in_run_json(tmp_path):
         4,
     )
     assert meta["config"] == config
+
+
+def test_off_cadence_tables_are_not_checked_when_no_sink_wants_them(tmp_path):
+    # A malformed table on a step no sink takes tables: dropped, not validated, not an error.
+    sink = build_sinks(JSONL_ONLY.model_copy(update={"table_every": 2}), tmp_path, run_name="r")
+    sink.log({mn.TOKENS: 1, mn.EXPERT_LOADS: [["bad row"]]}, step=1)
+    with pytest.raises(ValueError, match="row 0"):
+        sink.log({mn.TOKENS: 2, mn.EXPERT_LOADS: [["bad row"]]}, step=2)
+    sink.close()
+    assert [r["step"] for r in _lines(tmp_path / METRICS_FILE)] == [1]
+
+
+def test_a_sink_without_wants_tables_still_gets_every_table(tmp_path):
+    seen = []
+
+    class Plain:
+        def log(self, metrics, step):
+            seen.append((step, mn.EXPERT_LOADS in metrics))
+
+        def close(self):
+            pass
+
+    sink = MultiSink([Plain()])
+    sink.log({mn.EXPERT_LOADS: [[0, 0, 1, 100.0]]}, step=3)
+    assert seen == [(3, True)]

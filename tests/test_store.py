@@ -260,3 +260,54 @@ def test_kill_9_mid_run_keeps_every_step_whose_append_returned(tmp_path):
     for step, ids, counts in got:
         assert ids.tolist() == list(range(94))
         assert int(counts[3, 7]) == step and int(counts[0, 0]) == 2**33 + step
+
+
+_SINK_WRITER = textwrap.dedent(
+    """
+    import sys
+    from nemo_moe_metrics.config import LoggerConfig
+    from nemo_moe_metrics.sinks import build_sinks
+    cfg = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False, table_every=1)
+    sink = build_sinks(cfg, sys.argv[1], run_name="killed")
+    step = 0
+    while True:
+        rows = [[la, e, step + la + e, 1.0] for la in range(94) for e in range(256)]
+        sink.log({"moe/expert_loads": rows, "train_perf/tokens": step}, step)
+        print(step, flush=True)  # after log returned
+        step += 1
+    """
+)
+
+
+def test_kill_9_through_the_sinks_keeps_every_logged_step_in_jsonl_and_store(tmp_path):
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SINK_WRITER, str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    returned = []
+    deadline = time.monotonic() + 120
+    while len(returned) < 10 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        returned.append(int(line))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    proc.stdout.close()
+    assert len(returned) == 10
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stored = list(read_expert_loads(store_path(tmp_path)))
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    logged = [json.loads(x)["step"] for x in lines if x.endswith("}")]
+    assert logged[: len(returned)] == returned
+    assert [s for s, _, _ in stored][: len(returned)] == returned
+    for step, ids, counts in stored:
+        assert ids.tolist() == list(range(94))
+        expected = step + np.arange(94)[:, None] + np.arange(256)[None, :]
+        np.testing.assert_array_equal(counts, expected)

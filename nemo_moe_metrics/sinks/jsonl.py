@@ -39,6 +39,10 @@ class JsonlSink:
             self._file.write("\n")
             self._flush()
 
+    def wants_tables(self, step: int) -> bool:
+        """Never: tables go to the expert-load store."""
+        return False
+
     def log(self, metrics: Metrics, step: int) -> None:
         """Write one line of scalars for ``step`` and make it durable before returning."""
         record: dict[str, object] = {"step": int(step)}

@@ -33,6 +33,7 @@ import warnings
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -285,24 +286,28 @@ def table_to_counts(rows: Sequence[Sequence[Any]]) -> tuple[np.ndarray, np.ndarr
     load_percent); layers in order of first appearance, missing cells 0."""
     if not rows:
         return np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.int64)
-    layer = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
-    expert = np.fromiter((r[1] for r in rows), dtype=np.int64, count=len(rows))
-    tokens = np.fromiter((r[2] for r in rows), dtype=np.int64, count=len(rows))
+    # One C-level pass per column (map + itemgetter): about 3x faster than a generator.
+    layer, expert, tokens = (
+        np.fromiter(map(itemgetter(k), rows), dtype=np.int64, count=len(rows)) for k in (0, 1, 2)
+    )
     if expert.min() < 0 or layer.min() < 0:
         raise StoreError("moe/expert_loads has a negative layer or expert index")
+    n_experts = int(expert.max()) + 1
+    if layer.size % n_experts == 0:
+        # The worker's layout: every layer's experts 0..E-1 in order; no sort, no scatter.
+        grid = (layer.size // n_experts, n_experts)
+        ids = layer[::n_experts]
+        if (
+            np.array_equal(expert.reshape(grid), np.broadcast_to(np.arange(n_experts), grid))
+            and np.array_equal(layer.reshape(grid), np.broadcast_to(ids[:, None], grid))
+            and np.unique(ids).size == ids.size
+        ):
+            return ids, tokens.reshape(grid)
     uniq, first, inverse = np.unique(layer, return_index=True, return_inverse=True)
     order = np.argsort(first, kind="stable")  # layers in order of first appearance
     rank = np.empty_like(order)
     rank[order] = np.arange(order.size)
     layer_ids = uniq[order]
-    n_experts = int(expert.max()) + 1
-    if (
-        layer.size == layer_ids.size * n_experts
-        and np.array_equal(expert, np.tile(np.arange(n_experts), layer_ids.size))
-        and np.array_equal(layer, np.repeat(layer_ids, n_experts))
-    ):
-        # The worker's layout: every layer's experts 0..E-1 in order; no scatter needed.
-        return layer_ids, tokens.reshape(layer_ids.size, n_experts)
     counts = np.zeros((layer_ids.size, n_experts), dtype=np.int64)
     np.add.at(counts, (rank[inverse.reshape(-1)], expert), tokens)
     return layer_ids, counts
@@ -316,6 +321,10 @@ class ExpertLoadSink:
             raise ValueError(f"table_every must be an int >= 1, got {table_every!r}")
         self.table_every = table_every
         self.store = ExpertLoadStore(path, fsync=fsync)
+
+    def wants_tables(self, step: int) -> bool:
+        """Whether ``step`` is on the table cadence."""
+        return step % self.table_every == 0
 
     def log(self, metrics: Metrics, step: int) -> None:
         """Append the step's counts when it has a table and ``step`` is on the cadence."""

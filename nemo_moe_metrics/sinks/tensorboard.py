@@ -19,6 +19,10 @@ class TensorBoardSink:
         self.log_dir = Path(log_dir)
         self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
 
+    def wants_tables(self, step: int) -> bool:
+        """Never: TensorBoard gets scalars only."""
+        return False
+
     def log(self, metrics: Metrics, step: int) -> None:
         """Add one point per scalar key; skip tables (they live in the store and W&B)."""
         for key, value in metrics.items():

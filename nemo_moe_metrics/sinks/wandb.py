@@ -58,6 +58,10 @@ class WandbSink:
             settings=wandb.Settings(console="off", silent=True),
         )
 
+    def wants_tables(self, step: int) -> bool:
+        """Whether ``step`` is on this sink's table cadence."""
+        return step % self.table_every == 0
+
     def log(self, metrics: Metrics, step: int) -> None:
         """Log scalars (and tables when ``step`` is a multiple of ``table_every``) for ``step``."""
         data: dict[str, Any] = {}
