@@ -297,6 +297,13 @@ def _store_counts(
     return read_expert_loads(path, slice(lo, None if hi is None else hi + 1))
 
 
+def _store_has_steps(run_dir: Path) -> bool:
+    from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
+
+    path = store_path(run_dir)
+    return path.is_file() and next(read_expert_loads(path), None) is not None
+
+
 def _jsonl_table_counts(
     path: Path, lines: list[_Line], num_experts: int | None
 ) -> Iterator[tuple[int, list[int], np.ndarray]]:
@@ -742,6 +749,12 @@ def render_report(
 
     if timeline.steps:
         out += _count_pictures(run, timeline, out_dir, layers)
+    elif steps is not None and _store_has_steps(run_dir):
+        out.append(
+            f"no stored expert-load step in {span} (the store holds a table every "
+            f"logger.table_every steps): {HEATMAP_FILE}, {OVER_STEPS_FILE}, {DRIFT_FILE} and "
+            f"{MAX_OVER_IDEAL_FILE} skipped; widen --steps"
+        )
     else:
         out.append(
             "no expert-load counts in the run (no expert_loads.bin, no moe/expert_loads rows): "

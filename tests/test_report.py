@@ -354,3 +354,19 @@ def test_over_steps_picture_shows_an_expert_hot_then_dead_in_step_order(tmp_path
     dead_cols = black_cols[black_cols > red_cols.min()]  # not the axes' left spine
     assert len(dead_cols) > 100 and red_cols.max() < dead_cols.min(), "hot, then dead"
     assert np.ptp(band) < image.shape[0] * 0.15, "one expert's row, not the whole panel"
+
+
+def test_a_window_between_stored_tables_says_to_widen_the_window(tmp_path):
+    cfg = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False, table_every=4)
+    sink = build_sinks(cfg, tmp_path, run_name="sparse")
+    for step in range(6):
+        rows = [[la, e, 100, 12.5] for la in range(2) for e in range(N_EXPERTS)]
+        sink.log({mn.EXPERT_LOADS: rows}, step)
+    sink.close()
+    proc = _cli(str(tmp_path), "--steps", "1:3", "--out", str(tmp_path / "out"))
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "no stored expert-load step in steps 1–3 (3 logged) (the store holds a table every "
+        "logger.table_every steps): expert_load_heatmap.png, expert_load_over_steps.png, "
+        "routing_drift.png and max_over_ideal.png skipped; widen --steps"
+    ) in proc.stdout.splitlines()
