@@ -74,7 +74,8 @@ class AlertMonitor:
         """The crossings of this step, without printing them (state advances)."""
         step = int(step)
         table = metrics.get(mn.EXPERT_LOADS)
-        layers, counts = _table(table) if table else ([], None)
+        has_rows = table is not None and len(table) > 0
+        layers, counts = _table(table) if has_rows else ([], None)
         per_layer: dict[str, dict[int, float]] = {"max_over_ideal": {}, "dropped_fraction": {}}
         for key, value in metrics.items():
             m = _LAYER_KEY.match(key)
