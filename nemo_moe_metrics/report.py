@@ -369,17 +369,20 @@ def _log_ratio(counts: np.ndarray) -> tuple[np.ndarray, np.ma.MaskedArray]:
     return ratio, np.ma.masked_array(log_ratio, mask=(counts == 0) | ~np.isfinite(log_ratio))
 
 
-def _colour_limit(heat: np.ma.MaskedArray, over_steps: np.ma.MaskedArray) -> tuple[float, float]:
-    """(worst |log2 ratio|, colour limit): symmetric whole powers of two, at least x1/2..x2,
-    at most x1/32..x32. The heatmap's cells all count; over steps, the 99.9th percentile, so
-    that a short collapse does not wash out the rest of the run (arrows mark what is beyond)."""
-    worst = float(np.abs(heat).max()) if heat.count() else 0.0
-    scale = worst
+def _worst(shown: np.ma.MaskedArray) -> float:
+    """The largest |log2 ratio| of a picture (0 when every cell is masked)."""
+    return float(np.abs(shown).max()) if shown.count() else 0.0
+
+
+def _colour_limit(heat: np.ma.MaskedArray, over_steps: np.ma.MaskedArray) -> float:
+    """The colour limit shared by both pictures: symmetric whole powers of two, at least
+    x1/2..x2, at most x1/32..x32. The heatmap's cells all count; over steps, the 99.9th
+    percentile, so that a short collapse does not wash out the rest of the run (the colour
+    bar's arrows mark values beyond the limit)."""
+    scale = _worst(heat)
     if over_steps.count():
-        values = np.abs(over_steps.compressed())
-        worst = max(worst, float(values.max()))
-        scale = max(scale, float(np.quantile(values, 0.999)))
-    return worst, float(min(max(1, math.ceil(scale - 1e-9)), 5))
+        scale = max(scale, float(np.quantile(np.abs(over_steps.compressed()), 0.999)))
+    return float(min(max(1, math.ceil(scale - 1e-9)), 5))
 
 
 def _colour_map() -> Any:
@@ -408,7 +411,7 @@ def _render_heatmap(
     layer_ids: list[int],
     counts: np.ndarray,
     steps: list[int],
-    limit: tuple[float, float],
+    lim: float,
 ) -> None:
     from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
@@ -416,7 +419,7 @@ def _render_heatmap(
     n_layers, n_experts = counts.shape
     ratio, shown = _log_ratio(counts)
     dead = counts == 0
-    worst, lim = limit
+    worst = _worst(shown)
     height = min(max(0.28 * n_layers + 2.2, 3.6), 14.0)
     fig = Figure(figsize=(11, height), dpi=_DPI, layout="constrained")
     ax = fig.add_subplot()
@@ -472,7 +475,7 @@ def _render_over_steps(
     timeline: _Timeline,
     rows: list[int],
     shown: np.ma.MaskedArray,
-    limit: tuple[float, float],
+    lim: float,
     why: str,
 ) -> None:
     from matplotlib.colors import Normalize
@@ -487,7 +490,7 @@ def _render_over_steps(
     height = panel * len(rows) + 1.4
     fig = Figure(figsize=(11, height), dpi=_DPI, layout="constrained")
     axes = fig.subplots(len(rows), 1, sharex=True, squeeze=False)[:, 0]
-    worst, lim = limit
+    worst = _worst(shown)
     moi = np.asarray(timeline.moi)
     image = None
     for ax, row, data in zip(axes, rows, shown, strict=True):
