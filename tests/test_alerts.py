@@ -160,3 +160,15 @@ def test_a_bad_threshold_is_a_recipe_error_naming_the_key():
         load_recipe(
             REPO / "examples/configs/sft_moe_tiny.yaml", ["logger.alerts.max_over_ideal=0.5"]
         )
+
+
+def test_drift_compares_the_steps_that_logged_a_table(tmp_path, warnings_seen):
+    a = np.array([[100, 100, 100, 100]])
+    b = np.array([[250, 50, 50, 50]])
+    scalars = {mn.MAX_OVER_IDEAL_MAX: 1.0}
+    steps = [{mn.EXPERT_LOADS: _rows(a)}, scalars, {mn.EXPERT_LOADS: _rows(b)}, scalars]
+    counts = _log(tmp_path, steps, drift=0.05, dead_steps=None, max_over_ideal=None)
+    assert counts == [0, 0, 1, 0]
+    (line,) = warnings_seen()
+    assert line.startswith("moe alert step 2: layer 0 routing drift JS ")
+    assert " bits since step 0 > logger.alerts.drift=0.05" in line

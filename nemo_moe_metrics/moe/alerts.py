@@ -87,11 +87,14 @@ class AlertMonitor:
         if counts is not None:
             self._check_drift(step, layers, counts, holding)
         else:
-            self._prev = None
-            self._drift.reset()
-            self._note_no_table()
+            # A loop that logs the table every N steps: drift and streaks compare the steps
+            # that have one (as the report does), so nothing is reset here.
+            if self._prev is None:
+                self._note_no_table()
         fired = [a for key, a in holding.items() if key not in self._active]
-        self._active = set(holding)
+        # Drift is judged on table steps only: a step without a table leaves it as it was.
+        kept = {k for k in self._active if k[0] == "drift"} if counts is None else set()
+        self._active = set(holding) | kept
         if counts is not None and self._streaks is not None:
             fired += self._check_dead(step, layers, counts)
         return fired
