@@ -16,7 +16,15 @@ Measures (JSON keys, targets):
   qwen3_moe and qwen3_5_moe; ``flops_vectorised_speedup`` (>= 50): the smaller speedup over
   calling the estimator once per sequence;
 - ``syncs_per_microbatch`` (0) and ``syncs_per_export`` (1): host reads of tensor data that the
-  metrics add (on minus off), counted, not timed (``benchmarks/host_reads.py``).
+  metrics add (on minus off), counted, not timed (``benchmarks/host_reads.py``);
+- ``report_seconds_10k_94x256`` (<= 15) and ``report_peak_rss_mb_10k_94x256`` (<= 2048):
+  wall seconds and peak RSS of ``nemo-moe-metrics report`` in its own process over a generated
+  10,000-step run at 94 x 256 (``benchmarks/long_run.py``, default table cadence).
+- ``store_bytes_per_step_94x256`` (<= 100,000), ``store_write_ms_94x256`` (<= 5) and
+  ``wandb_table_ms_94x256`` (<= 100): the expert table of 94 MoE layers x 256 experts in the
+  expert-load store (bytes on disk, ms to write) and in W&B offline (ms of host time), per step,
+  amortised at the default ``logger.table_every`` (``benchmarks/store_bench.py``; the
+  per-table-step figures are in ``details.store``).
 
 Exits 1 if a correctness check of the measured path fails (the numbers would mean nothing);
 missed targets are reported, not fatal. Method and results: docs/en/performance.md.
@@ -33,6 +41,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -51,6 +60,9 @@ from benchmarks.harness import (  # noqa: E402
     spawn_ranks,
     step_rank,
 )
+from benchmarks.long_run import report_bench  # noqa: E402
+from benchmarks.store_bench import store_bench  # noqa: E402
+from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, LoggerConfig  # noqa: E402
 
 RESULT_KEYS = (
     "step_overhead_ratio",
@@ -59,6 +71,11 @@ RESULT_KEYS = (
     "flops_vectorised_speedup",
     "syncs_per_microbatch",
     "syncs_per_export",
+    "report_seconds_10k_94x256",
+    "report_peak_rss_mb_10k_94x256",
+    "store_bytes_per_step_94x256",
+    "store_write_ms_94x256",
+    "wandb_table_ms_94x256",
 )
 TARGETS: dict[str, tuple[str, float]] = {
     "step_overhead_ratio": ("<=", 1.02),
@@ -67,21 +84,35 @@ TARGETS: dict[str, tuple[str, float]] = {
     "flops_vectorised_speedup": (">=", 50.0),
     "syncs_per_microbatch": ("==", 0),
     "syncs_per_export": ("==", 1),
+    "report_seconds_10k_94x256": ("<=", 15.0),
+    "report_peak_rss_mb_10k_94x256": ("<=", 2048.0),
+    "store_bytes_per_step_94x256": ("<=", 100_000.0),
+    "store_write_ms_94x256": ("<=", 5.0),
+    "wandb_table_ms_94x256": ("<=", 100.0),
 }
 FLOPS_FIXTURES = {"qwen3_moe": "qwen3-30b-a3b", "qwen3_5_moe": "qwen3.5-35b-a3b"}
 STEP_WORLD_SIZE = 1  # one rank, one thread: the other core absorbs the machine's other load
 EXPORT_WORLD_SIZE = 2
+
+# The generated run the report is timed on: 10,000 steps at 94 x 256, default table cadence.
+REPORT_RUN = dict(steps=10_000, layers=94, experts=256, table_every=DEFAULT_TABLE_EVERY)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "full": dict(
         bench=BenchConfig(warmup_pairs=2, pairs=80, export_repeats=100),
         flops_repeats=200,
         loop_repeats=5,
+        report=REPORT_RUN,
+        store_repeats=100,
+        wandb_repeats=5,
     ),
     "quick": dict(
         bench=BenchConfig(warmup_pairs=1, pairs=40, export_repeats=30),
         flops_repeats=50,
         loop_repeats=3,
+        report=REPORT_RUN,
+        store_repeats=30,
+        wandb_repeats=3,
     ),
     # Tiny model and few repeats: exercises every path in seconds; the numbers mean little.
     "smoke": dict(
@@ -103,6 +134,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         ),
         flops_repeats=5,
         loop_repeats=1,
+        report=dict(steps=300, layers=8, experts=16, table_every=1),
+        store_repeats=3,
+        wandb_repeats=1,
     ),
 }
 
@@ -144,11 +178,16 @@ def _site_diff(on: dict[str, int], off: dict[str, int]) -> dict[str, int]:
 
 
 def summarise(
-    ranks: list[dict[str, Any]], exports: list[dict[str, Any]], flops: dict[str, Any]
+    ranks: list[dict[str, Any]],
+    exports: list[dict[str, Any]],
+    flops: dict[str, Any],
+    store: dict[str, Any],
+    report: dict[str, Any],
 ) -> dict[str, Any]:
-    """The JSON result: the six keys, then the details they were computed from.
+    """The JSON result: the keys of ``RESULT_KEYS``, then the details they were computed from.
 
-    ``ranks``: the step ranks' results; ``exports``: the export ranks' results.
+    ``ranks``: the step ranks' results; ``exports``: the export ranks' results; ``store``:
+    ``store_bench``'s result; ``report``: ``benchmarks.long_run.report_bench``'s result.
     """
     off = _slowest([r["step"]["off_s"] for r in ranks])
     on = _slowest([r["step"]["on_s"] for r in ranks])
@@ -188,6 +227,8 @@ def summarise(
         }
     )
     checks.update({f"flops_{m}_same_total": v["check_same_total"] for m, v in flops.items()})
+    checks.update(report["checks"])
+    checks.update(store["checks"])
 
     result: dict[str, Any] = {
         "step_overhead_ratio": _median(ratios),
@@ -196,6 +237,9 @@ def summarise(
         "flops_vectorised_speedup": min(v["speedup"] for v in flops.values()),
         "syncs_per_microbatch": int(max(per_mb)),
         "syncs_per_export": int(max(per_export)),
+        "report_seconds_10k_94x256": report["report_seconds"],
+        "report_peak_rss_mb_10k_94x256": report["report_peak_rss_mb"],
+        **{k: store[k] for k in RESULT_KEYS if k in store},
     }
     result["met"] = {k: _meets(result[k], *TARGETS[k]) for k in RESULT_KEYS}
     result["targets"] = {k: f"{op} {v}" for k, (op, v) in TARGETS.items()}
@@ -236,6 +280,8 @@ def summarise(
             "host_read_sites": exports[0]["host_read_sites"],
         },
         "flops": flops,
+        "report": report["details"],
+        "store": store["details"],
         "host_reads": {
             "per_microbatch_on_minus_off": per_mb,
             "per_step_boundary_on_minus_off": max(per_boundary),
@@ -299,6 +345,14 @@ def _format(result: dict[str, Any]) -> str:
         f"pairs; CPU-time ratio {d['cpu_time_ratio_median']:.4f}; metrics' own code "
         f"{d['direct_ms_per_step']:.1f} ms/step (ratio {d['direct_overhead_ratio']:.4f})"
     )
+    st = result["details"]["store"]
+    lines.append(
+        f"  store: {st['store_bytes_per_table_step'] / 1e3:.0f} KB and "
+        f"{st['store_write_ms_per_table_step']:.1f} ms ({st['store_write_cpu_ms_per_table_step']:.1f}"
+        f" ms CPU) per table step; W&B {st['wandb']['table_step_ms']:.0f} ms "
+        f"({st['wandb']['table_step_cpu_ms']:.0f} ms CPU) per table step; "
+        f"one table every {st['table_every']} steps"
+    )
     sites = result["details"]["host_reads"]["export_sites_on"]
     lines.append("  host reads added per step: " + (json.dumps(sites) if sites else "none"))
     failed = [k for k, ok in result["checks"].items() if not ok]
@@ -351,7 +405,12 @@ def main(argv: list[str] | None = None) -> int:
         repeats=preset["flops_repeats"],
         loop_repeats=preset["loop_repeats"],
     )
-    result = summarise(ranks, exports, flops)
+    store = store_bench(
+        LoggerConfig().table_every, preset["store_repeats"], preset["wandb_repeats"]
+    )
+    with tempfile.TemporaryDirectory(prefix="nmm_report_") as work:
+        report = report_bench(Path(work), **preset["report"])
+    result = summarise(ranks, exports, flops, store, report)
     result["machine"] = {
         **machine(),
         "load_average_1m_before": load_before[0],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -19,16 +20,39 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_steps(text: str) -> tuple[int, int]:
-    first, sep, last = text.partition(":")
+def _parse_steps(text: str) -> tuple[int | None, int | None]:
+    first, sep, last = text.strip().partition(":")
     try:
         if not sep:
             return int(text), int(text)
-        return int(first), int(last)
+        return (int(first) if first.strip() else None, int(last) if last.strip() else None)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--steps {text!r}: give one step (e.g. 100) or an inclusive window FIRST:LAST"
+            f"--steps {text!r}: give one step (e.g. 100) or an inclusive window FIRST:LAST, "
+            "FIRST: (to the end) or :LAST (from the start)"
         ) from None
+
+
+def _parse_layers(text: str) -> list[int]:
+    try:
+        layers = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        layers = []
+    if not layers or min(layers) < 0:
+        raise argparse.ArgumentTypeError(
+            f"--layers {text!r}: give MoE layer indices separated by commas, e.g. 3,17,40"
+        )
+    return layers
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -36,10 +60,20 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from nemo_moe_metrics.report import ReportError, render_report
 
     try:
-        print(render_report(args.run_dir, steps=args.steps))
+        summary = render_report(
+            args.run_dir,
+            steps=args.steps,
+            out_dir=args.out,
+            layers=args.layers,
+            dead_steps=args.dead_steps,
+        )
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    try:
+        print(summary, flush=True)
+    except BrokenPipeError:  # `report ... | head`: the reader left; that is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
@@ -150,11 +184,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.set_defaults(func=_cmd_check)
     report = sub.add_parser(
-        "report", help="expert-load heatmap, max/ideal plot and a summary from a run's JSONL"
+        "report",
+        help="expert-load pictures (heatmap, over steps, drift, max/ideal) and a summary of a run",
     )
     report.add_argument("run_dir", type=Path, help="run directory holding metrics.jsonl")
     report.add_argument(
-        "--steps", type=_parse_steps, default=None, help="one step N or a window FIRST:LAST"
+        "--steps",
+        type=_parse_steps,
+        default=None,
+        help="one step N, or an inclusive window FIRST:LAST, FIRST: or :LAST (default: all)",
+    )
+    report.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write the PNGs into DIR (created if needed) instead of the run directory",
+    )
+    report.add_argument(
+        "--layers",
+        type=_parse_layers,
+        default=None,
+        help="MoE layers for expert_load_over_steps.png, e.g. 3,17 (default: the 4 worst)",
+    )
+    report.add_argument(
+        "--dead-steps",
+        type=_positive,
+        default=10,
+        metavar="N",
+        help="list experts with 0 tokens for at least N consecutive logged steps (default 10)",
     )
     report.set_defaults(func=_cmd_report)
     flops = sub.add_parser("flops", help="estimate training FLOPs of a model for a batch")

@@ -252,6 +252,43 @@ class GRPOConfig(StrictModel):
     temperature: float = Field(1.0, gt=0)
 
 
+#: ``logger.table_every`` default. At 94 x 256 one table step costs about 57 KB in the store
+#: and 630 KB in W&B's offline files (measured, benchmarks/store_bench.py); every 20th step of
+#: a 10,000-step run is 500 tables, about 345 MB, plus about 35 MB of scalars in JSONL,
+#: TensorBoard and W&B with the default flags: under 2 GB with room to spare, and W&B's
+#: ~0.8 s per table becomes ~40 ms per step. docs/en/storage.md has the budget.
+DEFAULT_TABLE_EVERY = 20
+
+
+class AlertsConfig(StrictModel):
+    """``logger.alerts``: one warning line when an expert-balance threshold is crossed.
+
+    Checked on rank 0 from the numbers each step already logs (no collective, no device read);
+    ``moe/alerts`` counts the crossings of each step. A threshold set to null is not checked.
+    """
+
+    enabled: bool = Field(False, description="Check the thresholds below at every logged step.")
+    max_over_ideal: float | None = Field(
+        4.0, gt=1, description="A layer's busiest expert above this multiple of the ideal load."
+    )
+    dead_steps: int | None = Field(
+        10, ge=1, description="An expert with no token for this many consecutive logged steps."
+    )
+    drift: float | None = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="Jensen-Shannon divergence (bits, 0..1) of a layer's expert shares between "
+        "two consecutive logged steps.",
+    )
+    dropped_fraction: float | None = Field(
+        0.1, gt=0, le=1, description="Share of a layer's top-k choices dropped by expert capacity."
+    )
+    max_lines_per_step: int = Field(
+        10, ge=1, description="Warning lines printed per step; the rest are counted in one line."
+    )
+
+
 class LoggerConfig(StrictModel):
     """``logger``: where metrics go."""
 
@@ -260,16 +297,31 @@ class LoggerConfig(StrictModel):
     wandb_enabled: bool = True
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     wandb_project: str = "nemo_moe_metrics"
-    wandb_table_every: int = Field(
-        1,
+    table_every: int = Field(
+        DEFAULT_TABLE_EVERY,
         ge=1,
-        description="Send moe/expert_loads to W&B every N steps (scalars go every step); "
-        "a 64 x 256 table costs W&B 0.5 to 1 s of host time. JSONL keeps every step's table.",
+        description="Write the moe/expert_loads table (expert-load store, W&B) on steps that are "
+        "multiples of N; scalars go every step. The default keeps a 10,000-step run at "
+        "94 layers x 256 experts under 2 GB in total (docs/en/scale.md).",
+    )
+    wandb_table_every: int | None = Field(
+        None,
+        ge=1,
+        description="W&B's own table cadence (a 94 x 256 table costs W&B about 1 s of host "
+        "time); None follows table_every.",
     )
     resume: bool = Field(
         False,
-        description="Continue the run in the run directory (`nemo-moe-metrics run --resume`).",
+        description="Continue the run in the output directory: steps, train_perf/total_* and "
+        "the cumulative rates go on from its last logged step; JSONL and the store append; "
+        "TensorBoard and W&B continue the same run. Model weights are not restored.",
     )
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
+
+    @property
+    def wandb_table_cadence(self) -> int:
+        """Steps between two W&B tables: ``wandb_table_every``, else ``table_every``."""
+        return self.wandb_table_every or self.table_every
 
 
 class Recipe(StrictModel):

@@ -493,6 +493,7 @@ def run_with_progress(
     check_launch_extras(recipe)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Column
 
     console = console or Console()
     run_dir = Path(output_dir).resolve() / recipe.name
@@ -515,9 +516,13 @@ def run_with_progress(
         Progress(
             TextColumn("[bold]{task.fields[name]}"),
             BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("{task.description}"),
+            # Piped output is 80 columns: the bar and the metrics give way, never the counts
+            # or the elapsed time (which rich would otherwise cut to "0:0…").
+            MofNCompleteColumn(table_column=Column(no_wrap=True, min_width=3)),
+            TimeElapsedColumn(table_column=Column(no_wrap=True, min_width=7)),
+            TextColumn(
+                "{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis")
+            ),
             console=console,
         ) as progress,
     ):
@@ -554,7 +559,8 @@ def run_with_progress(
         from nemo_moe_metrics.report import render_report
 
         # The pictures and the summary a user looks at first.
-        console.print(render_report(run_dir), markup=False, highlight=False)
+        # soft_wrap: whole lines, never cut at the console width (80 columns when piped).
+        console.print(render_report(run_dir), markup=False, highlight=False, soft_wrap=True)
     return 0
 
 

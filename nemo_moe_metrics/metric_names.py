@@ -37,6 +37,8 @@ EP_IMBALANCE_MAX = "moe/ep_imbalance_max"
 DEAD_EXPERTS = "moe/dead_experts"
 DROPPED_FRACTION = "moe/dropped_fraction"
 PADDING_FRACTION = "moe/padding_fraction"
+# Threshold crossings of this step (logger.alerts); logged every step while alerts are enabled.
+ALERTS = "moe/alerts"
 
 # Per-layer balance statistics, logged as moe/layer_{i}/{stat} with moe_per_layer_logging.
 LAYER_STATS = (
@@ -108,7 +110,7 @@ def documented_key_patterns() -> list[str]:
     keys += [f"{MOE_PREFIX}{{name}}_layer_{{i}}"]
     keys += list(BALANCE_SUMMARY_KEYS)
     keys += [f"{MOE_PREFIX}layer_{{i}}/{stat}" for stat in LAYER_STATS]
-    keys += [EXPERT_LOADS, *THROUGHPUT_KEYS, *FLOPS_KEYS]
+    keys += [ALERTS, EXPERT_LOADS, *THROUGHPUT_KEYS, *FLOPS_KEYS]
     return keys
 
 

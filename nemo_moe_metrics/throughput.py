@@ -293,6 +293,31 @@ class StepMeter:
         self.steps = 0  #: completed steps since construction
         self.failed_steps = 0  #: steps whose body raised (not counted)
 
+    def resume(self, total_tokens: float, total_seconds: float, total_flops: float = 0.0) -> None:
+        """Start the running totals from a resumed run's values, so ``total_*`` and the
+        cumulative rates continue instead of restarting at 0. Call before the first export."""
+        for name, value in (
+            ("total_tokens", total_tokens),
+            ("total_seconds", total_seconds),
+            ("total_flops", total_flops),
+        ):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not (math.isfinite(value) and value >= 0)
+            ):
+                raise ValueError(
+                    f"StepMeter.resume: {name} must be a finite number >= 0, got {value!r}; "
+                    "pass the last logged train_perf/ totals of the run being resumed"
+                )
+        if self.steps:
+            raise RuntimeError(
+                "StepMeter.resume() after steps were exported; resume before the first step"
+            )
+        self._total_tokens = float(total_tokens)
+        self._total_seconds = float(total_seconds)
+        self._total_flops = float(total_flops)
+
     @property
     def uses_events(self) -> bool:
         """Whether steps are timed with device events (CUDA or a stand-in) instead of the clock."""

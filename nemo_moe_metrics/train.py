@@ -17,7 +17,7 @@ import torch
 
 from nemo_moe_metrics.config import ConfigError, Recipe, dump_recipe, load_recipe
 from nemo_moe_metrics.preflight import preflight
-from nemo_moe_metrics.sinks import build_sinks
+from nemo_moe_metrics.sinks import ResumeState, build_sinks, read_resume_state
 from nemo_moe_metrics.worker import PolicyMetrics
 
 
@@ -30,32 +30,60 @@ def make_hooks(recipe: Recipe) -> PolicyMetrics | None:
 
 
 def train(recipe: Recipe, output_dir: str | Path) -> None:
-    """Build the worker, run the recipe's loop, write the run directory on rank 0."""
+    """Build the worker, run the recipe's loop, write the run directory on rank 0.
+
+    With ``logger.resume`` the run in ``output_dir`` continues from its last logged step
+    (see :mod:`nemo_moe_metrics.sinks.resume`): the loop starts at the next step, the
+    ``train_perf/`` totals go on, and every sink appends to the same run.
+    """
     import torch.distributed as dist
 
     from nemo_moe_metrics.algorithms import run_algorithm
     from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
 
     output_dir = Path(output_dir)
-    worker = MegatronPolicyWorker(recipe, hooks=make_hooks(recipe))
+    hooks = make_hooks(recipe)
+    worker = MegatronPolicyWorker(recipe, hooks=hooks)
     rank = dist.get_rank()
+    state = _resume_state(output_dir, rank) if recipe.logger.resume else None
+    if state is not None and hooks is not None:
+        hooks.resume_totals(state.total_tokens, state.total_seconds, state.total_flops)
+    start_step = state.next_step if state is not None else 0
     if rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+        if state is not None and state.last_step is not None:
+            left = max(0, recipe.training.max_steps - start_step)
+            print(
+                f"resuming {output_dir} after step {state.last_step}: {left} step(s) left of "
+                f"training.max_steps={recipe.training.max_steps}",
+                flush=True,
+            )
     sink = build_sinks(
         recipe.logger,
         output_dir,
         run_name=recipe.name,
         config=recipe.model_dump(mode="json"),
         rank=rank,
+        resume_state=state,
     )
     try:
-        run_algorithm(recipe, worker, sink.log)
+        run_algorithm(recipe, worker, sink.log, start_step=start_step)
     finally:
         sink.close()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _resume_state(output_dir: Path, rank: int) -> ResumeState:
+    """Rank 0 reads the run directory; every rank gets the same state (one broadcast)."""
+    import torch.distributed as dist
+
+    box = [read_resume_state(output_dir) if rank == 0 else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def build_parser() -> argparse.ArgumentParser:

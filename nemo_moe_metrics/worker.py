@@ -191,6 +191,14 @@ class PolicyMetrics:
             host_timing_group=host_timing_group,
         )
 
+    def resume_totals(
+        self, total_tokens: float, total_seconds: float, total_flops: float = 0.0
+    ) -> None:
+        """Continue ``train_perf/total_*`` and the cumulative rates of a resumed run (after
+        ``attach``, before the first step); a no-op without throughput tracking."""
+        if self._meter is not None:
+            self._meter.resume(total_tokens, total_seconds, total_flops)
+
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """Bracket one optimizer step; a step that raises leaves no partial counts behind."""

@@ -154,3 +154,15 @@ def test_smoke_run_records_the_machine(smoke):
     assert machine["torch"].split("+")[0] == torch.__version__.split("+")[0]
     assert machine["logical_cpus"] >= 1 and machine["cpu_model"]
     assert "step_overhead_ratio" in proc.stdout
+
+
+def test_smoke_run_measures_the_store_and_wandb_tables_at_94x256(smoke):
+    _, result = smoke
+    store = result["details"]["store"]
+    # 94 x 256 counts: compressed below raw 32-bit integers, and amortised over the cadence.
+    assert 0 < store["store_bytes_per_table_step"] < 94 * 256 * 4
+    assert result["store_bytes_per_step_94x256"] == pytest.approx(
+        store["store_bytes_per_table_step"] / store["table_every"]
+    )
+    assert store["wandb"]["table_step_ms"] > store["wandb"]["scalar_step_ms"] > 0
+    assert result["checks"]["store_round_trip_exact"] is True

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from nemo_moe_metrics import metric_names as names
+from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "examples" / "configs" / "grpo_moe_tiny.yaml"
@@ -52,18 +53,20 @@ def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _check_counts_match_training_tokens(rows, topk=2, moe_layers=(1, 2, 3)):
+def _check_counts_match_training_tokens(run_dir, rows, topk=2, moe_layers=(1, 2, 3)):
     # Independent of the expert-load code path: the throughput meter counts the real tokens of
     # the training microbatches from the batch itself. Every training token is routed to top-k
     # experts in every MoE layer; reference, rollout and scoring forwards must add nothing.
-    for row in rows:
-        per_layer: dict[int, int] = {}
-        for layer, _expert, tokens, _pct in row[names.EXPERT_LOADS]:
-            per_layer[layer] = per_layer.get(layer, 0) + tokens
-        assert sorted(per_layer) == list(moe_layers)
-        expected = row[names.TOKENS] * topk
+    # The counts live in the expert-load store; metrics.jsonl holds scalars only.
+    assert not [r["step"] for r in rows if names.EXPERT_LOADS in r]
+    tokens = {r["step"]: r[names.TOKENS] for r in rows}
+    stored = list(read_expert_loads(store_path(run_dir)))
+    assert [step for step, _, _ in stored] == [r["step"] for r in rows]  # recipes: table_every 1
+    for step, layer_ids, counts in stored:
+        assert layer_ids.tolist() == list(moe_layers)
+        expected = tokens[step] * topk
         assert expected > 0
-        assert all(total == expected for total in per_layer.values()), (row["step"], per_layer)
+        assert counts.sum(axis=1).tolist() == [expected] * len(moe_layers), step
 
 
 @pytest.mark.slow
@@ -86,7 +89,7 @@ def test_grpo_two_torchrun_ranks_writes_every_metric_and_artifact(tmp_path):
         # Per-layer keys only with moe_per_layer_logging, and never a doubled prefix.
         assert not [k for k in row if "_layer_" in k or k.startswith("moe/layer_")]
         assert not [k for k in row if k.startswith("moe/moe/") or "/moe/" in k]
-    _check_counts_match_training_tokens(rows)
+    _check_counts_match_training_tokens(run_dir, rows)
     # The recipe in the run directory is the one that ran, override included.
     assert "max_steps: 2" in (run_dir / "recipe.yaml").read_text()
     for artifact in ("expert_load_heatmap.png", "max_over_ideal.png"):
@@ -104,7 +107,8 @@ def test_grpo_two_torchrun_ranks_writes_every_metric_and_artifact(tmp_path):
 @pytest.mark.timeout(300)
 def test_dpo_per_layer_logging_and_reference_forwards_not_counted(tmp_path):
     _launch(tmp_path, DPO, "policy.megatron_cfg.moe_per_layer_logging=true")
-    rows = _rows(tmp_path / "runs" / "dpo_moe_tiny")
+    run_dir = tmp_path / "runs" / "dpo_moe_tiny"
+    rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
     for row in rows:
         for layer in (1, 2, 3):
@@ -113,7 +117,7 @@ def test_dpo_per_layer_logging_and_reference_forwards_not_counted(tmp_path):
         # The dense first layer has no MoE values.
         assert names.aux_loss_layer_key("load_balancing_loss", 0) not in row
         assert names.layer_stat_key(0, "max_over_ideal") not in row
-    _check_counts_match_training_tokens(rows)
+    _check_counts_match_training_tokens(run_dir, rows)
 
 
 def test_slurm_recipe_dry_run_shows_sbatch_and_torchrun_command(tmp_path):

@@ -16,6 +16,7 @@ from nemo_moe_metrics.config import LoggerConfig
 from nemo_moe_metrics.report import read_metrics
 from nemo_moe_metrics.sinks import METRICS_FILE, RUN_FILE, MultiSink, NullSink, build_sinks
 from nemo_moe_metrics.sinks.jsonl import JsonlSink
+from nemo_moe_metrics.sinks.store import ExpertLoadSink, read_expert_loads, store_path
 
 REPO = Path(__file__).resolve().parent.parent
 JSONL_ONLY = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False)
@@ -25,16 +26,29 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_jsonl_writes_one_object_per_step_with_table_rows(tmp_path):
-    table = [[0, e, 10 * e, 100 * e / 280] for e in range(8)]
-    sink = build_sinks(JSONL_ONLY, tmp_path, run_name="r")
+def test_jsonl_writes_one_object_of_scalars_per_step_and_the_table_goes_to_the_store(tmp_path):
+    table = [[0, e, 10 * e, 100 * e / 280] for e in range(8)] + [[4, 1, 9, 100.0]]
+    sink = build_sinks(JSONL_ONLY.model_copy(update={"table_every": 1}), tmp_path, run_name="r")
     sink.log({mn.MAX_OVER_IDEAL: 1.25, mn.TOKENS: 512, mn.EXPERT_LOADS: table}, step=3)
     sink.log({mn.MAX_OVER_IDEAL: 1.5}, step=4)
     sink.close()
     assert _lines(tmp_path / METRICS_FILE) == [
-        {"step": 3, mn.MAX_OVER_IDEAL: 1.25, mn.TOKENS: 512, mn.EXPERT_LOADS: table},
+        {"step": 3, mn.MAX_OVER_IDEAL: 1.25, mn.TOKENS: 512},
         {"step": 4, mn.MAX_OVER_IDEAL: 1.5},
     ]
+    [(step, layer_ids, counts)] = list(read_expert_loads(store_path(tmp_path)))
+    assert step == 3 and layer_ids.tolist() == [0, 4]
+    assert counts.tolist() == [[10 * e for e in range(8)], [0, 9, 0, 0, 0, 0, 0, 0]]
+
+
+def test_table_goes_to_the_store_every_table_every_steps_and_scalars_every_step(tmp_path):
+    sink = build_sinks(JSONL_ONLY.model_copy(update={"table_every": 3}), tmp_path, run_name="r")
+    for step in range(8):
+        sink.log({mn.TOKENS: step, mn.EXPERT_LOADS: [[2, 0, step, 100.0]]}, step)
+    sink.close()
+    assert [r["step"] for r in _lines(tmp_path / METRICS_FILE)] == list(range(8))
+    stored = [(s, c.tolist()) for s, _, c in read_expert_loads(store_path(tmp_path))]
+    assert stored == [(0, [[0]]), (3, [[3]]), (6, [[6]])]
 
 
 def test_jsonl_keeps_every_completed_step_when_the_process_is_killed(tmp_path):
@@ -122,13 +136,13 @@ def test_list_under_a_non_table_key_is_refused(tmp_path):
 
 
 def test_table_row_of_wrong_width_is_refused(tmp_path):
-    sink = MultiSink([JsonlSink(tmp_path / METRICS_FILE)])
+    sink = MultiSink([JsonlSink(tmp_path / METRICS_FILE), ExpertLoadSink(store_path(tmp_path))])
     with pytest.raises(ValueError, match=r"row 1 .*4 values \['layer', 'expert'"):
         sink.log({mn.EXPERT_LOADS: [[0, 0, 5, 50.0], [0, 1, 5]]}, step=0)
 
 
 def test_nan_in_a_table_cell_is_refused_before_any_sink_writes(tmp_path):
-    sink = MultiSink([JsonlSink(tmp_path / METRICS_FILE)])
+    sink = MultiSink([JsonlSink(tmp_path / METRICS_FILE), ExpertLoadSink(store_path(tmp_path))])
     with pytest.raises(ValueError, match=r"row 0 column 'load_percent' is nan.*not NaN"):
         sink.log({mn.EXPERT_LOADS: [[0, 0, 0, math.nan]]}, step=0)
     assert (tmp_path / METRICS_FILE).read_text() == ""
@@ -197,3 +211,28 @@ def test_split_tables_separates_the_expert_table_from_scalars():
     )
     assert scalars == {"moe/max_over_ideal": 1.5, "train_perf/tokens": 4.0}
     assert tables == {"moe/expert_loads": table}
+
+
+def test_off_cadence_tables_are_not_checked_when_no_sink_wants_them(tmp_path):
+    # A malformed table on a step no sink takes tables: dropped, not validated, not an error.
+    sink = build_sinks(JSONL_ONLY.model_copy(update={"table_every": 2}), tmp_path, run_name="r")
+    sink.log({mn.TOKENS: 1, mn.EXPERT_LOADS: [["bad row"]]}, step=1)
+    with pytest.raises(ValueError, match="row 0"):
+        sink.log({mn.TOKENS: 2, mn.EXPERT_LOADS: [["bad row"]]}, step=2)
+    sink.close()
+    assert [r["step"] for r in _lines(tmp_path / METRICS_FILE)] == [1]
+
+
+def test_a_sink_without_wants_tables_still_gets_every_table(tmp_path):
+    seen = []
+
+    class Plain:
+        def log(self, metrics, step):
+            seen.append((step, mn.EXPERT_LOADS in metrics))
+
+        def close(self):
+            pass
+
+    sink = MultiSink([Plain()])
+    sink.log({mn.EXPERT_LOADS: [[0, 0, 1, 100.0]]}, step=3)
+    assert seen == [(3, True)]

@@ -44,7 +44,7 @@ def _train_and_log(rank, world_size, run_dir):
         if isinstance(m, TopKRouter):
             m.register_forward_hook(count)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    cfg = LoggerConfig(wandb_enabled=False)
+    cfg = LoggerConfig(wandb_enabled=False, table_every=1)
     sink = build_sinks(
         cfg, Path(run_dir), run_name="megatron-tiny", rank=rank, config=recipe.model_dump()
     )

@@ -18,7 +18,9 @@ def test_wandb_table_keeps_all_rows_of_64_layers_by_256_experts(tmp_path):
         for e in range(n_experts)
     ]
     assert len(rows) > 10_000  # more than W&B's default table limit
-    cfg = LoggerConfig(jsonl_enabled=False, tensorboard_enabled=False, wandb_mode="offline")
+    cfg = LoggerConfig(
+        jsonl_enabled=False, tensorboard_enabled=False, wandb_mode="offline", table_every=1
+    )
     sink = build_sinks(cfg, tmp_path, run_name="wide", config={"a": 1})
     sink.log({mn.EXPERT_LOADS: rows, mn.MAX_OVER_IDEAL: 1.75}, step=5)
     run = sink.sinks[0].run
@@ -67,3 +69,15 @@ def test_wandb_table_every_zero_is_refused():
         ConfigError, match=r"logger\.wandb_table_every: .*greater than or equal to 1"
     ):
         recipe_from_dict({"policy": {"model": {}}, "logger": {"wandb_table_every": 0}})
+
+
+def test_wandb_follows_table_every_when_wandb_table_every_is_unset(tmp_path):
+    cfg = LoggerConfig(
+        jsonl_enabled=False, tensorboard_enabled=False, wandb_mode="offline", table_every=3
+    )
+    sink = build_sinks(cfg, tmp_path, run_name="r")
+    for step in range(7):
+        sink.log({mn.EXPERT_LOADS: [[0, 0, step, 100.0]], mn.TOKENS: step}, step)
+    sink.close()
+    files = (tmp_path / "wandb").glob("offline-run-*/files/media/table/moe/expert_loads_*")
+    assert sorted(json.loads(f.read_text())["data"][0][2] for f in files) == [0, 3, 6]

@@ -41,7 +41,7 @@ def make_dpo_loss(beta: float):
     return dpo_loss
 
 
-def run_dpo(recipe: Recipe, worker, log_fn: LogFn) -> None:
+def run_dpo(recipe: Recipe, worker, log_fn: LogFn, start_step: int = 0) -> None:
     """DPO steps on synthetic pairs; the reference is the worker's weights at the start."""
     gbs, mbs = recipe.policy.train_global_batch_size, recipe.policy.train_micro_batch_size
     if gbs % 2 or mbs % 2:
@@ -52,7 +52,7 @@ def run_dpo(recipe: Recipe, worker, log_fn: LogFn) -> None:
     model_cfg, train_cfg = recipe.policy.model, recipe.training
     worker.snapshot_reference()
     loss_fn = make_dpo_loss(recipe.dpo.beta)
-    for step in range(train_cfg.max_steps):
+    for step in range(start_step, train_cfg.max_steps):
         g = generator(train_cfg.seed, step, worker.dp_rank)
         batch = dpo_batch(
             gbs // 2,

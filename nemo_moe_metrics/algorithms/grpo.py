@@ -50,7 +50,7 @@ def grpo_loss(logprobs: torch.Tensor, mb: SequenceBatch) -> tuple[torch.Tensor, 
     return loss, {names.TRAIN_CLIP_FRACTION: masked_sequence_mean(clipped, mask).mean()}
 
 
-def run_grpo(recipe: Recipe, worker, log_fn: LogFn) -> None:
+def run_grpo(recipe: Recipe, worker, log_fn: LogFn, start_step: int = 0) -> None:
     """GRPO steps: sample groups without grad, score, normalise, one optimizer step each."""
     cfg, model_cfg, train_cfg = recipe.grpo, recipe.policy.model, recipe.training
     gbs = recipe.policy.train_global_batch_size
@@ -64,7 +64,7 @@ def run_grpo(recipe: Recipe, worker, log_fn: LogFn) -> None:
             f"grpo.prompt_length + grpo.response_length = "
             f"{cfg.prompt_length + cfg.response_length} exceeds seq_length={model_cfg.seq_length}"
         )
-    for step in range(train_cfg.max_steps):
+    for step in range(start_step, train_cfg.max_steps):
         g = generator(train_cfg.seed, step, worker.dp_rank)
         prompts = copy_prompts(
             gbs // cfg.num_generations, cfg.prompt_length, model_cfg.vocab_size, g

@@ -20,10 +20,10 @@ def sft_loss(logprobs: torch.Tensor, mb: SequenceBatch) -> tuple[torch.Tensor, d
     return loss, {names.TRAIN_TOKEN_ACCURACY: accuracy.detach()}
 
 
-def run_sft(recipe: Recipe, worker, log_fn: LogFn) -> None:
+def run_sft(recipe: Recipe, worker, log_fn: LogFn, start_step: int = 0) -> None:
     """``recipe.training.max_steps`` optimizer steps; ``log_fn(metrics, step)`` once per step."""
     model_cfg, train_cfg = recipe.policy.model, recipe.training
-    for step in range(train_cfg.max_steps):
+    for step in range(start_step, train_cfg.max_steps):
         g = generator(train_cfg.seed, step, worker.dp_rank)
         batch = sft_batch(
             recipe.policy.train_global_batch_size,

@@ -2,13 +2,17 @@
 
 ``build_sinks`` is the only constructor call sites need: it returns one ``Sink`` whose ``log``
 fans out to every enabled backend, or a do-nothing sink on ranks other than 0. It also writes
-``run.json`` (run name, model shape, config) that ``nemo-moe-metrics report`` reads.
+``run.json`` (run name, run id, model shape, config) that ``nemo-moe-metrics report`` reads.
+
+The local record is ``metrics.jsonl`` (scalars, every step) plus the expert-load store beside
+it (``expert_loads.bin``: the ``moe/expert_loads`` counts every ``logger.table_every`` steps).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import tempfile
 import warnings
 from datetime import UTC, datetime
@@ -18,6 +22,8 @@ from typing import Any
 from nemo_moe_metrics.config import LoggerConfig
 from nemo_moe_metrics.sinks.base import MultiSink, NullSink, Sink, split_tables, validate_metrics
 from nemo_moe_metrics.sinks.jsonl import METRICS_FILE, JsonlSink
+from nemo_moe_metrics.sinks.resume import ResumeState, read_resume_state
+from nemo_moe_metrics.sinks.store import STORE_FILE, ExpertLoadSink, store_path
 
 RUN_FILE = "run.json"
 TENSORBOARD_DIR = "tensorboard"
@@ -25,13 +31,17 @@ TENSORBOARD_DIR = "tensorboard"
 __all__ = [
     "METRICS_FILE",
     "RUN_FILE",
+    "STORE_FILE",
     "TENSORBOARD_DIR",
     "MultiSink",
     "NullSink",
+    "ResumeState",
     "Sink",
     "build_sinks",
+    "read_resume_state",
     "run_metadata",
     "split_tables",
+    "store_path",
     "validate_metrics",
 ]
 
@@ -43,32 +53,58 @@ def build_sinks(
     run_name: str,
     config: dict[str, Any] | None = None,
     rank: int = 0,
+    resume_state: ResumeState | None = None,
 ) -> Sink:
     """The sinks ``logger_cfg`` enables, writing under ``run_dir``; rank != 0 gets a NullSink.
 
     A backend that cannot start (W&B most often) warns once and is left out; the others run.
-    ``logger_cfg.wandb_table_every=N`` sends the expert table to W&B every N steps only (it
-    costs 0.5 to 1 s of host time per step at 64 x 256); JSONL always keeps every step's table.
+    The ``moe/expert_loads`` table goes to the store and W&B on steps that are multiples of
+    ``logger_cfg.table_every`` (W&B: ``wandb_table_every`` when set); scalars go every step.
+    With ``logger_cfg.resume`` the run in ``run_dir`` continues (``resume_state``, read from
+    ``run_dir`` when not given, says from which step): see :mod:`nemo_moe_metrics.sinks.resume`.
+    ``logger_cfg.alerts.enabled`` adds the alert monitor (:mod:`nemo_moe_metrics.moe.alerts`)
+    in front of the backends: every loop that logs through this sink gets ``moe/alerts``.
     """
     if rank != 0:
         return NullSink()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    _write_json_atomic(run_dir / RUN_FILE, run_metadata(run_name, config))
+    resume = logger_cfg.resume
+    if resume and resume_state is None:
+        resume_state = read_resume_state(run_dir)
+    previous = _read_run_json(run_dir / RUN_FILE) if resume else {}
+    meta = run_metadata(run_name, config)
+    # The run id (W&B's too) survives a resume; a run that does not resume gets a new one.
+    meta["run_id"] = previous.get("run_id") or secrets.token_hex(4)
+    if resume and previous:
+        meta["created"] = previous.get("created", meta["created"])
+        meta["resumed"] = [*previous.get("resumed", []), _now()]
+    _write_json_atomic(run_dir / RUN_FILE, meta)
+    next_step = resume_state.next_step if resume and resume_state is not None else None
 
     sinks: list[Sink] = []
     if logger_cfg.jsonl_enabled:
         # No guard: the local file is the record of last resort; failing to open it is fatal.
         sinks.append(JsonlSink(run_dir / METRICS_FILE))
+        sinks.append(ExpertLoadSink(store_path(run_dir), table_every=logger_cfg.table_every))
     if logger_cfg.tensorboard_enabled:
-        _try_add(sinks, "TensorBoard", lambda: _tensorboard(run_dir / TENSORBOARD_DIR))
+        _try_add(sinks, "TensorBoard", lambda: _tensorboard(run_dir / TENSORBOARD_DIR, next_step))
     if logger_cfg.wandb_enabled and logger_cfg.wandb_mode != "disabled":
         _try_add(
             sinks,
             "W&B",
-            lambda: _wandb(run_dir, logger_cfg, run_name, config, logger_cfg.wandb_table_every),
+            lambda: _wandb(run_dir, logger_cfg, run_name, config, meta["run_id"]),
         )
-    return MultiSink(sinks)
+    return MultiSink(sinks, monitor=_alert_monitor(logger_cfg))
+
+
+def _alert_monitor(logger_cfg: LoggerConfig) -> Any:
+    # Rank 0 only (other ranks returned above): alerts read the logged numbers, nothing else.
+    if not logger_cfg.alerts.enabled:
+        return None
+    from nemo_moe_metrics.moe.alerts import AlertMonitor
+
+    return AlertMonitor(logger_cfg.alerts)
 
 
 def run_metadata(run_name: str, config: dict[str, Any] | None) -> dict[str, Any]:
@@ -76,7 +112,7 @@ def run_metadata(run_name: str, config: dict[str, Any] | None) -> dict[str, Any]
     model = ((config or {}).get("policy") or {}).get("model") or {}
     return {
         "run_name": run_name,
-        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "created": _now(),
         "num_layers": model.get("num_layers"),
         "num_experts": model.get("num_experts"),
         "moe_router_topk": model.get("moe_router_topk"),
@@ -84,10 +120,22 @@ def run_metadata(run_name: str, config: dict[str, Any] | None) -> dict[str, Any]
     }
 
 
-def _tensorboard(log_dir: Path) -> Sink:
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _read_run_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _tensorboard(log_dir: Path, purge_step: int | None) -> Sink:
     from nemo_moe_metrics.sinks.tensorboard import TensorBoardSink
 
-    return TensorBoardSink(log_dir)
+    return TensorBoardSink(log_dir, purge_step=purge_step)
 
 
 def _wandb(
@@ -95,7 +143,7 @@ def _wandb(
     cfg: LoggerConfig,
     run_name: str,
     config: dict[str, Any] | None,
-    table_every: int,
+    run_id: str,
 ) -> Sink:
     from nemo_moe_metrics.sinks.wandb import WandbSink
 
@@ -105,7 +153,9 @@ def _wandb(
         project=cfg.wandb_project,
         run_name=run_name,
         config=config,
-        table_every=table_every,
+        table_every=cfg.wandb_table_cadence,
+        run_id=run_id,
+        resume=cfg.resume,
     )
 
 

@@ -1,4 +1,7 @@
-"""JSON Lines sink: one object per step, flushed (and fsync'd) before ``log`` returns.
+"""JSON Lines sink: one object of scalars per step, flushed (and fsync'd) before ``log`` returns.
+
+Tables (``moe/expert_loads``) are not written here: the expert-load store beside this file
+keeps them compactly (:mod:`nemo_moe_metrics.sinks.store`).
 
 The file survives any crash: every step whose ``log`` returned is on disk. A run that resumes
 appends to the same file; if the previous process died in the middle of writing a line, a
@@ -17,7 +20,7 @@ METRICS_FILE = "metrics.jsonl"
 
 
 class JsonlSink:
-    """Append ``{"step": n, ...metrics}`` lines to ``path``; NaN/inf are written as ``null``."""
+    """Append ``{"step": n, ...scalars}`` lines to ``path``; NaN/inf are written as ``null``."""
 
     def __init__(self, path: Path, *, fsync: bool = True) -> None:
         self.path = Path(path)
@@ -36,12 +39,16 @@ class JsonlSink:
             self._file.write("\n")
             self._flush()
 
+    def wants_tables(self, step: int) -> bool:
+        """Never: tables go to the expert-load store."""
+        return False
+
     def log(self, metrics: Metrics, step: int) -> None:
-        """Write one line for ``step`` and make it durable before returning."""
+        """Write one line of scalars for ``step`` and make it durable before returning."""
         record: dict[str, object] = {"step": int(step)}
         for key, value in metrics.items():
-            record[key] = value if is_table(key) else finite_or_none(value)
-        # allow_nan=False: a NaN inside a table row is a bug upstream, not something to hide.
+            if not is_table(key):
+                record[key] = finite_or_none(value)
         line = json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n"
         try:
             self._file.write("\n" + line if self._torn else line)

@@ -26,7 +26,12 @@ class WandbSink:
         run_name: str,
         config: dict[str, Any] | None = None,
         table_every: int = 1,
+        run_id: str | None = None,
+        resume: bool = False,
     ) -> None:
+        """``run_id`` names the W&B run (kept in ``run.json``); with ``resume`` the sink continues
+        that run (online: W&B appends to it; offline: a new offline folder with the same id,
+        which ``wandb sync`` merges into the one run)."""
         if isinstance(table_every, bool) or not isinstance(table_every, int) or table_every < 1:
             raise ValueError(f"table_every must be an int >= 1, got {table_every!r}")
         # A 64 x 256 table costs W&B 0.5 to 1 s of host time per log (type inference and two
@@ -46,11 +51,18 @@ class WandbSink:
             project=project,
             name=run_name,
             config=config or {},
+            id=run_id,
+            # "allow": continue the run with this id when it exists, create it otherwise.
+            resume="allow" if resume else None,
             # create_new: several sinks (tests, sweeps) may live in one process.
             reinit="create_new",
             # console="off": the training script's stdout stays untouched.
             settings=wandb.Settings(console="off", silent=True),
         )
+
+    def wants_tables(self, step: int) -> bool:
+        """Whether ``step`` is on this sink's table cadence."""
+        return step % self.table_every == 0
 
     def log(self, metrics: Metrics, step: int) -> None:
         """Log scalars (and tables when ``step`` is a multiple of ``table_every``) for ``step``."""

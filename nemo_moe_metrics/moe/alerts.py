@@ -1,0 +1,259 @@
+"""Expert-balance alerts: thresholds from ``logger.alerts`` checked against a step's metrics.
+
+:class:`AlertMonitor` runs on rank 0 inside the sink fan-out (``build_sinks``), so every loop
+(SFT, DPO, GRPO, a user's own) gets it by logging through its sink. It reads only the numbers
+the step already logs (the ``moe/expert_loads`` table, per-layer keys, the summaries): no
+collective, no device read. Each crossing prints one warning line naming the step, the layer
+and the expert, and ``moe/alerts`` counts the crossings of the step.
+
+An alert fires when its condition starts to hold and re-arms once it stops holding, so a layer
+that stays overloaded for 1,000 steps warns once, not 1,000 times. What each check needs:
+
+- ``max_over_ideal``: the table (layer and expert), else ``moe/layer_{i}/max_over_ideal``
+  (layer), else ``moe/max_over_ideal_max`` (the worst layer, unnamed);
+- ``dead_steps``, ``drift``: the table (they compare experts across steps);
+- ``dropped_fraction``: ``moe/layer_{i}/dropped_fraction`` (layer; the table adds the busiest
+  expert, the one at capacity), else ``moe/dropped_fraction`` (all layers together).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.config import AlertsConfig
+from nemo_moe_metrics.moe.timeline import DeadStreaks, Drift
+
+log = logging.getLogger("nemo_moe_metrics.alerts")
+
+_LAYER_KEY = re.compile(r"^moe/layer_(\d+)/(max_over_ideal|dropped_fraction)$")
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One threshold crossing: which check, where (``None`` when the logs cannot say), the line."""
+
+    kind: str
+    step: int
+    layer: int | None
+    expert: int | None
+    message: str
+
+
+def _table(rows: Any) -> tuple[list[int], np.ndarray]:
+    from nemo_moe_metrics.sinks.store import table_to_counts
+
+    layer_ids, counts = table_to_counts(rows)
+    return [int(la) for la in layer_ids], counts
+
+
+class AlertMonitor:
+    """Checks each logged step against ``cfg``'s thresholds and prints one line per crossing."""
+
+    def __init__(self, cfg: AlertsConfig) -> None:
+        self.cfg = cfg
+        self._streaks = DeadStreaks(cfg.dead_steps) if cfg.dead_steps else None
+        self._prev: tuple[int, list[int], np.ndarray] | None = None  # step, layers, counts
+        self._drift = Drift()
+        self._active: set[tuple[str, int | None]] = set()
+        self._noted_no_table = False
+
+    def observe(self, metrics: Mapping[str, Any], step: int) -> dict[str, int]:
+        """Check one step; print its alerts; return ``{moe/alerts: number of crossings}``."""
+        alerts = self.check(metrics, step)
+        self._emit(alerts, step)
+        return {mn.ALERTS: len(alerts)}
+
+    def check(self, metrics: Mapping[str, Any], step: int) -> list[Alert]:
+        """The crossings of this step, without printing them (state advances)."""
+        step = int(step)
+        table = metrics.get(mn.EXPERT_LOADS)
+        has_rows = table is not None and len(table) > 0
+        layers, counts = _table(table) if has_rows else ([], None)
+        per_layer: dict[str, dict[int, float]] = {"max_over_ideal": {}, "dropped_fraction": {}}
+        for key, value in metrics.items():
+            m = _LAYER_KEY.match(key)
+            if m and isinstance(value, int | float) and np.isfinite(value):
+                per_layer[m[2]][int(m[1])] = float(value)
+        holding: dict[tuple[str, int | None], Alert] = {}
+        self._check_max_over_ideal(metrics, step, layers, counts, per_layer, holding)
+        self._check_dropped(metrics, step, layers, counts, per_layer, holding)
+        if counts is not None:
+            self._check_drift(step, layers, counts, holding)
+        else:
+            # A loop that logs the table every N steps: drift and streaks compare the steps
+            # that have one (as the report does), so nothing is reset here.
+            if self._prev is None:
+                self._note_no_table()
+        fired = [a for key, a in holding.items() if key not in self._active]
+        # Drift is judged on table steps only: a step without a table leaves it as it was.
+        kept = {k for k in self._active if k[0] == "drift"} if counts is None else set()
+        self._active = set(holding) | kept
+        if counts is not None and self._streaks is not None:
+            fired += self._check_dead(step, layers, counts)
+        return fired
+
+    # -- checks -------------------------------------------------------------------------------
+
+    def _check_max_over_ideal(self, metrics, step, layers, counts, per_layer, holding) -> None:
+        limit = self.cfg.max_over_ideal
+        if limit is None:
+            return
+        text = f"> logger.alerts.max_over_ideal={limit:g}"
+        if counts is not None:
+            totals = counts.sum(axis=1)
+            for i, layer in enumerate(layers):
+                if totals[i] <= 0:
+                    continue
+                expert = int(counts[i].argmax())
+                ratio = float(counts[i, expert] * counts.shape[1] / totals[i])
+                if ratio > limit:
+                    holding["max_over_ideal", layer] = Alert(
+                        "max_over_ideal",
+                        step,
+                        layer,
+                        expert,
+                        f"moe alert step {step}: layer {layer} expert {expert} load "
+                        f"{ratio:.2f}x ideal {text}",
+                    )
+        elif per_layer["max_over_ideal"]:
+            for layer, ratio in sorted(per_layer["max_over_ideal"].items()):
+                if ratio > limit:
+                    holding["max_over_ideal", layer] = Alert(
+                        "max_over_ideal",
+                        step,
+                        layer,
+                        None,
+                        f"moe alert step {step}: layer {layer} busiest expert {ratio:.2f}x ideal "
+                        f"{text} (expert unknown: log policy.megatron_cfg.log_expert_table=true)",
+                    )
+        else:
+            ratio = metrics.get(mn.MAX_OVER_IDEAL_MAX)
+            if isinstance(ratio, int | float) and ratio > limit:
+                holding["max_over_ideal", None] = Alert(
+                    "max_over_ideal",
+                    step,
+                    None,
+                    None,
+                    f"moe alert step {step}: worst layer's busiest expert {ratio:.2f}x ideal "
+                    f"{text} (layer and expert unknown: log "
+                    "policy.megatron_cfg.log_expert_table=true)",
+                )
+
+    def _check_dropped(self, metrics, step, layers, counts, per_layer, holding) -> None:
+        limit = self.cfg.dropped_fraction
+        if limit is None:
+            return
+        text = f"> logger.alerts.dropped_fraction={limit:g}"
+        if per_layer["dropped_fraction"]:
+            row = {la: i for i, la in enumerate(layers)}
+            for layer, frac in sorted(per_layer["dropped_fraction"].items()):
+                if frac <= limit:
+                    continue
+                expert, where = (
+                    None,
+                    " (expert unknown: log policy.megatron_cfg.log_expert_table=true)",
+                )
+                if counts is not None and layer in row and counts[row[layer]].sum() > 0:
+                    c = counts[row[layer]]
+                    expert = int(c.argmax())
+                    where = (
+                        f" (busiest expert {expert} at {c[expert] * c.size / c.sum():.2f}x ideal, "
+                        "at capacity)"
+                    )
+                holding["dropped_fraction", layer] = Alert(
+                    "dropped_fraction",
+                    step,
+                    layer,
+                    expert,
+                    f"moe alert step {step}: layer {layer} dropped {frac:.1%} of its top-k "
+                    f"choices {text}{where}",
+                )
+        else:
+            frac = metrics.get(mn.DROPPED_FRACTION)
+            if isinstance(frac, int | float) and frac > limit:
+                holding["dropped_fraction", None] = Alert(
+                    "dropped_fraction",
+                    step,
+                    None,
+                    None,
+                    f"moe alert step {step}: all MoE layers dropped {frac:.1%} of their top-k "
+                    f"choices {text} (layer and expert unknown: log "
+                    "policy.megatron_cfg.moe_per_layer_logging=true and log_expert_table=true)",
+                )
+
+    def _check_drift(self, step, layers, counts, holding) -> None:
+        prev, self._prev = self._prev, (step, layers, counts)
+        js = self._drift.update(counts)
+        limit = self.cfg.drift
+        if limit is None or prev is None or prev[1] != layers or prev[2].shape != counts.shape:
+            return
+        prev_step, _, prev_counts = prev
+        for i, layer in enumerate(layers):
+            if not js[i] > limit:  # NaN (a layer without tokens) never alerts
+                continue
+            before = prev_counts[i] / prev_counts[i].sum()
+            after = counts[i] / counts[i].sum()
+            expert = int(np.abs(after - before).argmax())
+            holding["drift", layer] = Alert(
+                "drift",
+                step,
+                layer,
+                expert,
+                f"moe alert step {step}: layer {layer} routing drift JS {js[i]:.3f} bits since "
+                f"step {prev_step} > logger.alerts.drift={limit:g} (expert {expert} moved most: "
+                f"{before[expert]:.1%} -> {after[expert]:.1%} of tokens)",
+            )
+
+    def _check_dead(self, step, layers, counts) -> list[Alert]:
+        assert self._streaks is not None
+        length = self._streaks.update(step, layers, counts)
+        n = self._streaks.min_steps
+        out = []
+        for row, expert in zip(*np.nonzero(length == n), strict=True):
+            layer = layers[row]
+            first = int(self._streaks.first_steps[row, expert])
+            out.append(
+                Alert(
+                    "dead_steps",
+                    step,
+                    layer,
+                    int(expert),
+                    f"moe alert step {step}: layer {layer} expert {int(expert)} got no token for "
+                    f"{n} logged step(s) (since step {first}) >= logger.alerts.dead_steps={n}",
+                )
+            )
+        return out
+
+    # -- output -------------------------------------------------------------------------------
+
+    def _note_no_table(self) -> None:
+        if self._noted_no_table or not (self.cfg.dead_steps or self.cfg.drift):
+            return
+        self._noted_no_table = True
+        log.warning(
+            "moe alerts: no %s table in the logged metrics, so the dead-expert and drift alerts "
+            "are off; log it with policy.megatron_cfg.log_expert_table=true",
+            mn.EXPERT_LOADS,
+        )
+
+    def _emit(self, alerts: list[Alert], step: int) -> None:
+        shown = alerts[: self.cfg.max_lines_per_step]
+        for alert in shown:
+            log.warning("%s", alert.message)
+        if len(alerts) > len(shown):
+            log.warning(
+                "moe alert step %d: %d more crossing(s) not shown (%s=%d; "
+                "logger.alerts.max_lines_per_step=%d)",
+                step,
+                len(alerts) - len(shown),
+                mn.ALERTS,
+                len(alerts),
+                self.cfg.max_lines_per_step,
+            )

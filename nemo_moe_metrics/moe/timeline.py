@@ -1,0 +1,173 @@
+"""Expert loads over steps: routing drift and dead-expert streaks. Pure numpy, no torch.distributed.
+
+Shared by the report (a whole run, streamed step by step) and the alert monitor (one step at a
+time during training), so both judge a run by the same arithmetic:
+
+- **routing drift**: the Jensen-Shannon divergence, in bits, between a layer's load
+  distributions at two consecutive logged steps. 0 means the router sent the same shares to
+  every expert; 1 means the two steps used disjoint experts. It is symmetric and finite even
+  when an expert got no token at one of the steps (unlike the KL divergence).
+- **dead-expert streak**: consecutive logged steps at which an expert got no token while its
+  layer routed tokens. A step at which the whole layer routed nothing ends every streak of that
+  layer (nothing can be judged, as for ``moe/dead_experts``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def shares(counts: np.ndarray) -> np.ndarray:
+    """Each row of counts ``[..., E]`` as a distribution over experts; NaN rows where empty."""
+    c = np.asarray(counts, dtype=np.float64)
+    if c.ndim == 0 or c.shape[-1] == 0:
+        raise ValueError(f"expected expert counts of shape [..., experts], got {c.shape}")
+    if np.any(c < 0):
+        raise ValueError("expert counts must be >= 0")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return c / c.sum(axis=-1, keepdims=True)
+
+
+def entropy_bits(p: np.ndarray) -> np.ndarray:
+    """Shannon entropy in bits of each row of distributions ``p`` (``0 log 0 = 0``; NaN stays)."""
+    p = np.asarray(p, dtype=np.float64)
+    logs = np.zeros_like(p)
+    np.log2(p, out=logs, where=p > 0)
+    return -(p * logs).sum(axis=-1)
+
+
+def js_divergence(prev: np.ndarray, cur: np.ndarray) -> np.ndarray:
+    """Jensen-Shannon divergence in bits between count rows ``prev`` and ``cur`` (``[..., E]``).
+
+    Each row is normalised to a distribution first, so the layers' token totals may differ.
+    Returns one value per row in ``[0, 1]``; NaN for a row where either step routed no token
+    (there is no distribution to compare).
+    """
+    p, q = shares(prev), shares(cur)
+    if p.shape != q.shape:
+        raise ValueError(
+            f"js_divergence needs two count arrays of one shape, got {p.shape}, {q.shape}"
+        )
+    return _js(p, entropy_bits(p), q, entropy_bits(q))
+
+
+def _js(p: np.ndarray, h_p: np.ndarray, q: np.ndarray, h_q: np.ndarray) -> np.ndarray:
+    # JS(p, q) = H((p + q) / 2) - (H(p) + H(q)) / 2; rounding can make it -1e-16, never below 0.
+    return np.clip(entropy_bits(0.5 * (p + q)) - 0.5 * (h_p + h_q), 0.0, 1.0)
+
+
+class Drift:
+    """Routing drift of each layer between consecutive steps, one step at a time.
+
+    ``update(counts)`` returns the JS divergence (bits) of each row against the previous call's
+    counts (NaN at the first call, for an empty row, or after the layer shape changed).
+    Each step's distribution and entropy are computed once and reused for the next pair.
+    """
+
+    def __init__(self) -> None:
+        self._prev: tuple[np.ndarray, np.ndarray] | None = None
+
+    def update(self, counts: np.ndarray) -> np.ndarray:
+        """Divergence of ``counts`` ``[L, E]`` from the previous step's, per row."""
+        p = shares(counts)
+        h = entropy_bits(p)
+        prev, self._prev = self._prev, (p, h)
+        if prev is None or prev[0].shape != p.shape:
+            return np.full(p.shape[:-1], np.nan)
+        return _js(prev[0], prev[1], p, h)
+
+    def reset(self) -> None:
+        """Forget the previous step (the next update has nothing to compare with)."""
+        self._prev = None
+
+
+@dataclass(frozen=True)
+class Streak:
+    """An expert that got no token for ``length`` consecutive logged steps ``first..last``."""
+
+    layer: int
+    expert: int
+    first: int
+    last: int
+    length: int
+    ongoing: bool  # still dead at the last step seen
+
+
+class DeadStreaks:
+    """Follows every (layer, expert)'s run of zero-token logged steps, one step at a time.
+
+    ``update(step, layer_ids, counts)`` per logged step, in step order; memory is two integer
+    arrays of ``[layers, experts]`` plus the finished streaks of at least ``min_steps`` steps.
+    """
+
+    def __init__(self, min_steps: int) -> None:
+        if min_steps < 1:
+            raise ValueError(f"a dead-expert streak needs min_steps >= 1, got {min_steps}")
+        self.min_steps = int(min_steps)
+        self._layer_ids: list[int] | None = None
+        self._length: np.ndarray | None = None  # current streak length per cell
+        self._first: np.ndarray | None = None  # step at which the current streak began
+        self._last_step: int | None = None
+        self._finished: list[Streak] = []
+
+    def update(self, step: int, layer_ids: list[int], counts: np.ndarray) -> np.ndarray:
+        """Advance by one logged step; returns the current streak length per cell ``[L, E]``."""
+        counts = np.asarray(counts)
+        layer_ids = [int(la) for la in layer_ids]
+        if (
+            self._length is None
+            or layer_ids != self._layer_ids
+            or counts.shape != self._length.shape
+        ):
+            self._close_all()
+            self._layer_ids = layer_ids
+            self._length = np.zeros(counts.shape, dtype=np.int64)
+            self._first = np.zeros(counts.shape, dtype=np.int64)
+        dead = (counts == 0) & (counts.sum(axis=1, keepdims=True) > 0)
+        ended = (self._length >= self.min_steps) & ~dead
+        if ended.any():
+            self._record(ended, ongoing=False)
+        starts = dead & (self._length == 0)
+        self._first[starts] = step
+        self._length = np.where(dead, self._length + 1, 0)
+        self._last_step = int(step)
+        return self._length
+
+    @property
+    def first_steps(self) -> np.ndarray:
+        """The step at which each cell's current streak began ``[L, E]`` (meaningless at 0)."""
+        if self._first is None:
+            raise RuntimeError("no step seen yet; call update() first")
+        return self._first
+
+    def streaks(self) -> list[Streak]:
+        """Every streak of at least ``min_steps`` logged steps, finished or still running."""
+        out = list(self._finished)
+        if self._length is not None:
+            out += self._collect(self._length >= self.min_steps, ongoing=True)
+        return sorted(out, key=lambda s: (s.layer, s.expert, s.first))
+
+    def _collect(self, mask: np.ndarray, *, ongoing: bool) -> list[Streak]:
+        # Called before the cells are reset, so _last_step is the streak's last dead step.
+        assert self._layer_ids is not None and self._length is not None and self._first is not None
+        last = int(self._last_step) if self._last_step is not None else 0
+        return [
+            Streak(
+                layer=self._layer_ids[row],
+                expert=int(expert),
+                first=int(self._first[row, expert]),
+                last=last,
+                length=int(self._length[row, expert]),
+                ongoing=ongoing,
+            )
+            for row, expert in zip(*np.nonzero(mask), strict=True)
+        ]
+
+    def _record(self, mask: np.ndarray, *, ongoing: bool) -> None:
+        self._finished += self._collect(mask, ongoing=ongoing)
+
+    def _close_all(self) -> None:
+        if self._length is not None:
+            self._record(self._length >= self.min_steps, ongoing=False)

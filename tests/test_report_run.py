@@ -1,0 +1,86 @@
+"""A real ``run`` piped like a user's log: progress bar time, unwrapped summary, alerts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_moe_metrics import metric_names as names
+
+ROOT = Path(__file__).resolve().parent.parent
+GRPO = ROOT / "examples" / "configs" / "grpo_moe_tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def piped_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("piped")
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env.update(HOME=str(tmp), PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nemo_moe_metrics.cli",
+            "run",
+            str(GRPO),
+            "training.max_steps=2",
+            "logger.table_every=1",
+            "logger.wandb_enabled=false",
+            "logger.alerts.enabled=true",
+            "logger.alerts.max_over_ideal=1.01",  # a tiny model is never that balanced
+            "--nproc",
+            "2",
+            "--output-dir",
+            str(tmp / "runs"),
+        ],
+        capture_output=True,  # a pipe: rich sees no terminal and 80 columns
+        text=True,
+        env=env,
+        timeout=280,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, tmp / "runs" / "grpo_moe_tiny"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_piped_progress_bar_shows_steps_and_elapsed_time(piped_run):
+    proc, _ = piped_run
+    bar = [line for line in proc.stdout.splitlines() if line.startswith("grpo_moe_tiny")]
+    assert bar and re.search(r" 2/2 \d+:\d\d:\d\d ", bar[-1]), bar
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_piped_summary_lines_are_whole(piped_run):
+    proc, _ = piped_run
+    pattern = re.compile(
+        r"^expert load over step 1: max/ideal mean \d+\.\d\d over 3 MoE layers; "
+        r"worst: layer \d \d+\.\d\d, layer \d \d+\.\d\d, layer \d \d+\.\d\d$"
+    )
+    assert any(pattern.match(line) for line in proc.stdout.splitlines()), proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_alerts_in_a_real_grpo_run_print_a_line_and_count_per_step(piped_run):
+    _, run_dir = piped_run
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    # Step 0: every MoE layer crosses 1.01; step 1: they stay over, so nothing new fires.
+    assert rows[0][names.ALERTS] == 3 and rows[1][names.ALERTS] == 0
+    logs = "".join(
+        p.read_text(errors="replace") for p in (run_dir / "nemo_run").rglob("*") if p.is_file()
+    )
+    assert re.search(
+        r"moe alert step 0: layer [123] expert \d load \d+\.\d\dx ideal > "
+        r"logger\.alerts\.max_over_ideal=1\.01",
+        logs,
+    )

@@ -1,0 +1,242 @@
+"""Resume: a second run into the same directory continues steps, totals and every sink."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from dist import ok_values, run_ranks
+
+from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.config import LoggerConfig
+from nemo_moe_metrics.sinks import RUN_FILE, TENSORBOARD_DIR, build_sinks, read_resume_state
+from nemo_moe_metrics.sinks.resume import last_record
+from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
+from nemo_moe_metrics.throughput import StepMeter
+
+CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
+SFT = CONFIGS / "sft_moe_tiny.yaml"
+
+
+def wandb_history(run_dir: Path) -> list[tuple[str, dict]]:
+    """(run id, history row) for every row in every offline run under ``run_dir/wandb``.
+
+    Reads W&B's transaction log directly: a 7-byte file header, then LevelDB log records
+    (crc32c:4, length:2, type:1; FULL=1, FIRST=2, MIDDLE=3, LAST=4) in 32 KiB blocks, each
+    record a ``wandb_internal_pb2.Record``.
+    """
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    rows = []
+    for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        data = path.read_bytes()
+        assert data[:4] == b":W&B"
+        pos, pending, run_id = 7, b"", None
+        while pos + 7 <= len(data):
+            block_left = 32768 - pos % 32768
+            if block_left < 7:  # block trailer padding
+                pos += block_left
+                continue
+            _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            chunk = data[pos + 7 : pos + 7 + length]
+            pos += 7 + length
+            if kind == 0 and length == 0:
+                continue
+            pending = chunk if kind in (1, 2) else pending + chunk
+            if kind not in (1, 4):
+                continue
+            record = pb.Record()
+            record.ParseFromString(pending)
+            which = record.WhichOneof("record_type")
+            if which == "run":
+                run_id = record.run.run_id
+            elif which == "history":
+                row = {
+                    (item.key or "/".join(item.nested_key)): json.loads(item.value_json)
+                    for item in record.history.item
+                }
+                rows.append((run_id, row))
+    return rows
+
+
+def _train(rank, world_size, out_dir, overrides):
+    from nemo_moe_metrics.config import load_recipe
+    from nemo_moe_metrics.train import train
+
+    recipe = load_recipe(SFT, ["logger.table_every=1", *overrides])
+    train(recipe, out_dir)
+    return rank
+
+
+@pytest.mark.timeout(600)
+def test_resumed_run_continues_steps_totals_and_every_sink(tmp_path):
+    # Two ranks (expert parallel 2, as the recipe says): the resume state is broadcast.
+    ok_values(run_ranks(_train, 2, str(tmp_path), ["training.max_steps=3"], timeout=300))
+    first = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    run_id = json.loads((tmp_path / RUN_FILE).read_text())["run_id"]
+    resume = ["training.max_steps=5", "logger.resume=true"]
+    ok_values(run_ranks(_train, 2, str(tmp_path), resume, timeout=300))
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+    # JSONL: steps 0..4 once each; the first three lines are untouched.
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert records[:3] == first
+    # Totals continue: each total is the running sum of the per-step values (all five steps).
+    tokens = np.cumsum([r[mn.TOKENS] for r in records])
+    seconds = np.cumsum([r[mn.SECONDS] for r in records])
+    flops = np.cumsum([r[mn.ESTIMATED_FLOPS] for r in records])
+    np.testing.assert_allclose([r[mn.TOTAL_TOKENS] for r in records], tokens)
+    np.testing.assert_allclose([r[mn.TOTAL_SECONDS] for r in records], seconds, rtol=1e-9)
+    np.testing.assert_allclose(
+        [r[mn.CUMULATIVE_TOKENS_PER_SECOND] for r in records], tokens / seconds, rtol=1e-9
+    )
+    np.testing.assert_allclose(
+        [r[mn.CUMULATIVE_ESTIMATED_FLOPS_PER_SECOND] for r in records],
+        flops / seconds,
+        rtol=1e-9,
+    )
+    assert records[3][mn.TOTAL_TOKENS] > records[3][mn.TOKENS]  # not restarted at 0
+
+    # Store: one record per step, no repeats, tables of both processes.
+    assert [s for s, _, _ in read_expert_loads(store_path(tmp_path))] == [0, 1, 2, 3, 4]
+
+    # TensorBoard: one point per step for a scalar, across both processes' event files.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / TENSORBOARD_DIR), size_guidance={"scalars": 0})
+    acc.Reload()
+    events = acc.Scalars(mn.TOTAL_TOKENS)
+    assert [e.step for e in events] == [0, 1, 2, 3, 4]
+    np.testing.assert_allclose([e.value for e in events], tokens, rtol=1e-6)
+
+    # W&B offline: both processes wrote the same run id; the steps are contiguous, no repeat.
+    assert json.loads((tmp_path / RUN_FILE).read_text())["run_id"] == run_id
+    history = wandb_history(tmp_path)
+    assert {rid for rid, _ in history} == {run_id}
+    assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 2
+    steps = [row["_step"] for _, row in history if mn.TOTAL_TOKENS in row]
+    assert steps == [0, 1, 2, 3, 4]
+    np.testing.assert_allclose(
+        [row[mn.TOTAL_TOKENS] for _, row in history if mn.TOTAL_TOKENS in row], tokens
+    )
+
+
+def test_resume_state_is_the_last_complete_record(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(
+        json.dumps({"step": 6, mn.TOTAL_TOKENS: 100.0, mn.TOTAL_SECONDS: 4.0})
+        + "\n"
+        + json.dumps(
+            {
+                "step": 7,
+                mn.TOTAL_TOKENS: 150.0,
+                mn.TOTAL_SECONDS: 5.0,
+                mn.CUMULATIVE_ESTIMATED_FLOPS_PER_SECOND: 3e9,
+            }
+        )
+        + "\n"
+        + '{"step": 8, "train_perf/tot'  # torn by a crash
+    )
+    state = read_resume_state(tmp_path)
+    assert (state.last_step, state.next_step) == (7, 8)
+    assert (state.total_tokens, state.total_seconds) == (150.0, 5.0)
+    assert state.total_flops == pytest.approx(3e9 * 5.0)
+
+
+def test_resume_state_of_an_empty_directory_starts_at_step_0(tmp_path):
+    state = read_resume_state(tmp_path)
+    assert (state.last_step, state.next_step, state.total_tokens) == (None, 0, 0.0)
+
+
+def test_last_record_finds_a_line_longer_than_the_read_chunk(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    big = {"step": 3, **{f"moe/layer_{i}/max_over_ideal": 1.0 + i for i in range(20_000)}}
+    path.write_text(json.dumps({"step": 2}) + "\n" + json.dumps(big) + "\n")
+    assert path.stat().st_size > 1 << 18
+    assert last_record(path) == big
+
+
+def test_step_meter_resume_continues_totals_and_cumulative_rates():
+    clock = iter([0.0, 2.0]).__next__
+    meter = StepMeter(clock=clock)
+    meter.resume(total_tokens=1000, total_seconds=10.0)
+    import torch
+
+    with meter.step():
+        meter.add_sequences(torch.tensor([30, 20]))
+    out = meter.export()
+    assert out[mn.TOKENS] == 50 and out[mn.SECONDS] == 2.0
+    assert out[mn.TOTAL_TOKENS] == 1050 and out[mn.TOTAL_SECONDS] == 12.0
+    assert out[mn.CUMULATIVE_TOKENS_PER_SECOND] == pytest.approx(1050 / 12)
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.inf, math.nan, "5"])
+def test_step_meter_resume_refuses_bad_totals(bad):
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        StepMeter().resume(total_tokens=bad, total_seconds=1.0)
+
+
+def test_tensorboard_resume_hides_steps_an_earlier_process_wrote_ahead(tmp_path):
+    # TensorBoard got steps 0..4 on disk, the JSONL only 0..2 (TB alone was ahead).
+    tb_only = LoggerConfig(jsonl_enabled=False, wandb_enabled=False)
+    sink = build_sinks(tb_only, tmp_path, run_name="r")
+    for step in range(5):
+        sink.log({mn.TOKENS: step}, step)
+    sink.close()
+    jsonl_only = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False)
+    sink = build_sinks(jsonl_only, tmp_path, run_name="r")
+    for step in range(3):
+        sink.log({mn.TOKENS: step}, step)
+    sink.close()
+
+    resumed = LoggerConfig(wandb_enabled=False, resume=True)
+    sink = build_sinks(resumed, tmp_path, run_name="r")
+    for step in (3, 4):
+        sink.log({mn.TOKENS: 100 + step}, step)
+    sink.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / TENSORBOARD_DIR), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars(mn.TOKENS)] == [
+        (0, 0.0),
+        (1, 1.0),
+        (2, 2.0),
+        (3, 103.0),
+        (4, 104.0),
+    ]
+
+
+def test_run_without_resume_gets_a_new_run_id_and_resume_keeps_it(tmp_path):
+    cfg = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False)
+    build_sinks(cfg, tmp_path, run_name="r").close()
+    first = json.loads((tmp_path / RUN_FILE).read_text())
+    build_sinks(cfg.model_copy(update={"resume": True}), tmp_path, run_name="r").close()
+    resumed = json.loads((tmp_path / RUN_FILE).read_text())
+    assert resumed["run_id"] == first["run_id"]
+    assert resumed["created"] == first["created"]
+    assert len(resumed["resumed"]) == 1
+    build_sinks(cfg, tmp_path, run_name="r").close()
+    assert json.loads((tmp_path / RUN_FILE).read_text())["run_id"] != first["run_id"]
+
+
+def test_logger_resume_and_table_every_come_from_the_recipe_overrides():
+    from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, load_recipe
+
+    recipe = load_recipe(SFT, ["logger.resume=true", "logger.table_every=7"])
+    assert recipe.logger.resume is True
+    assert recipe.logger.table_every == 7
+    assert recipe.logger.wandb_table_cadence == 7  # W&B follows table_every when unset
+    assert LoggerConfig().table_every == DEFAULT_TABLE_EVERY == 20
+    assert LoggerConfig(wandb_table_every=3).wandb_table_cadence == 3
+
+
+def test_table_every_zero_is_refused_by_name():
+    from nemo_moe_metrics.config import ConfigError, recipe_from_dict
+
+    with pytest.raises(ConfigError, match=r"logger\.table_every: .*greater than or equal to 1"):
+        recipe_from_dict({"policy": {"model": {}}, "logger": {"table_every": 0}})

@@ -1,0 +1,313 @@
+"""The expert-load store: exact round trip, size, step windows, torn tails, kill -9, bad input."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nemo_moe_metrics.sinks.store import (
+    STORE_FILE,
+    ExpertLoadSink,
+    ExpertLoadStore,
+    StoreError,
+    read_expert_loads,
+    store_path,
+    table_to_counts,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _counts(rng, layers, experts, tokens):
+    p = rng.dirichlet(np.ones(experts), size=layers)
+    return np.stack([rng.multinomial(tokens, row) for row in p])
+
+
+def _write(path, steps, layers=3, experts=8, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = list(range(1, 2 * layers, 2))
+    written = {}
+    with ExpertLoadStore(path) as store:
+        for step in steps:
+            c = _counts(rng, layers, experts, 1000 + step)
+            store.append(step, ids, c)
+            written[step] = c
+    return ids, written
+
+
+def test_store_path_is_beside_metrics_jsonl(tmp_path):
+    assert store_path(tmp_path) == tmp_path / STORE_FILE
+
+
+def test_counts_and_layer_ids_round_trip_exactly_in_step_order(tmp_path):
+    path = store_path(tmp_path)
+    ids, written = _write(path, [0, 2, 4, 6])
+    got = list(read_expert_loads(path))
+    assert [s for s, _, _ in got] == [0, 2, 4, 6]
+    for step, layer_ids, counts in got:
+        assert layer_ids.tolist() == ids
+        assert counts.dtype.kind == "i"
+        np.testing.assert_array_equal(counts, written[step])
+
+
+@pytest.mark.parametrize("top", [0, 255, 65_535, 2**32 - 1, 2**40])
+def test_counts_of_every_magnitude_round_trip(tmp_path, top):
+    counts = np.array([[top, 0, 1], [3, top, 7]], dtype=np.int64)
+    with ExpertLoadStore(store_path(tmp_path)) as store:
+        store.append(5, [0, 9], counts)
+    [(step, ids, got)] = list(read_expert_loads(store_path(tmp_path)))
+    assert (step, ids.tolist()) == (5, [0, 9])
+    np.testing.assert_array_equal(got, counts)
+
+
+def test_a_94x256_step_takes_under_100_kb(tmp_path):
+    # 4M tokens x top-8 over 256 experts: ~125k tokens per expert, needs 32-bit counts.
+    counts = _counts(np.random.default_rng(1), 94, 256, 4_000_000 * 8)
+    path = store_path(tmp_path)
+    with ExpertLoadStore(path) as store:
+        store.append(0, range(94), counts)
+    assert path.stat().st_size < 100_000
+    assert path.stat().st_size < counts.size * 4  # smaller than raw int32
+
+
+def test_step_window_yields_only_those_steps(tmp_path):
+    path = store_path(tmp_path)
+    _write(path, range(0, 20, 2))
+    assert [s for s, _, _ in read_expert_loads(path, slice(4, 10))] == [4, 6, 8]
+    assert [s for s, _, _ in read_expert_loads(path, slice(None, 3))] == [0, 2]
+    assert [s for s, _, _ in read_expert_loads(path, slice(15, None))] == [16, 18]
+    assert [s for s, _, _ in read_expert_loads(path, slice(None, None, 3))] == [0, 6, 12, 18]
+
+
+def test_step_window_does_not_decode_steps_outside_it(tmp_path):
+    path = store_path(tmp_path)
+    _write(path, range(4))
+    # Garble the payload of step 0: a reader that decoded it would warn about its checksum.
+    data = bytearray(path.read_bytes())
+    data[8 + 32 + 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [s for s, _, _ in read_expert_loads(path, slice(1, None))] == [1, 2, 3]
+    with pytest.warns(UserWarning, match="checksum"):
+        assert [s for s, _, _ in read_expert_loads(path)] == [1, 2, 3]
+
+
+def test_torn_tail_is_skipped_with_a_warning(tmp_path):
+    path = store_path(tmp_path)
+    _, written = _write(path, range(3))
+    size = path.stat().st_size
+    with path.open("r+b") as f:
+        f.truncate(size - 5)  # the last record lost its end
+    with pytest.warns(UserWarning, match="torn"):
+        got = list(read_expert_loads(path))
+    assert [s for s, _, _ in got] == [0, 1]
+    np.testing.assert_array_equal(got[1][2], written[1])
+
+
+def test_torn_record_header_is_skipped(tmp_path):
+    path = store_path(tmp_path)
+    _write(path, range(2))
+    with path.open("ab") as f:
+        f.write(b"ELR1\x05")  # a crash 5 bytes into the next header
+    with pytest.warns(UserWarning, match="torn"):
+        assert [s for s, _, _ in read_expert_loads(path)] == [0, 1]
+
+
+def test_reopening_cuts_the_torn_tail_and_appends_after_the_last_complete_step(tmp_path):
+    path = store_path(tmp_path)
+    _write(path, range(3))
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size - 7)
+    with pytest.warns(RuntimeWarning, match="torn by a crash"):
+        store = ExpertLoadStore(path)
+    store.append(2, [1, 3, 5], np.ones((3, 8), dtype=np.int64))
+    store.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing torn any more
+        got = list(read_expert_loads(path))
+    assert [s for s, _, _ in got] == [0, 1, 2]
+    np.testing.assert_array_equal(got[2][2], np.ones((3, 8)))
+
+
+def test_resumed_store_appends_and_readers_drop_the_abandoned_steps(tmp_path):
+    path = store_path(tmp_path)
+    _write(path, range(6))
+    # A restart from step 3's checkpoint logs steps 3.. again: the first 3, 4, 5 are abandoned.
+    with ExpertLoadStore(path) as store:
+        for step in (3, 4):
+            store.append(step, [7], np.full((1, 2), 100 + step))
+    got = list(read_expert_loads(path))
+    assert [s for s, _, _ in got] == [0, 1, 2, 3, 4]
+    assert got[3][2].tolist() == [[103, 103]]
+    assert got[3][1].tolist() == [7]
+
+
+def test_a_file_that_is_not_a_store_is_refused_by_name(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n')
+    with pytest.raises(StoreError, match="not an expert-load store"):
+        list(read_expert_loads(path))
+    with pytest.raises(StoreError, match="not an expert-load store"):
+        ExpertLoadStore(path)
+
+
+def test_missing_store_names_the_settings_that_write_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="track_moe_metrics"):
+        list(read_expert_loads(store_path(tmp_path)))
+
+
+def test_empty_store_yields_nothing(tmp_path):
+    ExpertLoadStore(store_path(tmp_path)).close()
+    assert list(read_expert_loads(store_path(tmp_path))) == []
+
+
+@pytest.mark.parametrize(
+    ("ids", "counts", "match"),
+    [
+        ([0, 1], np.ones((3, 4), dtype=np.int64), "shape"),
+        ([0], np.ones((1, 4)) * 0.5, "integers"),
+        ([0], -np.ones((1, 4), dtype=np.int64), ">= 0"),
+        ([0], np.ones(4, dtype=np.int64), "shape"),
+        ([-1], np.ones((1, 4), dtype=np.int64), "layer ids"),
+    ],
+)
+def test_bad_counts_are_refused_with_the_problem_named(tmp_path, ids, counts, match):
+    with ExpertLoadStore(store_path(tmp_path)) as store, pytest.raises(StoreError, match=match):
+        store.append(0, ids, counts)
+
+
+def test_append_after_close_is_an_error(tmp_path):
+    store = ExpertLoadStore(store_path(tmp_path))
+    store.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        store.append(0, [0], np.ones((1, 2), dtype=np.int64))
+
+
+def test_table_rows_become_counts_in_layer_order_of_appearance():
+    rows = [[5, 1, 7, 70.0], [5, 0, 3, 30.0], [2, 2, 9, 100.0]]
+    ids, counts = table_to_counts(rows)
+    assert ids.tolist() == [5, 2]
+    assert counts.tolist() == [[3, 7, 0], [0, 0, 9]]
+
+
+def test_worker_layout_table_becomes_the_same_counts():
+    rng = np.random.default_rng(3)
+    expected = rng.integers(0, 1000, size=(4, 6))
+    rows = [[10 + la, e, int(expected[la, e]), 0.0] for la in range(4) for e in range(6)]
+    ids, counts = table_to_counts(rows)
+    assert ids.tolist() == [10, 11, 12, 13]
+    np.testing.assert_array_equal(counts, expected)
+
+
+def test_sink_stores_only_steps_on_the_table_cadence(tmp_path):
+    sink = ExpertLoadSink(store_path(tmp_path), table_every=3)
+    for step in range(1, 8):
+        sink.log({"moe/expert_loads": [[0, 0, step, 100.0]], "moe/max_over_ideal": 1.0}, step)
+    sink.log({"moe/max_over_ideal": 1.0}, 9)  # no table that step: nothing stored
+    sink.close()
+    got = list(read_expert_loads(store_path(tmp_path)))
+    assert [(s, c.tolist()) for s, _, c in got] == [(3, [[3]]), (6, [[6]])]
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys, numpy as np
+    from nemo_moe_metrics.sinks.store import ExpertLoadStore
+    store = ExpertLoadStore(sys.argv[1])
+    step = 0
+    while True:
+        counts = np.full((94, 256), step, dtype=np.int64)
+        counts[:, 0] = 2**33 + step  # 64-bit counts: the biggest records
+        store.append(step, range(94), counts)
+        print(step, flush=True)  # after append returned
+        step += 1
+    """
+)
+
+
+def test_kill_9_mid_run_keeps_every_step_whose_append_returned(tmp_path):
+    path = store_path(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(path)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    returned = []
+    deadline = time.monotonic() + 120
+    while len(returned) < 30 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        returned.append(int(line))
+    os.kill(proc.pid, signal.SIGKILL)  # mid-run, probably mid-append
+    proc.wait(timeout=30)
+    proc.stdout.close()
+    assert proc.returncode == -9
+    assert len(returned) == 30
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a torn tail is allowed (and skipped)
+        got = list(read_expert_loads(path))
+    steps = [s for s, _, _ in got]
+    assert steps[: len(returned)] == returned
+    assert steps == list(range(len(steps)))  # at most the step being written is missing
+    for step, ids, counts in got:
+        assert ids.tolist() == list(range(94))
+        assert int(counts[3, 7]) == step and int(counts[0, 0]) == 2**33 + step
+
+
+_SINK_WRITER = textwrap.dedent(
+    """
+    import sys
+    from nemo_moe_metrics.config import LoggerConfig
+    from nemo_moe_metrics.sinks import build_sinks
+    cfg = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False, table_every=1)
+    sink = build_sinks(cfg, sys.argv[1], run_name="killed")
+    step = 0
+    while True:
+        rows = [[la, e, step + la + e, 1.0] for la in range(94) for e in range(256)]
+        sink.log({"moe/expert_loads": rows, "train_perf/tokens": step}, step)
+        print(step, flush=True)  # after log returned
+        step += 1
+    """
+)
+
+
+def test_kill_9_through_the_sinks_keeps_every_logged_step_in_jsonl_and_store(tmp_path):
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SINK_WRITER, str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    returned = []
+    deadline = time.monotonic() + 120
+    while len(returned) < 10 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        returned.append(int(line))
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    proc.stdout.close()
+    assert len(returned) == 10
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stored = list(read_expert_loads(store_path(tmp_path)))
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    logged = [json.loads(x)["step"] for x in lines if x.endswith("}")]
+    assert logged[: len(returned)] == returned
+    assert [s for s, _, _ in stored][: len(returned)] == returned
+    for step, ids, counts in stored:
+        assert ids.tolist() == list(range(94))
+        expected = step + np.arange(94)[:, None] + np.arange(256)[None, :]
+        np.testing.assert_array_equal(counts, expected)
