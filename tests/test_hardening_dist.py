@@ -196,7 +196,10 @@ def test_rank_that_skips_the_export_gives_the_others_a_timeout_error_not_a_hang(
     assert ranks[3].get("skipped_export")
     for r in ranks[:3]:
         err = r["error"]
-        assert err["type"] == "RuntimeError" and "Timed out" in err["text"]
+        # The skipping rank exits after its step; under load its closed socket can reach a
+        # waiting rank before that rank's timeout does. Either way: an error, not a hang.
+        assert err["type"] == "RuntimeError"
+        assert "Timed out" in err["text"] or "Connection closed by peer" in err["text"], err["text"]
         # Each rank waits out at most a couple of shortened collective timeouts.
         assert err["seconds"] < FAIL_TIMEOUT_S * 3, err["seconds"]
         assert any("PolicyMetrics.finish_step failed on rank" in n for n in err["notes"])
