@@ -593,13 +593,13 @@ def _length_sums(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Device sums of the lengths: float64 ``[tokens, pairs per window...]`` and int64 check
     ``[negative lengths, min length, 0]``. Integer arithmetic on the device, exact; no sync."""
+    device = parts[0].device if parts else device or torch.device("cpu")
+    parts = [p for p in parts if p.numel()]  # a microbatch without sequences adds nothing
     if not parts:
-        device = device or torch.device("cpu")
         return (
             torch.zeros(1 + len(windows), dtype=torch.float64, device=device),
             torch.zeros(3, dtype=torch.int64, device=device),
         )
-    device = parts[0].device
     lens = torch.cat([p.to(device) for p in parts])
     cols = [lens.sum()]
     for window in windows:

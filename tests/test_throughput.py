@@ -441,6 +441,26 @@ def test_device_sums_give_the_estimators_own_flops_exactly(fixture, causal):
     assert out[mn.TOKENS] == float(np.concatenate(batches).sum())
 
 
+@pytest.mark.parametrize("with_estimator", [False, True])
+def test_microbatch_without_sequences_adds_nothing(with_estimator):
+    import numpy as np
+
+    from nemo_moe_metrics.flops import get_flops_estimator, load_fixture
+
+    est = get_flops_estimator(load_fixture("gpt-oss-120b")) if with_estimator else None
+    meter = StepMeter(flops_estimator=est)
+    with meter.step():
+        meter.add_sequences(torch.zeros(0, dtype=torch.int64))
+        meter.add_sequences(torch.tensor([4, 6]))
+    out = meter.export()
+    assert out[mn.TOKENS] == 10
+    if est is not None:
+        assert out[mn.ESTIMATED_FLOPS] == est(np.array([4, 6])).total
+    with meter.step():  # a step whose only microbatch is empty: zero tokens, not an error
+        meter.add_sequences(torch.zeros(0, dtype=torch.int64))
+    assert meter.export()[mn.TOKENS] == 0
+
+
 def test_export_with_a_registered_estimator_reads_the_host_once():
     import sys
     from pathlib import Path
