@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nemo_moe_metrics.config import LoggerConfig, MetricsConfig
+from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, LoggerConfig, MetricsConfig
 from nemo_moe_metrics.megatron.cpu_shims import apply_cpu_shims, cpu_device_mode
 from nemo_moe_metrics.sinks import build_sinks
 from nemo_moe_metrics.worker import PolicyMetrics
@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--expert-parallel", type=int, default=1)
+    parser.add_argument(
+        "--table-every", type=int, default=DEFAULT_TABLE_EVERY, help="expert-load table cadence"
+    )
     args = parser.parse_args(argv)
 
     from megatron.core import parallel_state
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     metrics.attach(model, config)  # (metrics) once, after the model is built
     sink = build_sinks(  # (metrics) JSONL + TensorBoard under --out; rank 0 writes
-        LoggerConfig(wandb_enabled=False),
+        LoggerConfig(wandb_enabled=False, table_every=args.table_every),
         args.out,
         run_name="integrate_megatron",
         config={

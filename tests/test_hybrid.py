@@ -309,9 +309,10 @@ def test_grpo_hybrid_recipe_trains_through_run_and_counts_every_token(tmp_path):
     from test_launch import _check_counts_match_training_tokens, _launch, _rows
 
     _launch(tmp_path, RECIPE)
-    rows = _rows(tmp_path / "runs" / "grpo_hybrid_moe_tiny")
+    run_dir = tmp_path / "runs" / "grpo_hybrid_moe_tiny"
+    rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
-    _check_counts_match_training_tokens(rows, moe_layers=tuple(MOE_LAYERS))
+    _check_counts_match_training_tokens(run_dir, rows, moe_layers=tuple(MOE_LAYERS))
     for row in rows:
         for layer in MOE_LAYERS:
             assert aux_loss_layer_key("load_balancing_loss", layer) in row

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
 from nemo_moe_metrics.testing import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +37,7 @@ def _run(out: Path, nproc: int, expert_parallel: int) -> str:
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
         f"--master-port={free_port()}", str(EXAMPLE), "--out", str(out),
         "--steps", str(STEPS), "--microbatches", str(MICRO),
-        "--expert-parallel", str(expert_parallel),
+        "--expert-parallel", str(expert_parallel), "--table-every", "1",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
@@ -54,6 +55,8 @@ def test_megatron_example_writes_checked_metrics_and_a_report(tmp_path, nproc, e
     from nemo_moe_metrics.flops import get_flops_estimator
 
     estimate = get_flops_estimator(example.transformer_config(ep), vocab_size=example.VOCAB)
+    stored = {step: (ids, counts) for step, ids, counts in read_expert_loads(store_path(tmp_path))}
+    assert sorted(stored) == list(range(STEPS))
     for step, row in enumerate(rows):
         lens = np.array(
             [
@@ -65,10 +68,10 @@ def test_megatron_example_writes_checked_metrics_and_a_report(tmp_path, nproc, e
         )
         assert row[mn.TOKENS] == lens.sum()
         assert row[mn.ESTIMATED_FLOPS] == pytest.approx(estimate(lens).total, rel=1e-12)
-        table = np.array(row[mn.EXPERT_LOADS], dtype=float)
-        for layer in range(example.NUM_LAYERS):
-            # megatron's routers see padding; the hook leaves it out, as the aux loss does.
-            assert table[table[:, 0] == layer, 2].sum() == lens.sum() * example.TOPK
+        layer_ids, counts = stored[step]
+        assert layer_ids.tolist() == list(range(example.NUM_LAYERS))
+        # megatron's routers see padding; the hook leaves it out, as the aux loss does.
+        assert counts.sum(axis=1).tolist() == [lens.sum() * example.TOPK] * example.NUM_LAYERS
         per_layer = [row[f"moe/load_balancing_loss_layer_{i}"] for i in range(example.NUM_LAYERS)]
         assert row["moe/load_balancing_loss"] == pytest.approx(np.mean(per_layer))
         assert 0.9 < row["moe/load_balancing_loss"] < 2.0  # switch loss of a near-uniform router

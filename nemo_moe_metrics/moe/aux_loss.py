@@ -23,8 +23,8 @@ the mean divides by the MoE layers the config really builds (MTP layers count on
 decoder layer is MoE, as the MTP block copies its spec); ``z_loss`` is averaged over the stage's
 ranks instead of being left rank-local, so every rank reports the same value; the scale is applied
 per rank before the reduction, so ranks with different microbatch counts still agree; means are
-SUM all-reduces divided by the group size (older torch lacks gloo AVG); per-layer keys exist for MoE layers
-only. Megatron's tracker is megatron's state: this module reads and clears it and keeps none.
+SUM all-reduces divided by the group size (older torch lacks gloo AVG); per-layer keys exist
+for MoE layers only. Megatron's tracker is megatron's state: this module reads and clears it and keeps none.
 """
 
 from __future__ import annotations
