@@ -1,0 +1,274 @@
+"""The report's pictures (matplotlib, imported inside each function)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nemo_moe_metrics.report.reading import RunInfo
+from nemo_moe_metrics.report.timeline import StepBins, Timeline
+
+HEATMAP_FILE = "expert_load_heatmap.png"
+OVER_STEPS_FILE = "expert_load_over_steps.png"
+DRIFT_FILE = "routing_drift.png"
+MAX_OVER_IDEAL_FILE = "max_over_ideal.png"
+_DPI = 110
+
+
+def steps_label(steps: list[int]) -> str:
+    if len(steps) == 1:
+        return f"step {steps[0]}"
+    return f"steps {steps[0]}–{steps[-1]} ({len(steps)} logged, tokens summed)"
+
+
+def _ratio_label(exp: float) -> str:
+    if exp >= 0:
+        return f"×{2**exp:g}"
+    return f"×1/{2 ** (-exp):g}"
+
+
+def log_ratio(counts: np.ndarray) -> tuple[np.ndarray, np.ma.MaskedArray]:
+    """Load / ideal over the last axis and its log2, masked where an expert got no token."""
+    totals = counts.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = counts * counts.shape[-1] / totals
+        log_ratio = np.log2(ratio)
+    return ratio, np.ma.masked_array(log_ratio, mask=(counts == 0) | ~np.isfinite(log_ratio))
+
+
+def _worst(shown: np.ma.MaskedArray) -> float:
+    """The largest |log2 ratio| of a picture (0 when every cell is masked)."""
+    return float(np.abs(shown).max()) if shown.count() else 0.0
+
+
+def colour_limit(heat: np.ma.MaskedArray, over_steps: np.ma.MaskedArray) -> float:
+    """The colour limit shared by both pictures: symmetric whole powers of two, at least
+    x1/2..x2, at most x1/32..x32. The heatmap's cells all count; over steps, the 99.9th
+    percentile, so that a short collapse does not wash out the rest of the run (the colour
+    bar's arrows mark values beyond the limit)."""
+    scale = _worst(heat)
+    if over_steps.count():
+        scale = max(scale, float(np.quantile(np.abs(over_steps.compressed()), 0.999)))
+    return float(min(max(1, math.ceil(scale - 1e-9)), 5))
+
+
+def _colour_map() -> Any:
+    from matplotlib import colormaps
+
+    return colormaps["RdBu_r"].with_extremes(bad="black")
+
+
+def _colour_bar(fig: Any, image: Any, axes: Any, limit: float, worst: float, aspect: float) -> None:
+    ticks = np.arange(-limit, limit + 1)
+    bar = fig.colorbar(
+        image,
+        ax=axes,
+        ticks=ticks,
+        extend="both" if worst > limit else "neither",
+        pad=0.01,
+        aspect=aspect,
+    )
+    bar.ax.set_yticklabels([_ratio_label(t) for t in ticks])
+    bar.set_label("expert load / ideal  (log scale; white = balanced)")
+
+
+def render_heatmap(
+    run: RunInfo,
+    path: Path,
+    layer_ids: list[int],
+    counts: np.ndarray,
+    steps: list[int],
+    lim: float,
+) -> None:
+    from matplotlib.colors import Normalize
+    from matplotlib.figure import Figure
+
+    n_layers, n_experts = counts.shape
+    ratio, shown = log_ratio(counts)
+    dead = counts == 0
+    worst = _worst(shown)
+    height = min(max(0.28 * n_layers + 2.2, 3.6), 14.0)
+    fig = Figure(figsize=(11, height), dpi=_DPI, layout="constrained")
+    ax = fig.add_subplot()
+    image = ax.imshow(
+        shown,
+        cmap=_colour_map(),
+        norm=Normalize(-lim, lim),
+        aspect="auto",
+        interpolation="nearest",
+        origin="upper",
+    )
+    # A bar about 0.35 inch wide whatever the figure height.
+    _colour_bar(fig, image, ax, lim, worst, 2.5 * height)
+    ax.set_xlabel(f"expert (0–{n_experts - 1})")
+    ax.set_ylabel("MoE layer (global index)")
+    ax.set_xticks(np.arange(0, n_experts, _nice_stride(n_experts, 16)))
+    rows = np.arange(0, n_layers, _nice_stride(n_layers, 24))
+    ax.set_yticks(rows, [str(layer_ids[r]) for r in rows])
+    if n_layers * n_experts <= 256:
+        # Small grids: print each multiple so nobody has to decode colours.
+        for (r, e), v in np.ndenumerate(ratio):
+            if np.isfinite(v):
+                dark = v == 0 or abs(math.log2(v)) > 0.6 * lim
+                ax.text(
+                    e,
+                    r,
+                    f"{v:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if dark else "black",
+                )
+    dead_note = f"; black = 0 tokens ({int(dead.sum())} dead)" if dead.any() else ""
+    ax.set_title(
+        f"{run.model_label(n_layers, n_experts)}\nexpert load / ideal, "
+        f"{steps_label(steps)}{dead_note}",
+        fontsize=10,
+        loc="left",
+    )
+    fig.savefig(path)
+
+
+def bin_ratios(bins: StepBins, rows: list[int]) -> tuple[np.ndarray, np.ma.MaskedArray]:
+    """[len(rows), experts, bins] log2 load/ideal of the chosen layer rows, per step bin."""
+    sums = bins.sums[: bins.used][:, rows, :]  # [bins, layers, E]
+    _, shown = log_ratio(sums)
+    return sums, np.ma.transpose(shown, (1, 2, 0))
+
+
+def render_over_steps(
+    run: RunInfo,
+    path: Path,
+    timeline: Timeline,
+    rows: list[int],
+    shown: np.ma.MaskedArray,
+    lim: float,
+    why: str,
+) -> None:
+    from matplotlib.colors import Normalize
+    from matplotlib.figure import Figure
+
+    bins = timeline.bins
+    assert bins is not None
+    n_experts = shown.shape[1]
+    # Bin edges on the step axis: each bin spans its first to its last logged step.
+    edges = np.append(bins.first[: bins.used], bins.last[bins.used - 1] + 1).astype(float)
+    panel = min(max(n_experts / 64, 1.6), 3.2)
+    height = panel * len(rows) + 1.4
+    fig = Figure(figsize=(11, height), dpi=_DPI, layout="constrained")
+    axes = fig.subplots(len(rows), 1, sharex=True, squeeze=False)[:, 0]
+    worst = _worst(shown)
+    moi = np.asarray(timeline.moi)
+    image = None
+    for ax, row, data in zip(axes, rows, shown, strict=True):
+        image = ax.pcolormesh(
+            edges,
+            np.arange(n_experts + 1) - 0.5,
+            data,
+            cmap=_colour_map(),
+            norm=Normalize(-lim, lim),
+            shading="flat",
+        )
+        ax.set_ylim(n_experts - 0.5, -0.5)  # expert 0 on top, as in the heatmap
+        mean = np.nanmean(moi[:, row])
+        ax.set_ylabel(f"layer {timeline.layer_ids[row]}: expert\n(mean max/ideal {mean:.2f})")
+    axes[-1].set_xlabel("training step")
+    _colour_bar(fig, image, list(axes), lim, worst, 2.5 * height)
+    per_bin = (
+        "one column per logged step"
+        if bins.width == 1
+        else f"each column sums the tokens of {bins.width} logged steps"
+    )
+    dead = "; black = 0 tokens" if np.ma.getmaskarray(shown).any() else ""
+    axes[0].set_title(
+        f"{run.model_label(len(timeline.layer_ids), n_experts)}\nexpert load / ideal over "
+        f"steps {timeline.steps[0]}–{timeline.steps[-1]}, {why}; {per_bin}{dead}",
+        fontsize=10,
+        loc="left",
+    )
+    fig.savefig(path)
+
+
+def _nice_stride(n: int, max_ticks: int) -> int:
+    stride = 1
+    while n / stride > max_ticks:
+        stride *= 2
+    return stride
+
+
+def render_layer_series(
+    run: RunInfo,
+    path: Path,
+    steps: list[int],
+    series: dict[int, np.ndarray],
+    *,
+    ylabel: str,
+    title: str,
+    ideal: float | None,
+) -> None:
+    """One line per layer over steps: many layers as a band, the worst in red, the mean black."""
+    from matplotlib import colormaps
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 5), dpi=_DPI, layout="constrained")
+    ax = fig.add_subplot()
+    marker = "o" if len(steps) <= 20 else None
+    layers = list(series)
+    values = np.array([series[la] for la in layers], dtype=np.float64)  # [layers, steps]
+    many = len(layers) > 10
+    cmap = colormaps["viridis"]
+    norm = Normalize(min(layers), max(max(layers), min(layers) + 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: empty steps
+        low, high = np.nanmin(values, axis=0), np.nanmax(values, axis=0)
+        mean = np.nanmean(values, axis=0)
+        layer_means = np.nanmean(values, axis=1)
+    worst = layers[int(np.nanargmax(np.where(np.isnan(layer_means), -np.inf, layer_means)))]
+    if many:
+        # Many layers: a min-max band and faint lines, the worst layer picked out in red.
+        ax.fill_between(steps, low, high, color="tab:blue", alpha=0.12, label="range over layers")
+    for layer, vs in zip(layers, values, strict=True):
+        highlight = many and layer == worst
+        ax.plot(
+            steps,
+            vs,
+            color="tab:red" if highlight else cmap(norm(layer)),
+            lw=2.0 if highlight else 1.0,
+            alpha=1.0 if highlight or not many else 0.35,
+            marker=marker,
+            ms=3,
+            zorder=3 if highlight else 2,
+            label=(f"worst layer ({layer})" if highlight else None) if many else f"layer {layer}",
+        )
+    ax.plot(
+        steps, mean, color="black", lw=2.4, marker=marker, ms=4, zorder=4, label="mean over layers"
+    )
+    if ideal is not None:
+        ax.axhline(ideal, color="grey", ls="--", lw=1, label="ideal (perfect balance)")
+        finite = mean[np.isfinite(mean)]
+        ax.set_ylim(bottom=min(0.95, float(finite.min()) - 0.05) if finite.size else 0)
+    else:
+        positive = values[np.isfinite(values) & (values > 0)]
+        if positive.size and positive.max() > 100 * positive.min():
+            # Spikes and the noise floor both stay readable on a log axis.
+            ax.set_yscale("log")
+            ax.set_ylim(bottom=max(float(positive.min()), 1e-6))
+        else:
+            ax.set_ylim(bottom=0)
+    if many:
+        fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="MoE layer", pad=0.01)
+    ax.legend(fontsize=8, loc="upper right", ncols=2 if len(layers) > 5 else 1)
+    ax.set_xlabel("training step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.set_title(f"{run.name}: {title}", fontsize=10, loc="left")
+    fig.savefig(path)
+
+
+# --- the report --------------------------------------------------------------------------------

@@ -1,0 +1,319 @@
+"""The report: the text summary of a run, and which pictures it draws from what."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.moe.timeline import Streak
+from nemo_moe_metrics.report.pictures import (
+    DRIFT_FILE,
+    HEATMAP_FILE,
+    MAX_OVER_IDEAL_FILE,
+    OVER_STEPS_FILE,
+    bin_ratios,
+    colour_limit,
+    log_ratio,
+    render_heatmap,
+    render_layer_series,
+    render_over_steps,
+    steps_label,
+)
+from nemo_moe_metrics.report.reading import (
+    METRICS_FILE,
+    Line,
+    ReportError,
+    RunInfo,
+    Window,
+    jsonl_table_counts,
+    last_values,
+    layer_key_series,
+    run_info,
+    scan_jsonl,
+    store_counts,
+    store_has_steps,
+    window_text,
+)
+from nemo_moe_metrics.report.timeline import Timeline
+
+DEFAULT_DEAD_STEPS = 10
+DEFAULT_WORST_LAYERS = 4
+
+
+def _max_over_ideal(counts: np.ndarray) -> float:
+    total = counts.sum()
+    return float(counts.max() * counts.size / total) if total > 0 else 0.0
+
+
+def _by_layer(pairs: list[tuple[int, str]], limit: int = 5) -> str:
+    grouped: dict[int, list[str]] = {}
+    for layer, text in pairs:
+        grouped.setdefault(layer, []).append(text)
+    shown = "; ".join(f"layer {la}: {', '.join(ts)}" for la, ts in list(grouped.items())[:limit])
+    return shown + (f"; ... ({len(grouped) - limit} more layers)" if len(grouped) > limit else "")
+
+
+def _streak_lines(streaks: list[Streak], n: int) -> list[str]:
+    head = f"dead-expert streaks (0 tokens for >= {n} consecutive logged steps, --dead-steps {n})"
+    if not streaks:
+        return [f"{head}: none"]
+    layers = len({s.layer for s in streaks})
+    pairs = [
+        (
+            s.layer,
+            f"expert {s.expert} steps {s.first}–{s.last} ({s.length} logged"
+            + (", to the end)" if s.ongoing else ")"),
+        )
+        for s in sorted(streaks, key=lambda s: (s.layer, -s.length, s.expert))
+    ]
+    return [f"{head}: {len(streaks)} in {layers} layer(s) — {_by_layer(pairs)}"]
+
+
+def _drift_lines(timeline: Timeline) -> list[str]:
+    drift = np.asarray(timeline.drift)  # [steps - 1, L]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        per_layer = np.nanmean(drift, axis=0)
+        mean = float(np.nanmean(drift))
+    if not np.isfinite(mean):
+        return ["routing drift: no two consecutive logged steps routed tokens"]
+    flat = np.where(np.isfinite(drift), drift, -1.0)
+    i, row = np.unravel_index(int(flat.argmax()), flat.shape)
+    order = [r for r in np.argsort(np.where(np.isfinite(per_layer), per_layer, -1.0))[::-1][:3]]
+    top = ", ".join(f"layer {timeline.layer_ids[r]} {per_layer[r]:.4f}" for r in order)
+    return [
+        "routing drift (Jensen-Shannon divergence between consecutive logged steps, bits): "
+        f"mean {mean:.4f}; largest {drift[i, row]:.4f} at layer {timeline.layer_ids[row]} "
+        f"step {timeline.steps[i + 1]} (from step {timeline.steps[i]}); most drifting layers "
+        f"(mean): {top}"
+    ]
+
+
+def _choose_layers(
+    timeline: Timeline, layers: list[int] | None, count: int
+) -> tuple[list[int], str]:
+    """Rows of the layers for the over-steps picture and the words for how they were chosen."""
+    if layers:
+        unknown = sorted(set(layers) - set(timeline.layer_ids))
+        if unknown:
+            raise ReportError(
+                f"--layers {','.join(map(str, layers))}: no MoE layer {unknown} in the run; its "
+                f"MoE layers are {timeline.layer_ids}"
+            )
+        return [timeline.layer_ids.index(la) for la in layers], "layers asked for (--layers)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        means = np.nanmean(np.asarray(timeline.moi), axis=0)
+    order = np.argsort(np.where(np.isfinite(means), means, -np.inf))[::-1][:count]
+    return sorted(int(r) for r in order), f"the {len(order)} worst layers by mean max/ideal"
+
+
+def render_report(
+    run_dir: Path,
+    *,
+    steps: Window | None = None,
+    out_dir: Path | None = None,
+    layers: list[int] | None = None,
+    dead_steps: int = DEFAULT_DEAD_STEPS,
+) -> str:
+    """Write the report's PNGs into ``out_dir`` (default: ``run_dir``); return the summary.
+
+    ``steps=(first, last)`` (inclusive; either end None for an open window) restricts
+    everything to that window of steps. ``layers`` picks the layers of the over-steps picture
+    (default: the worst by mean max/ideal); ``dead_steps`` is the shortest dead-expert streak
+    the summary lists. Pictures that the run has no data for are skipped and the summary says
+    which flag would produce them.
+    """
+    from nemo_moe_metrics.extras import check_extra
+
+    check_extra("report", "the report's pictures")
+    run_dir = Path(run_dir)
+    out_dir = Path(out_dir) if out_dir is not None else run_dir
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        raise ReportError(
+            f"{path} not found; point the report at a run directory written with "
+            "logger.jsonl_enabled=true"
+        )
+    if steps is not None and None not in steps and steps[0] > steps[1]:
+        raise ReportError(
+            f"step window {window_text(steps)} is empty; give FIRST:LAST with FIRST <= LAST"
+        )
+    if dead_steps < 1:
+        raise ReportError(f"--dead-steps {dead_steps}: a streak is at least 1 logged step")
+    run = run_info(run_dir)
+    lines_, seen = scan_jsonl(path, steps)
+    if seen is None:
+        raise ReportError(f"{path} holds no step records yet")
+    if not lines_:
+        assert steps is not None
+        raise ReportError(
+            f"no logged step in {window_text(steps)}; the log has steps {seen[0]}..{seen[1]}"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    first, last = lines_[0].step, lines_[-1].step
+    span = f"step {first}" if first == last else f"steps {first}–{last} ({len(lines_)} logged)"
+    out = [f"run {run.name}: {span}"]
+
+    source = store_counts(run_dir, steps)
+    if source is None:
+        source = jsonl_table_counts(path, lines_, run.num_experts)
+    timeline = Timeline(keep_sum=steps is not None, dead_steps=dead_steps)
+    for step, layer_ids, counts in source:
+        timeline.add(step, layer_ids, counts)
+
+    if timeline.steps:
+        out += _count_pictures(run, timeline, out_dir, layers)
+    elif steps is not None and store_has_steps(run_dir):
+        out.append(
+            f"no stored expert-load step in {span} (the store holds a table every "
+            f"logger.table_every steps): {HEATMAP_FILE}, {OVER_STEPS_FILE}, {DRIFT_FILE} and "
+            f"{MAX_OVER_IDEAL_FILE} skipped; widen --steps"
+        )
+    else:
+        out.append(
+            "no expert-load counts in the run (no expert_loads.bin, no moe/expert_loads rows): "
+            f"{HEATMAP_FILE}, {OVER_STEPS_FILE} and {DRIFT_FILE} skipped; log them with "
+            "policy.megatron_cfg.track_moe_metrics=true and log_expert_table=true"
+        )
+        dead_last = last_values(path, lines_, [mn.DEAD_EXPERTS]).get(mn.DEAD_EXPERTS)
+        if dead_last is not None:
+            out.append(f"dead experts (last step, {mn.DEAD_EXPERTS}): {dead_last:g}")
+        key_steps, key_series = layer_key_series(path, lines_)
+        if key_series:
+            render_layer_series(
+                run,
+                out_dir / MAX_OVER_IDEAL_FILE,
+                key_steps,
+                {la: np.asarray(v) for la, v in key_series.items()},
+                ylabel="busiest expert's load / ideal  (1 = balanced)",
+                title="worst-expert load per layer",
+                ideal=1.0,
+            )
+            out.append(f"wrote {out_dir / MAX_OVER_IDEAL_FILE}")
+        else:
+            out.append(
+                f"no per-layer expert-load data: {MAX_OVER_IDEAL_FILE} skipped; log it with "
+                "policy.megatron_cfg.moe_per_layer_logging=true or log_expert_table=true"
+            )
+
+    last_keys = [mn.TOKENS_PER_SECOND, mn.TFLOPS_PER_GPU, mn.MFU]
+    aux_keys = [mn.aux_loss_key(n) for n in (*mn.AUX_LOSS_TRACKER_NAMES.values(), mn.Z_LOSS)]
+    values = last_values(path, lines_, last_keys + aux_keys)
+    out += _throughput_lines(lines_, values)
+    aux = [f"{k} {values[k]:.4g}" for k in aux_keys if k in values]
+    if aux:
+        out.append("aux losses (last step): " + ", ".join(aux))
+    else:
+        out.append("aux losses: not logged; enable policy.megatron_cfg.track_moe_metrics=true")
+    return "\n".join(out)
+
+
+def _count_pictures(
+    run: RunInfo, timeline: Timeline, out_dir: Path, layers: list[int] | None
+) -> list[str]:
+    out: list[str] = []
+    layer_ids, counts = timeline.layer_ids, timeline.heat
+    assert counts is not None
+    heat_steps = timeline.steps if timeline.keep_sum else timeline.steps[-1:]
+    per_layer = [_max_over_ideal(c) for c in counts]
+    order = np.argsort(per_layer)[::-1][:3]
+    worst = ", ".join(f"layer {layer_ids[i]} {per_layer[i]:.2f}" for i in order)
+    out.append(
+        f"expert load over {steps_label(heat_steps)}: max/ideal mean "
+        f"{np.mean(per_layer):.2f} over {len(layer_ids)} MoE layers; worst: {worst}"
+    )
+    span = (
+        f"step {heat_steps[0]}"
+        if len(heat_steps) == 1
+        else f"steps {heat_steps[0]}–{heat_steps[-1]}"
+    )
+    dead = [(layer_ids[r], int(e)) for r, e in zip(*np.nonzero(counts == 0), strict=True)]
+    if dead:
+        by_layer: dict[int, list[int]] = {}
+        for layer, e in dead:
+            by_layer.setdefault(layer, []).append(e)
+        shown = "; ".join(f"layer {la}: {es}" for la, es in list(by_layer.items())[:5])
+        more = " ..." if len(by_layer) > 5 else ""
+        out.append(f"dead experts (0 tokens, {span}): {len(dead)} — {shown}{more}")
+    else:
+        out.append(f"dead experts (0 tokens, {span}): none")
+    assert timeline.streaks is not None
+    out += _streak_lines(timeline.streaks.streaks(), timeline.dead_steps)
+    several = len(timeline.steps) > 1
+    if several:
+        out += _drift_lines(timeline)
+
+    # One colour scale for the heatmap and the over-steps picture, so they can be compared.
+    _, heat_shown = log_ratio(counts)
+    rows, why = _choose_layers(timeline, layers, DEFAULT_WORST_LAYERS)
+    assert timeline.bins is not None
+    _, over_shown = bin_ratios(timeline.bins, rows) if several else (None, np.ma.masked_all(0))
+    limit = colour_limit(heat_shown, over_shown)
+    render_heatmap(run, out_dir / HEATMAP_FILE, layer_ids, counts, heat_steps, limit)
+    out.append(f"wrote {out_dir / HEATMAP_FILE}")
+    if several:
+        render_over_steps(run, out_dir / OVER_STEPS_FILE, timeline, rows, over_shown, limit, why)
+        out.append(
+            f"wrote {out_dir / OVER_STEPS_FILE} (layers "
+            f"{', '.join(str(timeline.layer_ids[r]) for r in rows)}: {why})"
+        )
+        drift = np.asarray(timeline.drift)
+        render_layer_series(
+            run,
+            out_dir / DRIFT_FILE,
+            timeline.steps[1:],
+            {la: drift[:, i] for i, la in enumerate(layer_ids)},
+            ylabel="Jensen-Shannon divergence from the previous logged step (bits)",
+            title="routing drift per layer (0 = the router's shares did not change)",
+            ideal=None,
+        )
+        out.append(f"wrote {out_dir / DRIFT_FILE}")
+    else:
+        out.append(
+            f"only 1 logged step with expert counts: {OVER_STEPS_FILE} and {DRIFT_FILE} skipped; "
+            "they need 2 or more: widen --steps (or log the table more often with "
+            "logger.table_every)"
+        )
+    moi = np.asarray(timeline.moi)
+    render_layer_series(
+        run,
+        out_dir / MAX_OVER_IDEAL_FILE,
+        timeline.steps,
+        {la: moi[:, i] for i, la in enumerate(layer_ids)},
+        ylabel="busiest expert's load / ideal  (1 = balanced)",
+        title=f"worst-expert load per layer ({counts.shape[1]} experts)",
+        ideal=1.0,
+    )
+    out.append(f"wrote {out_dir / MAX_OVER_IDEAL_FILE}")
+    return out
+
+
+def _throughput_lines(lines: list[Line], values: dict[str, float]) -> list[str]:
+    tps = values.get(mn.TOKENS_PER_SECOND)
+    if tps is None:
+        return ["throughput: not logged; enable policy.megatron_cfg.track_throughput=true"]
+    tokens = sum(ln.tokens or 0 for ln in lines)
+    seconds = sum(ln.seconds or 0 for ln in lines)
+    window = f"; window {tokens / seconds:,.0f} tokens/s (ratio of sums)" if seconds > 0 else ""
+    out = [f"throughput: last step {tps:,.0f} tokens/s{window}"]
+    perf = []
+    tflops = values.get(mn.TFLOPS_PER_GPU)
+    if tflops is not None:
+        # A tiny CPU model runs at GFLOP/s: three significant digits, not "0.0".
+        perf.append(f"{tflops:.3g} TFLOP/s per GPU")
+    mfu = values.get(mn.MFU)
+    if mfu is not None:
+        perf.append(f"MFU {mfu:.1%}")
+    elif tflops is not None:
+        perf.append(
+            "MFU not logged (unknown accelerator peak; set policy.megatron_cfg.peak_flops_per_gpu)"
+        )
+    if perf:
+        out.append("compute (last step): " + ", ".join(perf))
+    else:
+        out.append("compute: not logged; enable policy.megatron_cfg.track_flops=true")
+    return out
