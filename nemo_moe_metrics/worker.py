@@ -115,13 +115,23 @@ class PolicyMetrics:
 
         ``config`` is the model's megatron-core ``TransformerConfig`` or its transformers
         ``PretrainedConfig`` (``model.config``); its type picks the adapter (:func:`model_facts`).
+        For megatron the model decides: a hybrid model's own layer pattern counts even when the
+        config lacks it (``megatron.layout.config_as_built``); a config that contradicts the
+        model is an error.
         """
         if self._attached:
             raise RuntimeError("PolicyMetrics.attach() was already called; attach once per model")
         self._attached = True
+        chunks = model if isinstance(model, list | tuple) else [model]
+        from nemo_moe_metrics.flops.megatron import is_megatron_config
+
+        if is_megatron_config(config):
+            # The model decides: a hybrid model's pattern and the layers that hold routers.
+            from nemo_moe_metrics.megatron.layout import config_as_built
+
+            config = config_as_built(chunks, config)
         self._transformer_config = config
         self._facts = model_facts(config)
-        chunks = model if isinstance(model, list | tuple) else [model]
         if self.cfg.track_moe_metrics:
             self._attach_moe(chunks, self._facts)
         if self.cfg.track_throughput:
