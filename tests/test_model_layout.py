@@ -111,6 +111,23 @@ def _megatron_hybrid_step(rank, world_size):
             config_as_built(model, bad)
         except ValueError as err:
             errors.append(str(err))
+    # A GPT layer spec decides which layers hold routers: the local single-layer spec makes every
+    # layer MoE, whatever moe_layer_freq says.
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    gpt_config = _plain_config()
+    gpt_config.moe_layer_freq = [0, 1, 1, 1]
+    gpt = GPTModel(
+        config=gpt_config,
+        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+    )
+    try:
+        config_as_built(gpt, gpt_config)
+    except ValueError as err:
+        errors.append(str(err))
     out["errors"] = errors
     return out
 
@@ -159,6 +176,7 @@ def test_megatron_hybrid_flops_follow_the_models_layers(hybrid):
 
 @pytest.mark.timeout(300)
 def test_megatron_config_that_contradicts_the_model_is_an_error_naming_both(hybrid):
-    pattern_error, layers_error = hybrid["errors"]
+    pattern_error, layers_error, gpt_error = hybrid["errors"]
     assert "'**EE'" in pattern_error and f"'{PATTERN}'" in pattern_error
     assert "num_layers=3" in layers_error and f"'{PATTERN}'" in layers_error
+    assert "moe_layer_freq=[0, 1, 1, 1]" in gpt_error and "routers in [0, 1, 2, 3]" in gpt_error
