@@ -79,13 +79,19 @@ def _megatron_hybrid_step(rank, world_size):
     metrics = PolicyMetrics(flags, vocab_size=VOCAB)
     metrics.attach([model], config)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+    pos = torch.arange(SEQ).expand(BATCH, SEQ)
+    mask = causal_attention_mask(SEQ)
+    # A forward with grad outside step() (a probe): megatron's tracker records it, the step not.
+    probe = torch.randint(0, VOCAB, (BATCH, SEQ))
+    model(probe, pos, mask, labels=probe).mean().backward()
     counter = FlopCounterMode(display=False)
     with metrics.step():
+        entry = {k: v.clone() for k, v in compat.tracker_values().items()}
         metrics.microbatch(seq_lens=torch.full((BATCH,), SEQ))
         with counter:
-            pos = torch.arange(SEQ).expand(BATCH, SEQ)
-            model(tokens, pos, causal_attention_mask(SEQ), labels=tokens).mean().backward()
-    before = {k: v.tolist() for k, v in compat.tracker_values().items()}
+            model(tokens, pos, mask, labels=tokens).mean().backward()
+    # The step's own forward: what the tracker gained inside the step.
+    before = {k: (v - entry[k]).tolist() for k, v in compat.tracker_values().items()}
     out["metrics"] = metrics.finish_step(num_microbatches=1)
     oracle = copy.copy(config)
     oracle.moe_layer_freq = list(MOE_FREQ)
@@ -156,6 +162,7 @@ def test_megatron_hybrid_aux_losses_equal_megatrons_report_over_moe_layers(hybri
     # What a mean over all four layers (the config alone) gives: half, so this could fail.
     assert sum(lb) / len(lb) == pytest.approx(0.5 * mean_moe, rel=1e-6)
     assert metrics[aux_loss_key("z_loss")] > 0
+    assert metrics["moe/routed_tokens"] == BATCH * SEQ  # the probe outside step() not counted
 
 
 @pytest.mark.timeout(300)
