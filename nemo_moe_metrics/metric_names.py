@@ -37,6 +37,9 @@ EP_IMBALANCE_MAX = "moe/ep_imbalance_max"
 DEAD_EXPERTS = "moe/dead_experts"
 DROPPED_FRACTION = "moe/dropped_fraction"
 PADDING_FRACTION = "moe/padding_fraction"
+# Training tokens the MoE routers saw this step (the busiest MoE layer's count); 0 means no expert
+# received a training token: then no other balance key and no aux loss is logged for the step.
+ROUTED_TOKENS = "moe/routed_tokens"
 # Threshold crossings of this step (logger.alerts); logged every step while alerts are enabled.
 ALERTS = "moe/alerts"
 
@@ -101,6 +104,7 @@ BALANCE_SUMMARY_KEYS = (
     DEAD_EXPERTS,
     DROPPED_FRACTION,
     PADDING_FRACTION,
+    ROUTED_TOKENS,
 )
 
 

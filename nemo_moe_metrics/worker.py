@@ -104,6 +104,8 @@ class PolicyMetrics:
         self._hf_aux: Any = None  # moe.hf_aux_loss.HFAuxLossAccumulator for transformers models
         self._steps_since_export = 0
         self._microbatches_since_export = 0  # a host counter: no device read per microbatch
+        self._warned_empty_step = False
+        self._aux_kept: dict[str, torch.Tensor] = {}  # megatron's tracker as step() left it
 
     @property
     def active(self) -> bool:
@@ -115,13 +117,23 @@ class PolicyMetrics:
 
         ``config`` is the model's megatron-core ``TransformerConfig`` or its transformers
         ``PretrainedConfig`` (``model.config``); its type picks the adapter (:func:`model_facts`).
+        For megatron the model decides: a hybrid model's own layer pattern counts even when the
+        config lacks it (``megatron.layout.config_as_built``); a config that contradicts the
+        model is an error.
         """
         if self._attached:
             raise RuntimeError("PolicyMetrics.attach() was already called; attach once per model")
         self._attached = True
+        chunks = model if isinstance(model, list | tuple) else [model]
+        from nemo_moe_metrics.flops.megatron import is_megatron_config
+
+        if is_megatron_config(config):
+            # The model decides: a hybrid model's pattern and the layers that hold routers.
+            from nemo_moe_metrics.megatron.layout import config_as_built
+
+            config = config_as_built(chunks, config)
         self._transformer_config = config
         self._facts = model_facts(config)
-        chunks = model if isinstance(model, list | tuple) else [model]
         if self.cfg.track_moe_metrics:
             self._attach_moe(chunks, self._facts)
         if self.cfg.track_throughput:
@@ -140,6 +152,8 @@ class PolicyMetrics:
             return
         self._track_moe = True
         self._collector = ExpertLoadCollector.attach(chunks)
+        if self._collector is not None:
+            self._collector.counting = False  # only inside step()
         self._reducer = ExpertLoadReducer(None)
         self._ep_size = facts.ep_size
         if self._collector is None:
@@ -201,7 +215,12 @@ class PolicyMetrics:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        """Bracket one optimizer step; a step that raises leaves no partial counts behind."""
+        """Bracket one optimizer step; a step that raises leaves no partial counts behind.
+
+        Only training forwards inside it are counted (expert loads, aux losses): what a forward
+        with grad outside ``step()`` added to megatron's aux-loss tracker is undone on entry.
+        """
+        self._enter_counting()
         try:
             if self._meter is not None:
                 with self._meter.step():
@@ -211,9 +230,38 @@ class PolicyMetrics:
         except BaseException:
             self._discard_partial_step()
             raise
+        finally:
+            self._leave_counting()
         self._steps_since_export += 1
 
+    def _megatron_aux(self) -> bool:
+        return self._track_moe and self._facts is not None and self._facts.aux_loss == "megatron"
+
+    def _enter_counting(self) -> None:
+        if self._megatron_aux():
+            # The tracker as the previous steps of this export left it (empty after an export):
+            # anything more came from forwards outside step(). Device ops only, no host read.
+            from nemo_moe_metrics.megatron import compat
+
+            for name, values in compat.tracker_values().items():
+                kept = self._aux_kept.get(name)
+                if kept is not None and kept.shape == values.shape:
+                    values.copy_(kept)
+                else:
+                    values.zero_()
+        if self._collector is not None:
+            self._collector.counting = True
+
+    def _leave_counting(self) -> None:
+        if self._collector is not None:
+            self._collector.counting = False
+        if self._megatron_aux():
+            from nemo_moe_metrics.megatron import compat
+
+            self._aux_kept = {k: v.detach().clone() for k, v in compat.tracker_values().items()}
+
     def _discard_partial_step(self) -> None:
+        self._aux_kept = {}
         if self._collector is not None:
             self._collector.reset()
         if self._hf_aux is not None:
@@ -272,11 +320,28 @@ class PolicyMetrics:
         out: dict[str, Any] = {}
         for metrics in read_once(pending):
             out.update(metrics)
+        if out.get(mn.ROUTED_TOKENS) == 0:
+            self._drop_empty_moe_step(out)
         if self._meter is not None:
             self._check_microbatches_recorded(out)
         self._steps_since_export = 0
         self._microbatches_since_export = 0
+        self._aux_kept = {}
         return out
+
+    def _drop_empty_moe_step(self, out: dict[str, Any]) -> None:
+        # No expert received a training token: balance statistics and aux losses of nothing
+        # would be zeros that contradict themselves (dead_experts 0 with every expert empty).
+        for key in [k for k in out if k.startswith(mn.MOE_PREFIX) and k != mn.ROUTED_TOKENS]:
+            del out[key]
+        if not self._warned_empty_step:
+            self._warned_empty_step = True
+            log.warning(
+                "PolicyMetrics.finish_step: no expert received a training token in this step "
+                "(only no-grad or eval forwards, or none inside `with metrics.step():`), so it "
+                "logs %s = 0 and no other moe/ key; warned once",
+                mn.ROUTED_TOKENS,
+            )
 
     def _enqueue_aux_loss(self, num_microbatches: int) -> Pending[dict[str, float]]:
         # One source per config type: megatron's tracker, or the HF router-output accumulator.

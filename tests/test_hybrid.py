@@ -278,8 +278,10 @@ def test_mamba_component_matches_a_real_mamba2_mixer_under_flop_counter():
     mixer = nh.NemotronHMamba2Mixer(hf, layer_idx=0).eval()
     n = 24
     counter = FlopCounterMode(display=False)
-    # Forward only, autograd on: under no_grad, the counter's module tracker fails on the
-    # parameter transformers 5.25's kernelized conv receives ("Expected gradient function").
+    # Forward only, but with autograd on: under no_grad a view of a parameter (the mixer's
+    # conv1d.weight.squeeze(1)) requires grad without a grad_fn, and transformers hands it to a
+    # `kernels` function module whose inputs FlopCounterMode's module tracker hooks: torch then
+    # asserts "Expected gradient function to be set".
     with counter:
         mixer(torch.randn(1, n, 64))
     per_module = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}

@@ -250,6 +250,37 @@ def config_hybrid_symbols(config: Any) -> list[str] | None:
 # ----------------------------------------------------------------------------- hybrid models
 
 
+def model_hybrid_pattern(model: Any) -> str | None:
+    """The hybrid layer pattern a built model holds, or None for a non-hybrid model.
+
+    0.19's ``HybridModel`` keeps it as ``hybrid_layer_pattern`` (also when it was given as the
+    deprecated ``hybrid_override_pattern`` or ratios), 0.16's ``MambaModel`` as
+    ``hybrid_override_pattern``; 0.16 built from ratios leaves that None and only its stack's
+    ``layer_type_list`` has the layers (the whole model's only without pipeline parallelism).
+    Wrappers (DDP, ``Float16Module``) are looked through: any submodule may hold it.
+    """
+    stack_layers = None
+    for module in model.modules():
+        for key in ("hybrid_layer_pattern", "hybrid_override_pattern"):
+            value = getattr(module, key, None)
+            if isinstance(value, str) and value:
+                return value
+        types = getattr(module, "layer_type_list", None)
+        single_stage = getattr(module, "config", None)
+        single_stage = getattr(single_stage, "pipeline_model_parallel_size", 1) == 1
+        if stack_layers is None and isinstance(types, list) and types and single_stage:
+            stack_layers = "".join(str(t) for t in types)
+    return stack_layers
+
+
+def is_megatron_router(module: Any) -> bool:
+    """True for megatron-core's ``TopKRouter`` (or a subclass), without importing megatron."""
+    return any(
+        cls.__name__ == "TopKRouter" and cls.__module__ == "megatron.core.transformer.moe.router"
+        for cls in type(module).__mro__
+    )
+
+
 def hybrid_model_class() -> tuple[type, str, str]:
     """``(model class, spec keyword, pattern keyword)`` of this release's hybrid model.
 

@@ -73,6 +73,8 @@ class AlertMonitor:
     def check(self, metrics: Mapping[str, Any], step: int) -> list[Alert]:
         """The crossings of this step, without printing them (state advances)."""
         step = int(step)
+        if metrics.get(mn.ROUTED_TOKENS) == 0:
+            return []  # no expert received a training token: nothing to judge, state kept
         table = metrics.get(mn.EXPERT_LOADS)
         has_rows = table is not None and len(table) > 0
         layers, counts = _table(table) if has_rows else ([], None)

@@ -187,6 +187,8 @@ def expert_load_metrics(
     (layer, expert) pairs with no token; ``moe/dropped_fraction`` and ``moe/padding_fraction``
     are over all layers together. ``ep_imbalance`` and ``padding_fraction`` use the executed
     counts (padding included), everything else and the table the routed ones.
+    ``moe/routed_tokens`` is the busiest layer's routed tokens; a step in which no expert
+    received a training token returns that key alone (0), no statistic of nothing.
     Returns ``{}`` when there is no MoE layer.
     """
     counts = np.asarray(loads.counts)
@@ -205,7 +207,10 @@ def expert_load_metrics(
         )
     if n == 0:
         return {}
-    out: dict[str, float | list] = {}
+    routed = float(np.asarray(loads.routed_tokens, dtype=np.float64).max())
+    if counts.sum() == 0:
+        return {mn.ROUTED_TOKENS: routed}
+    out: dict[str, float | list] = {mn.ROUTED_TOKENS: routed}
     stats = []
     rows: list[list] = []
     for i, layer in enumerate(loads.layer_ids):

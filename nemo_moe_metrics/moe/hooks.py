@@ -12,6 +12,9 @@ How counting works (details and limits: docs/en/expert_load.md):
   training forward: counted) and replays it during backward (the chunk forward is over and
   autograd's graph task is active: not counted). Reference-model / rollout log-probs under
   ``torch.no_grad()`` or ``eval()`` are never counted.
+- ``counting`` scopes it to a step: ``PolicyMetrics`` sets it on entering ``step()`` and clears
+  it on leaving, so a training forward outside ``step()`` is not counted into any step. A
+  collector used on its own counts whenever the rules above hold (``counting`` stays True).
 - Counts accumulate as int64 per layer on the router's device; the hook path only launches
   device ops (no ``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero`` or branching on values).
 """
@@ -211,6 +214,7 @@ class ExpertLoadCollector:
     def __init__(self, chunks: list[nn.Module], routers: list[tuple[str, nn.Module, RouterSpec]]):
         """Use :meth:`attach`; this hooks the given routers and chunks."""
         self._active_depth = 0  # > 0 inside a training forward of a chunk
+        self.counting = True  # False: count nothing (PolicyMetrics: outside step())
         self._entered: list[bool] = []
         self._handles: list[Any] = []
         self._accs: list[_LayerAccumulator] = []
@@ -276,7 +280,7 @@ class ExpertLoadCollector:
 
     def _router_hook(self, acc: _LayerAccumulator, spec: RouterSpec):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if self._active_depth > 0 and module.training and not _in_backward():
+            if self.counting and self._active_depth > 0 and module.training and not _in_backward():
                 counted = spec.counts_fn(module, args, kwargs, output)
                 acc.add(counted[0], counted[1], counted[2] if len(counted) > 2 else None)
                 for observe in self._observers:

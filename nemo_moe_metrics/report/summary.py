@@ -165,8 +165,20 @@ def render_report(
     for step, layer_ids, counts in source:
         timeline.add(step, layer_ids, counts)
 
+    routed = last_values(path, lines_, [mn.ROUTED_TOKENS]).get(mn.ROUTED_TOKENS)
     if timeline.steps:
         out += _count_pictures(run, timeline, out_dir, layers)
+        if routed == 0:
+            out.append(
+                f"last step: no expert received a training token ({mn.ROUTED_TOKENS} 0), so it "
+                "has no balance numbers"
+            )
+    elif routed == 0:
+        out.append(
+            f"no expert received a training token ({mn.ROUTED_TOKENS} 0 in the last step; no "
+            "training forward inside the step): no expert-load balance to report, "
+            f"{HEATMAP_FILE}, {OVER_STEPS_FILE} and {DRIFT_FILE} skipped"
+        )
     elif steps is not None and store_has_steps(run_dir):
         out.append(
             f"no stored expert-load step in {span} (the store holds a table every "
@@ -207,6 +219,8 @@ def render_report(
     aux = [f"{k} {values[k]:.4g}" for k in aux_keys if k in values]
     if aux:
         out.append("aux losses (last step): " + ", ".join(aux))
+    elif routed == 0:
+        out.append("aux losses: none (no expert received a training token)")
     else:
         out.append("aux losses: not logged; enable policy.megatron_cfg.track_moe_metrics=true")
     return "\n".join(out)
