@@ -48,34 +48,62 @@ def check_launch_extras(recipe: Recipe) -> None:
         check_extra("wandb", "logger.wandb_enabled=true")
 
 
-def prepare_run_dir(run_dir: Path, *, resume: bool = False, overwrite: bool = False) -> None:
+def prepare_run_dir(run_dir: Path, *, resume: bool = False, overwrite: bool = False) -> str | None:
     """One run per directory: refuse an existing run unless ``resume`` or ``overwrite``.
 
     ``overwrite`` deletes everything the old run wrote (JSONL, expert-load store, TensorBoard,
     W&B, pictures, nemo-run state) before the new one starts; ``resume`` keeps it all and the
-    run continues it (the launcher passes ``logger.resume=true``).
+    run continues it (the launcher passes ``logger.resume=true``). A run that failed before
+    logging any step blocks nothing: its leftovers are cleared and a note saying so is returned.
     """
+    from nemo_moe_metrics.sinks import logged_run
+
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite exclude each other; pass one of them")
     old = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    logged = logged_run(run_dir) if old else []
     if resume and not old:
         raise ConfigError(
             f"--resume: {run_dir} holds no run to continue; drop --resume to start a new run"
         )
-    if old and not (resume or overwrite):
+    if resume and not logged:
+        raise ConfigError(
+            f"--resume: {run_dir} holds a run that logged no step; drop --resume to start a new run"
+        )
+    if logged and not (resume or overwrite):
         shown = ", ".join(old[:6]) + (", ..." if len(old) > 6 else "")
         raise ConfigError(
             f"run directory {run_dir} already holds a run ({shown}); pass --resume to continue "
             "it, --overwrite to delete it and start afresh, or choose another directory "
             "(--output-dir DIR, or the override name=NEW_NAME)"
         )
-    if overwrite:
+    note = None
+    if old and not logged and not overwrite:
+        note = f"{run_dir}: the earlier run there logged no step (it failed early); starting afresh"
+    if overwrite or note:
         for child in run_dir.iterdir():
             if child.is_dir() and not child.is_symlink():
                 shutil.rmtree(child)
             else:
                 child.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
+    return note
+
+
+def check_resume_has_steps_left(run_dir: Path, recipe: Recipe, recipe_path: str | Path) -> None:
+    """Raise ConfigError when the run to resume already reached ``training.max_steps``."""
+    from nemo_moe_metrics.sinks import read_resume_state
+
+    state = read_resume_state(run_dir)
+    max_steps = recipe.training.max_steps
+    if state.last_step is None or state.next_step < max_steps:
+        return
+    raise ConfigError(
+        f"--resume: {run_dir} is already at training.max_steps={max_steps} (last logged step "
+        f"{state.last_step}), so there is nothing left to train. To train further, raise "
+        f"max_steps, e.g. nemo-moe-metrics run {recipe_path} training.max_steps={2 * max_steps} "
+        "--resume; to look at it: nemo-moe-metrics report " + str(run_dir)
+    )
 
 
 def run_dir_for(recipe_path: str | Path, overrides: list[str], output_dir: str | Path) -> Path:
@@ -497,7 +525,11 @@ def run_with_progress(
 
     console = console or Console()
     run_dir = Path(output_dir).resolve() / recipe.name
-    prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    note = prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    if resume:
+        check_resume_has_steps_left(run_dir, recipe, recipe_path)
+    if note:
+        console.print(note, markup=False, highlight=False, soft_wrap=True)
     if resume:
         overrides = [*overrides, "logger.resume=true"]
     metrics_path = run_dir / "metrics.jsonl"

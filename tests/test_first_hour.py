@@ -3,6 +3,7 @@ public API. Kept fast: no training processes are launched here."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -135,3 +136,141 @@ def test_the_hf_example_without_transformers_names_the_hf_extra(tmp_path):
         "error: examples/integrate_hf_fsdp.py needs the 'hf' extra (transformers is not "
         "installed); install it with: pip install 'nemo_moe_metrics[hf]'"
     )
+
+
+# --------------------------------------------------------------------------- 2. build_sinks
+
+
+def _log_steps(sink, steps):
+    for step in steps:
+        sink.log({"train/loss": float(step)}, step)
+    sink.close()
+
+
+def test_build_sinks_refuses_a_directory_that_holds_a_run(tmp_path):
+    from nemo_moe_metrics import LoggerConfig, build_sinks
+    from nemo_moe_metrics.sinks import RunExistsError
+
+    cfg = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False)
+    _log_steps(build_sinks(cfg, tmp_path, run_name="first"), range(3))
+    before = (tmp_path / "metrics.jsonl").read_bytes(), (tmp_path / "run.json").read_bytes()
+    with pytest.raises(RunExistsError) as err:
+        build_sinks(cfg, tmp_path, run_name="second")
+    assert f"{tmp_path} already holds a run (metrics.jsonl)" in str(err.value)
+    assert "Pass LoggerConfig(resume=True) to continue it" in str(err.value)
+    assert "build_sinks(..., overwrite=True)" in str(err.value)
+    after = (tmp_path / "metrics.jsonl").read_bytes(), (tmp_path / "run.json").read_bytes()
+    assert after == before, "nothing was touched"
+
+
+def test_build_sinks_overwrite_replaces_the_run_and_keeps_the_users_files(tmp_path):
+    from nemo_moe_metrics import LoggerConfig, build_sinks
+
+    cfg = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False)
+    _log_steps(build_sinks(cfg, tmp_path, run_name="first"), range(3))
+    first_id = json.loads((tmp_path / "run.json").read_text())["run_id"]
+    (tmp_path / "checkpoint.pt").write_bytes(b"user data")
+    (tmp_path / "expert_load_heatmap.png").write_bytes(b"old picture")
+    _log_steps(build_sinks(cfg, tmp_path, run_name="second", overwrite=True), [0])
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0]
+    meta = json.loads((tmp_path / "run.json").read_text())
+    assert meta["run_name"] == "second" and meta["run_id"] != first_id
+    assert (tmp_path / "checkpoint.pt").read_bytes() == b"user data"
+    assert not (tmp_path / "expert_load_heatmap.png").exists()
+
+
+def test_build_sinks_resume_continues_the_run(tmp_path):
+    from nemo_moe_metrics import LoggerConfig, build_sinks
+
+    cfg = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False)
+    _log_steps(build_sinks(cfg, tmp_path, run_name="r"), range(2))
+    _log_steps(build_sinks(cfg.model_copy(update={"resume": True}), tmp_path, run_name="r"), [2])
+    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]
+
+
+# --------------------------------------------------------------------------- 12. failed early
+
+
+def test_a_run_that_failed_before_logging_does_not_block_build_sinks(tmp_path):
+    from nemo_moe_metrics import LoggerConfig, build_sinks
+
+    cfg = LoggerConfig(tensorboard_enabled=True, wandb_enabled=False)
+    build_sinks(cfg, tmp_path, run_name="crashed").close()  # opened, then died: nothing logged
+    assert (tmp_path / "metrics.jsonl").stat().st_size == 0
+    _log_steps(build_sinks(cfg, tmp_path, run_name="rerun"), range(2))
+    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1]
+
+
+def test_a_run_that_failed_before_logging_does_not_block_the_cli_rerun(tmp_path):
+    from nemo_moe_metrics.launch import prepare_run_dir
+
+    run_dir = tmp_path / "runs" / "grpo_moe_tiny"
+    (run_dir / "nemo_run" / "experiments").mkdir(parents=True)
+    (run_dir / "launch.log").write_text("Traceback ...\n")
+    (run_dir / "metrics.jsonl").write_text("")
+    (run_dir / "run.json").write_text("{}")
+    note = prepare_run_dir(run_dir)
+    assert note == (
+        f"{run_dir}: the earlier run there logged no step (it failed early); starting afresh"
+    )
+    assert list(run_dir.iterdir()) == []
+    # With a logged step it is a run again: refused as before.
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(Exception, match="already holds a run"):
+        prepare_run_dir(run_dir)
+
+
+def test_resume_of_a_run_that_logged_no_step_says_so(tmp_path):
+    run_dir = tmp_path / "runs" / "grpo_moe_tiny"
+    run_dir.mkdir(parents=True)
+    (run_dir / "launch.log").write_text("Traceback ...\n")
+    proc = _cli(tmp_path, "run", GRPO, "--resume", "--output-dir", tmp_path / "runs")
+    assert proc.returncode == 2
+    assert f"--resume: {run_dir} holds a run that logged no step; drop --resume" in proc.stderr
+
+
+# --------------------------------------------------------------------------- 4. resume finished
+
+
+def test_resume_of_a_finished_run_says_it_is_at_max_steps_and_how_to_extend(tmp_path):
+    run_dir = tmp_path / "runs" / "grpo_moe_tiny"
+    run_dir.mkdir(parents=True)
+    rows = [{"step": s, "train/loss": 0.0} for s in range(8)]  # the recipe's max_steps is 8
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = sorted(p.name for p in run_dir.iterdir())
+    proc = _cli(tmp_path, "run", GRPO, "--resume", "--output-dir", tmp_path / "runs")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (
+        f"--resume: {run_dir} is already at training.max_steps=8 (last logged step 7)"
+        in proc.stderr
+    )
+    assert f"nemo-moe-metrics run {GRPO} training.max_steps=16 --resume" in proc.stderr
+    assert "starting ranks" not in proc.stdout
+    assert sorted(p.name for p in run_dir.iterdir()) == before, "nothing launched or redrawn"
+
+
+# --------------------------------------------------------------------------- 13. pins
+
+
+def test_the_launch_extra_caps_httpx2_below_what_leptonais_anyio_cap_allows():
+    # leptonai 0.27.3 caps anyio<=4.9.0; httpx2 2.7+ needs anyio>=4.10 (pip backtracked through
+    # every httpx2 release to find that out). The pin must hold what is installed.
+    import importlib.metadata as md
+    import re
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    launch = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]["launch"]
+    pin = next(Requirement(r) for r in launch if r.startswith("httpx2"))
+    assert "2.7.0" not in pin.specifier and "2.6.0" in pin.specifier
+    assert md.version("httpx2") in pin.specifier
+    anyio_cap = next(
+        Requirement(r) for r in md.requires("leptonai") if re.match(r"anyio\b", r)
+    ).specifier
+    assert "4.10.0" not in anyio_cap and "4.9.0" in anyio_cap
