@@ -578,19 +578,10 @@ def run_with_progress(
         return proc.returncode
     console.print(f"[green]done[/green]: {run_dir}  (last step {last.get('step')})", soft_wrap=True)
     if metrics_path.is_file():
-        from nemo_moe_metrics.extras import missing_modules
-
-        if missing_modules("report"):
-            console.print(
-                "pictures skipped: the report needs the 'report' extra "
-                "(pip install 'nemo_moe_metrics[report]')",
-                markup=False,
-                highlight=False,
-            )
-            return 0
         from nemo_moe_metrics.report import render_report
 
-        # The pictures and the summary a user looks at first.
+        # The pictures and the summary a user looks at first (without the 'report' extra the
+        # summary alone, with a line naming the extra).
         # soft_wrap: whole lines, never cut at the console width (80 columns when piped).
         console.print(render_report(run_dir), markup=False, highlight=False, soft_wrap=True)
     return 0

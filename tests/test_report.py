@@ -178,7 +178,7 @@ def test_report_command_prints_summary_and_exits_2_on_a_missing_run(tmp_path):
     assert f"wrote {tmp_path / HEATMAP_FILE}" in ok.stdout
     bad = subprocess.run([*cmd, str(tmp_path / "nope")], capture_output=True, text=True, env=env)
     assert bad.returncode == 2
-    assert "metrics.jsonl not found" in bad.stderr and "Traceback" not in bad.stderr
+    assert "does not exist (no such directory)" in bad.stderr and "Traceback" not in bad.stderr
 
 
 # --- the report command (issue 16 item 7) and the timeline outputs (issue 15 item 3) ---------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -127,17 +128,13 @@ def render_report(
     the summary lists. Pictures that the run has no data for are skipped and the summary says
     which flag would produce them.
     """
-    from nemo_moe_metrics.extras import check_extra
+    from nemo_moe_metrics.extras import missing_extra_message, missing_modules
 
-    check_extra("report", "the report's pictures")
-    run_dir = Path(run_dir)
+    run_dir = resolve_run_dir(Path(run_dir))
     out_dir = Path(out_dir) if out_dir is not None else run_dir
     path = run_dir / METRICS_FILE
-    if not path.is_file():
-        raise ReportError(
-            f"{path} not found; point the report at a run directory written with "
-            "logger.jsonl_enabled=true"
-        )
+    missing = missing_modules("report")
+    draw = not missing  # without matplotlib: the text summary alone, and a line naming the extra
     if steps is not None and None not in steps and steps[0] > steps[1]:
         raise ReportError(
             f"step window {window_text(steps)} is empty; give FIRST:LAST with FIRST <= LAST"
@@ -153,10 +150,16 @@ def render_report(
         raise ReportError(
             f"no logged step in {window_text(steps)}; the log has steps {seen[0]}..{seen[1]}"
         )
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if draw:
+        _make_out_dir(out_dir)
     first, last = lines_[0].step, lines_[-1].step
     span = f"step {first}" if first == last else f"steps {first}–{last} ({len(lines_)} logged)"
     out = [f"run {run.name}: {span}"]
+    if not draw:
+        out.append(
+            "pictures skipped: "
+            + missing_extra_message(missing[0], "report", "drawing the report's pictures")
+        )
 
     source = store_counts(run_dir, steps)
     if source is None:
@@ -166,7 +169,7 @@ def render_report(
         timeline.add(step, layer_ids, counts)
 
     if timeline.steps:
-        out += _count_pictures(run, timeline, out_dir, layers)
+        out += _count_pictures(run, timeline, out_dir, layers, draw)
     elif steps is not None and store_has_steps(run_dir):
         out.append(
             f"no stored expert-load step in {span} (the store holds a table every "
@@ -184,7 +187,9 @@ def render_report(
             out.append(f"dead experts (last step, {mn.DEAD_EXPERTS}): {dead_last:g}")
         key_steps, key_series = layer_key_series(path, lines_)
         if key_series:
-            render_layer_series(
+            _draw(
+                draw,
+                render_layer_series,
                 run,
                 out_dir / MAX_OVER_IDEAL_FILE,
                 key_steps,
@@ -193,7 +198,7 @@ def render_report(
                 title="worst-expert load per layer",
                 ideal=1.0,
             )
-            out.append(f"wrote {out_dir / MAX_OVER_IDEAL_FILE}")
+            out += _wrote(draw, out_dir / MAX_OVER_IDEAL_FILE)
         else:
             out.append(
                 f"no per-layer expert-load data: {MAX_OVER_IDEAL_FILE} skipped; log it with "
@@ -212,8 +217,78 @@ def render_report(
     return "\n".join(out)
 
 
+def resolve_run_dir(given: Path) -> Path:
+    """The run directory a user meant: ``metrics.jsonl`` (or another file of the run) names its
+    directory; a missing path or a folder of runs raises :class:`ReportError` saying so."""
+    if given.is_file():
+        if given.parent.joinpath(METRICS_FILE).is_file():
+            return given.parent
+        raise ReportError(
+            f"{given} is a file, and no {METRICS_FILE} lies beside it; give the run directory "
+            f"(the one holding {METRICS_FILE})"
+        )
+    if not given.exists():
+        parent = next((p for p in given.parents if p.is_dir()), None)
+        near = _runs_below(parent, limit=6) if parent is not None else []
+        hint = f"; runs in {parent}: {', '.join(str(r) for r in near)}" if near else ""
+        raise ReportError(f"{given} does not exist (no such directory){hint}")
+    if not (given / METRICS_FILE).is_file():
+        runs = _runs_below(given, limit=20)
+        if runs:
+            listed = "\n".join(f"  {r}" for r in runs)
+            return_hint = f"nemo-moe-metrics report {runs[0]}"
+            raise ReportError(
+                f"{given} is not a run directory (no {METRICS_FILE}); it holds "
+                f"{len(runs)} run(s), report one of them (e.g. {return_hint}):\n{listed}"
+            )
+        raise ReportError(
+            f"{given} holds no {METRICS_FILE} and no run below it; "
+            "point the report at a run directory written with logger.jsonl_enabled=true "
+            "(e.g. runs/grpo_moe_tiny)"
+        )
+    return given
+
+
+def _runs_below(folder: Path, limit: int) -> list[Path]:
+    # Up to two levels down (runs/<name>/, or an output folder of output folders).
+    found = sorted(
+        {
+            p.parent
+            for pattern in ("*/" + METRICS_FILE, "*/*/" + METRICS_FILE)
+            for p in folder.glob(pattern)
+        }
+    )
+    return found[:limit]
+
+
+def _make_out_dir(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ReportError(
+            f"cannot write the pictures into {out_dir}: it is a file, not a directory"
+        )
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".nemo_moe_metrics_write_test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ReportError(
+            f"cannot write the pictures into {out_dir}: {err.strerror or err}; "
+            "choose a writable directory"
+        ) from None
+
+
+def _draw(draw: bool, render: Any, *args: Any, **kwargs: Any) -> None:
+    if draw:
+        render(*args, **kwargs)
+
+
+def _wrote(draw: bool, path: Path, detail: str = "") -> list[str]:
+    return [f"wrote {path}{detail}"] if draw else []
+
+
 def _count_pictures(
-    run: RunInfo, timeline: Timeline, out_dir: Path, layers: list[int] | None
+    run: RunInfo, timeline: Timeline, out_dir: Path, layers: list[int] | None, draw: bool = True
 ) -> list[str]:
     out: list[str] = []
     layer_ids, counts = timeline.layer_ids, timeline.heat
@@ -253,16 +328,26 @@ def _count_pictures(
     assert timeline.bins is not None
     _, over_shown = bin_ratios(timeline.bins, rows) if several else (None, np.ma.masked_all(0))
     limit = colour_limit(heat_shown, over_shown)
-    render_heatmap(run, out_dir / HEATMAP_FILE, layer_ids, counts, heat_steps, limit)
-    out.append(f"wrote {out_dir / HEATMAP_FILE}")
+    _draw(draw, render_heatmap, run, out_dir / HEATMAP_FILE, layer_ids, counts, heat_steps, limit)
+    out += _wrote(draw, out_dir / HEATMAP_FILE)
     if several:
-        render_over_steps(run, out_dir / OVER_STEPS_FILE, timeline, rows, over_shown, limit, why)
-        out.append(
-            f"wrote {out_dir / OVER_STEPS_FILE} (layers "
-            f"{', '.join(str(timeline.layer_ids[r]) for r in rows)}: {why})"
+        _draw(
+            draw,
+            render_over_steps,
+            run,
+            out_dir / OVER_STEPS_FILE,
+            timeline,
+            rows,
+            over_shown,
+            limit,
+            why,
         )
+        shown_layers = ", ".join(str(timeline.layer_ids[r]) for r in rows)
+        out += _wrote(draw, out_dir / OVER_STEPS_FILE, f" (layers {shown_layers}: {why})")
         drift = np.asarray(timeline.drift)
-        render_layer_series(
+        _draw(
+            draw,
+            render_layer_series,
             run,
             out_dir / DRIFT_FILE,
             timeline.steps[1:],
@@ -271,7 +356,7 @@ def _count_pictures(
             title="routing drift per layer (0 = the router's shares did not change)",
             ideal=None,
         )
-        out.append(f"wrote {out_dir / DRIFT_FILE}")
+        out += _wrote(draw, out_dir / DRIFT_FILE)
     else:
         out.append(
             f"only 1 logged step with expert counts: {OVER_STEPS_FILE} and {DRIFT_FILE} skipped; "
@@ -279,7 +364,9 @@ def _count_pictures(
             "logger.table_every)"
         )
     moi = np.asarray(timeline.moi)
-    render_layer_series(
+    _draw(
+        draw,
+        render_layer_series,
         run,
         out_dir / MAX_OVER_IDEAL_FILE,
         timeline.steps,
@@ -288,7 +375,7 @@ def _count_pictures(
         title=f"worst-expert load per layer ({counts.shape[1]} experts)",
         ideal=1.0,
     )
-    out.append(f"wrote {out_dir / MAX_OVER_IDEAL_FILE}")
+    out += _wrote(draw, out_dir / MAX_OVER_IDEAL_FILE)
     return out
 
 
