@@ -128,3 +128,36 @@ def preflight(recipe: Recipe, nproc: int | None = None) -> None:
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise ConfigError(f"recipe {recipe.name!r} cannot run:\n{listed}")
+
+
+def layout_summary(recipe: Recipe, nproc: int) -> str:
+    """What ``check`` prints after a recipe passes: the layout on ``nproc`` ranks, then ``OK``.
+
+    Call after :func:`preflight` (the divisions here are then whole).
+    """
+    model, mcfg, policy = recipe.policy.model, recipe.policy.megatron_cfg, recipe.policy
+    pp, cp, ep = (
+        mcfg.pipeline_model_parallel_size,
+        mcfg.context_parallel_size,
+        mcfg.expert_model_parallel_size,
+    )
+    dp = nproc // (pp * cp)
+    gbs, mbs = policy.train_global_batch_size, policy.train_micro_batch_size
+    if model.is_moe and model.num_experts is not None:
+        experts = (
+            f"experts per rank: {model.num_experts // ep} of {model.num_experts} "
+            f"(expert-parallel {ep}, top-{model.moe_router_topk})"
+        )
+    else:
+        experts = "experts per rank: none (a dense model)"
+    lines = [
+        f"layout on {nproc} rank(s):",
+        f"  data-parallel size: {dp} (tensor 1 x pipeline {pp} x context {cp} x data {dp})",
+        f"  {experts}",
+        f"  microbatches per rank: {gbs // mbs} per step, {mbs} sequences each",
+        f"  sequences per step: {gbs} per data-parallel rank "
+        f"(policy.train_global_batch_size), {gbs * dp} over all {dp}",
+        f"OK: recipe {recipe.name!r} can run on {nproc} rank(s) "
+        f"({recipe.training.max_steps} steps of {recipe.algorithm})",
+    ]
+    return "\n".join(lines)

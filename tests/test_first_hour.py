@@ -336,3 +336,38 @@ def test_report_with_an_out_that_is_a_file_is_a_clear_error(tmp_path):
     assert proc.returncode == 2
     assert f"error: cannot write the pictures into {tmp_path / 'pictures' / 'sub'}: " in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- 8. check summary
+
+
+def test_check_ends_with_the_layout_and_ok(tmp_path):
+    proc = _cli(tmp_path, "check", GRPO, "--nproc", "4", "policy.train_micro_batch_size=4")
+    assert proc.returncode == 0, proc.stderr
+    # 4 ranks, no pipeline/context split: data-parallel 4; 8 experts over expert-parallel 2;
+    # 8 sequences per rank in microbatches of 4.
+    assert proc.stdout.splitlines()[-6:] == [
+        "layout on 4 rank(s):",
+        "  data-parallel size: 4 (tensor 1 x pipeline 1 x context 1 x data 4)",
+        "  experts per rank: 4 of 8 (expert-parallel 2, top-2)",
+        "  microbatches per rank: 2 per step, 4 sequences each",
+        "  sequences per step: 8 per data-parallel rank (policy.train_global_batch_size), 32 over all 4",
+        "OK: recipe 'grpo_moe_tiny' can run on 4 rank(s) (8 steps of grpo)",
+    ]
+
+
+def test_check_of_a_dense_recipe_says_it_has_no_experts(tmp_path):
+    proc = _cli(
+        tmp_path,
+        "check",
+        SFT,
+        "policy.model.num_experts=null",
+        "policy.megatron_cfg.expert_model_parallel_size=1",
+        "--nproc",
+        "1",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "  experts per rank: none (a dense model)\n" in proc.stdout
+    assert proc.stdout.rstrip().endswith(
+        "OK: recipe 'sft_moe_tiny' can run on 1 rank(s) (8 steps of sft)"
+    )
