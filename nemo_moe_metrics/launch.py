@@ -423,9 +423,11 @@ def _slurm_experiment(
 ) -> Any:
     import nemo_run as run
 
+    from nemo_moe_metrics.preflight import slurm_rank_words
+
     recipe = load_recipe(recipe_path, overrides)
-    gpus = executor_kwargs.get("gpus_per_node", 8) * executor_kwargs.get("nodes", 1)
-    preflight(recipe, gpus)
+    nodes, per_node = executor_kwargs.get("nodes", 1), executor_kwargs.get("gpus_per_node", 8)
+    preflight(recipe, nodes * per_node, slurm_rank_words(nodes, per_node))
     name = recipe.name
     kwargs = dict(executor_kwargs)
     # Slurm bookkeeping (sbatch script, logs, packaged code) lives apart from any run directory.

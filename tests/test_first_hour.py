@@ -371,3 +371,65 @@ def test_check_of_a_dense_recipe_says_it_has_no_experts(tmp_path):
     assert proc.stdout.rstrip().endswith(
         "OK: recipe 'sft_moe_tiny' can run on 1 rank(s) (8 steps of sft)"
     )
+
+
+# --------------------------------------------------------------------------- 3. recipes/slurm.py
+
+_SLURM_WITHOUT = """
+import sys, importlib.abc, runpy
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Block())
+sys.argv = ["recipes/slurm.py", *sys.argv[1:]]
+runpy.run_path("recipes/slurm.py", run_name="__main__")
+"""
+
+
+def _slurm(tmp_path, *args, blocked=(), path=None):
+    env = _env(tmp_path)
+    if path is not None:
+        env["PATH"] = path
+    code = _SLURM_WITHOUT.format(blocked=set(blocked))
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        timeout=120,
+    )
+
+
+SLURM_ARGS = ("examples/configs/grpo_moe_tiny.yaml", "--account=A", "--partition=P")
+
+
+def test_slurm_without_the_launch_extra_names_it(tmp_path):
+    proc = _slurm(tmp_path, *SLURM_ARGS, blocked={"nemo_run"})
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "error: recipes/slurm.py needs the 'launch' extra (nemo_run is not installed); "
+        "install it with: pip install 'nemo_moe_metrics[launch]'"
+    )
+
+
+def test_slurm_submit_without_slurm_is_one_line(tmp_path):
+    proc = _slurm(tmp_path, *SLURM_ARGS, "--submit", f"--job-dir={tmp_path / 'jobs'}", path="/bin")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "error: --submit needs Slurm (sbatch is not on PATH): run it on a Slurm login node; "
+        "without --submit this prints the sbatch command and script it would submit"
+    )
+    assert not (tmp_path / "jobs").exists()
+
+
+def test_slurm_layout_errors_speak_slurm_options(tmp_path):
+    proc = _slurm(tmp_path, *SLURM_ARGS, "--gpus-per-node", "3")
+    assert proc.returncode == 2
+    assert "--nodes 1 x --gpus-per-node 3 (3 GPUs) does not fit" in proc.stderr
+    assert "use --gpus-per-node 2 (or a multiple of it)" in proc.stderr
+    assert "--nproc" not in proc.stderr
+    proc = _slurm(tmp_path, *SLURM_ARGS, "--nodes", "3", "--gpus-per-node", "1")
+    assert "use --gpus-per-node 2 with --nodes 3 (or a multiple of it)" in proc.stderr
