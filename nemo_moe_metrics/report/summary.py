@@ -169,18 +169,18 @@ def render_report(
         timeline.add(step, layer_ids, counts)
 
     if timeline.steps:
-        out += _count_pictures(run, timeline, out_dir, layers, draw)
+        out += _count_pictures(run, timeline, out_dir, layers, draw, windowed=steps is not None)
     elif steps is not None and store_has_steps(run_dir):
         out.append(
             f"no stored expert-load step in {span} (the store holds a table every "
-            f"logger.table_every steps): {HEATMAP_FILE}, {OVER_STEPS_FILE}, {DRIFT_FILE} and "
-            f"{MAX_OVER_IDEAL_FILE} skipped; widen --steps"
+            f"{run.hint('table_every')} steps): {HEATMAP_FILE}, {OVER_STEPS_FILE}, {DRIFT_FILE} "
+            f"and {MAX_OVER_IDEAL_FILE} skipped; widen --steps"
         )
     else:
         out.append(
             "no expert-load counts in the run (no expert_loads.bin, no moe/expert_loads rows): "
             f"{HEATMAP_FILE}, {OVER_STEPS_FILE} and {DRIFT_FILE} skipped; log them with "
-            "policy.megatron_cfg.track_moe_metrics=true and log_expert_table=true"
+            + run.hint("table")
         )
         dead_last = last_values(path, lines_, [mn.DEAD_EXPERTS]).get(mn.DEAD_EXPERTS)
         if dead_last is not None:
@@ -202,18 +202,18 @@ def render_report(
         else:
             out.append(
                 f"no per-layer expert-load data: {MAX_OVER_IDEAL_FILE} skipped; log it with "
-                "policy.megatron_cfg.moe_per_layer_logging=true or log_expert_table=true"
+                + run.hint("per_layer")
             )
 
     last_keys = [mn.TOKENS_PER_SECOND, mn.TFLOPS_PER_GPU, mn.MFU]
     aux_keys = [mn.aux_loss_key(n) for n in (*mn.AUX_LOSS_TRACKER_NAMES.values(), mn.Z_LOSS)]
     values = last_values(path, lines_, last_keys + aux_keys)
-    out += _throughput_lines(lines_, values)
+    out += _throughput_lines(lines_, values, run)
     aux = [f"{k} {values[k]:.4g}" for k in aux_keys if k in values]
     if aux:
         out.append("aux losses (last step): " + ", ".join(aux))
     else:
-        out.append("aux losses: not logged; enable policy.megatron_cfg.track_moe_metrics=true")
+        out.append("aux losses: not logged; enable " + run.hint("moe"))
     return "\n".join(out)
 
 
@@ -288,7 +288,13 @@ def _wrote(draw: bool, path: Path, detail: str = "") -> list[str]:
 
 
 def _count_pictures(
-    run: RunInfo, timeline: Timeline, out_dir: Path, layers: list[int] | None, draw: bool = True
+    run: RunInfo,
+    timeline: Timeline,
+    out_dir: Path,
+    layers: list[int] | None,
+    draw: bool = True,
+    *,
+    windowed: bool = False,
 ) -> list[str]:
     out: list[str] = []
     layer_ids, counts = timeline.layer_ids, timeline.heat
@@ -357,11 +363,17 @@ def _count_pictures(
             ideal=None,
         )
         out += _wrote(draw, out_dir / DRIFT_FILE)
-    else:
+    elif windowed:
         out.append(
             f"only 1 logged step with expert counts: {OVER_STEPS_FILE} and {DRIFT_FILE} skipped; "
             "they need 2 or more: widen --steps (or log the table more often with "
-            "logger.table_every)"
+            f"{run.hint('table_every')})"
+        )
+    else:
+        out.append(
+            f"only 1 logged step with expert counts in the whole run: {OVER_STEPS_FILE} and "
+            f"{DRIFT_FILE} skipped; they need 2 or more: log the table more often with "
+            f"{run.hint('table_every')}, or train more steps"
         )
     moi = np.asarray(timeline.moi)
     _draw(
@@ -379,10 +391,10 @@ def _count_pictures(
     return out
 
 
-def _throughput_lines(lines: list[Line], values: dict[str, float]) -> list[str]:
+def _throughput_lines(lines: list[Line], values: dict[str, float], run: RunInfo) -> list[str]:
     tps = values.get(mn.TOKENS_PER_SECOND)
     if tps is None:
-        return ["throughput: not logged; enable policy.megatron_cfg.track_throughput=true"]
+        return ["throughput: not logged; enable " + run.hint("throughput")]
     tokens = sum(ln.tokens or 0 for ln in lines)
     seconds = sum(ln.seconds or 0 for ln in lines)
     window = f"; window {tokens / seconds:,.0f} tokens/s (ratio of sums)" if seconds > 0 else ""
@@ -396,11 +408,9 @@ def _throughput_lines(lines: list[Line], values: dict[str, float]) -> list[str]:
     if mfu is not None:
         perf.append(f"MFU {mfu:.1%}")
     elif tflops is not None:
-        perf.append(
-            "MFU not logged (unknown accelerator peak; set policy.megatron_cfg.peak_flops_per_gpu)"
-        )
+        perf.append(f"MFU not logged (unknown accelerator peak; {run.hint('peak')})")
     if perf:
         out.append("compute (last step): " + ", ".join(perf))
     else:
-        out.append("compute: not logged; enable policy.megatron_cfg.track_flops=true")
+        out.append("compute: not logged; enable " + run.hint("flops"))
     return out
