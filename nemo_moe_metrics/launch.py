@@ -490,10 +490,30 @@ def _read_new_lines(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]
     return rows, offset + end
 
 
-def describe_step(row: dict[str, Any]) -> str:
-    """The progress line's text for one step's metrics (fields missing from the row are skipped)."""
+# GRPO's loss is the clipped policy-gradient surrogate: on-policy its value is about 0 while its
+# gradient is not, so the progress line shows the reward first and labels the loss.
+GRPO_FIELDS: list[tuple[str, str, str]] = [
+    (names.TRAIN_REWARD, "reward", "{:.3f}"),
+    (names.TRAIN_LOSS, "pg-loss", "{:.4f}"),
+    (names.TOKENS_PER_SECOND, "tok/s", "{:.0f}"),
+    (names.MAX_OVER_IDEAL, "max/ideal", "{:.2f}"),
+]
+GRPO_LOSS_NOTE = (
+    "GRPO: reward is what improves; pg-loss is the clipped policy-gradient loss, about 0 "
+    "on-policy by construction (its gradient is not 0), so a pg-loss near 0 is expected"
+)
+# Piped output (a log file, `| tee`): rich assumes 80 columns and would cut the metrics.
+PIPED_WIDTH = 160
+
+
+def describe_step(row: dict[str, Any], algorithm: str | None = None) -> str:
+    """The progress line's text for one step's metrics (fields missing from the row are skipped).
+
+    ``algorithm="grpo"`` puts the reward first and labels the loss ``pg-loss`` (see
+    :data:`GRPO_LOSS_NOTE`).
+    """
     parts = []
-    for key, label, fmt in PROGRESS_FIELDS:
+    for key, label, fmt in GRPO_FIELDS if algorithm == "grpo" else PROGRESS_FIELDS:
         value = row.get(key)
         if isinstance(value, (int, float)):
             parts.append(f"{label} {fmt.format(value)}")
@@ -526,6 +546,8 @@ def run_with_progress(
     from rich.table import Column
 
     console = console or Console()
+    if not console.is_terminal and console.width < PIPED_WIDTH:
+        console.width = PIPED_WIDTH  # whole progress lines in a log, never cut at 80 columns
     run_dir = Path(output_dir).resolve() / recipe.name
     note = prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
     if resume:
@@ -545,6 +567,8 @@ def run_with_progress(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
     last: dict[str, Any] = {}
     started = time.time()
+    if recipe.algorithm == "grpo":
+        console.print(GRPO_LOSS_NOTE, markup=False, highlight=False, soft_wrap=True)
     with (
         log_path.open("a" if resume else "w") as log,
         Progress(
@@ -569,7 +593,11 @@ def run_with_progress(
             rows, offset = _read_new_lines(metrics_path, offset)
             if rows:
                 last = rows[-1]
-                progress.update(task, completed=last["step"] + 1, description=describe_step(last))
+                progress.update(
+                    task,
+                    completed=last["step"] + 1,
+                    description=describe_step(last, recipe.algorithm),
+                )
             if done:
                 break
             time.sleep(poll_s)

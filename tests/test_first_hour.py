@@ -518,3 +518,88 @@ def test_unknown_router_warning_on_a_one_process_hf_model_does_not_mention_pipel
     assert "qwen3_moe" in text.split("Known model types: ")[1]
     assert "nemo_moe_metrics.register_router(RouterClass, counts_fn)" in text
     assert "pipeline" not in text
+
+
+# --------------------------------------------------------------------------- 11. GRPO progress
+
+
+def test_grpo_progress_text_puts_reward_first_and_labels_the_loss():
+    from nemo_moe_metrics.launch import GRPO_LOSS_NOTE, describe_step
+
+    row = {"step": 3, "train/loss": 0.0, "train/reward": 0.3125, "moe/max_over_ideal": 1.5}
+    assert describe_step(row, "grpo") == "reward 0.312  pg-loss 0.0000  max/ideal 1.50"
+    assert describe_step(row, "sft") == "loss 0.0000  reward 0.312  max/ideal 1.50"
+    assert "about 0 on-policy" in GRPO_LOSS_NOTE and "gradient is not 0" in GRPO_LOSS_NOTE
+
+
+# --------------------------------------------------------------------------- 7. pictures
+
+
+def _timeline(steps, n_experts=4):
+    import numpy as np
+
+    from nemo_moe_metrics.report.timeline import Timeline
+
+    timeline = Timeline(keep_sum=False, dead_steps=10)
+    rng = np.random.default_rng(0)
+    for step in steps:
+        timeline.add(step, [1, 3], rng.integers(1, 50, size=(2, n_experts)))
+    return timeline
+
+
+@pytest.mark.parametrize("steps", [[0, 1, 2, 3], [5, 10, 15, 20, 25]])
+def test_over_steps_columns_are_centred_on_their_steps_with_no_extra_tick(steps):
+    import numpy as np
+
+    from nemo_moe_metrics.report.pictures import bin_ratios, over_steps_figure
+    from nemo_moe_metrics.report.reading import RunInfo
+
+    timeline = _timeline(steps)
+    _, shown = bin_ratios(timeline.bins, [0, 1])
+    fig = over_steps_figure(RunInfo("t"), timeline, [0, 1], shown, 2.0, "chosen")
+    ax = fig.axes[1]  # the bottom panel carries the step axis
+    x_edges = ax.collections[0].get_coordinates()[0, :, 0]
+    centres = (x_edges[:-1] + x_edges[1:]) / 2
+    assert centres.tolist() == pytest.approx(steps)  # each column sits on its logged step
+    ticks = ax.get_xticks()
+    assert set(ticks) <= set(range(steps[0], steps[-1] + 1)), ticks  # no step that did not run
+    assert ticks.min() >= steps[0] and ticks.max() <= steps[-1]
+    half = (steps[1] - steps[0]) / 2
+    assert ax.get_xlim() == pytest.approx((steps[0] - half, steps[-1] + half))
+    assert np.all(np.diff(x_edges) > 0)
+
+
+@pytest.mark.parametrize("n_layers", [3, 24])
+def test_layer_series_legend_never_covers_the_plot_and_no_line_is_faint(n_layers):
+    import numpy as np
+
+    from nemo_moe_metrics.report.pictures import layer_series_figure
+    from nemo_moe_metrics.report.reading import RunInfo
+
+    steps = list(range(12))
+    rng = np.random.default_rng(1)
+    series = {la: 1.0 + rng.random(len(steps)) for la in range(n_layers)}
+    # The last points high on the right, where an "upper right" legend used to sit.
+    for vs in series.values():
+        vs[-1] = 2.5
+    fig = layer_series_figure(RunInfo("t"), steps, series, ylabel="max/ideal", title="t", ideal=1.0)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    ax = fig.axes[0]
+    (legend,) = fig.legends
+    assert not legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
+    assert set(ax.get_xticks()) <= set(steps)
+
+    def contrast_with_white(rgb):
+        c = np.where(rgb <= 0.03928, rgb / 12.92, ((rgb + 0.055) / 1.055) ** 2.4)
+        lum = 0.2126 * c[0] + 0.7152 * c[1] + 0.0722 * c[2]
+        return 1.05 / (lum + 0.05)
+
+    from matplotlib.colors import to_rgb
+
+    rgbs = [np.asarray(to_rgb(line.get_color())) for line in ax.get_lines()]
+    worst = min(contrast_with_white(c) for c in rgbs)
+    assert worst >= 2.5, worst  # viridis' yellow end is 1.26:1 against white
