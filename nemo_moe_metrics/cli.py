@@ -174,7 +174,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one subcommand per job."""
     parser = argparse.ArgumentParser(
-        prog="nemo-moe-metrics", description="MoE training observability for Megatron-core."
+        prog="nemo-moe-metrics",
+        description=(
+            "MoE training observability (expert load, aux losses, throughput, FLOPs) for "
+            "Megatron-core and Hugging Face models: check and run recipes, report a run, "
+            "estimate FLOPs."
+        ),
     )
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser(

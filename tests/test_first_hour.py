@@ -603,3 +603,51 @@ def test_layer_series_legend_never_covers_the_plot_and_no_line_is_faint(n_layers
     rgbs = [np.asarray(to_rgb(line.get_color())) for line in ax.get_lines()]
     worst = min(contrast_with_white(c) for c in rgbs)
     assert worst >= 2.5, worst  # viridis' yellow end is 1.26:1 against white
+
+
+# --------------------------------------------------------------------------- 9. docs agree
+
+
+def test_suite_time_agrees_between_readme_and_versions():
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    versions = (ROOT / "docs" / "en" / "versions.md").read_text()
+    pattern = r"test suite takes about (\d+) minutes on 2 cores"
+    assert re.search(pattern, readme)[1] == re.search(pattern, re.sub(r"\s+", " ", versions))[1]
+    zh = (ROOT / "docs" / "zh" / "versions.md").read_text()
+    assert f"约需 {re.search(pattern, readme)[1]} 分钟" in zh
+
+
+def test_top_level_help_mentions_hugging_face_models(tmp_path):
+    proc = _cli(tmp_path, "--help")
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    assert "for Megatron-core and Hugging Face models" in text
+
+
+def test_troubleshooting_says_attach_takes_a_config_json_dict():
+    from hf_tiny import tiny_config
+
+    from nemo_moe_metrics.worker import model_facts
+
+    en = " ".join((ROOT / "docs" / "en" / "troubleshooting.md").read_text().split())
+    assert "not a dict" not in en
+    assert "its `config.json` as a dict holding `model_type`" in en
+    zh = (ROOT / "docs" / "zh" / "troubleshooting.md").read_text()
+    assert "而不是字典" not in zh
+    # What the docs say is what attach does: a config.json dict is accepted.
+    as_dict = {**tiny_config("qwen3_moe").to_dict(), "model_type": "qwen3_moe"}
+    assert model_facts(as_dict).num_experts == 8
+
+
+def test_train_global_batch_size_says_it_counts_one_data_parallel_rank():
+    from nemo_moe_metrics.config import PolicyConfig
+
+    text = PolicyConfig.model_fields["train_global_batch_size"].description
+    assert "EACH data-parallel rank" in text and "NeMo RL" in text
+    for recipe in sorted((ROOT / "examples" / "configs").glob("*.yaml")):
+        line = next(x for x in recipe.read_text().splitlines() if "train_global_batch_size" in x)
+        assert "data-parallel rank" in line, recipe.name
+    loops = " ".join((ROOT / "docs" / "en" / "training_loops.md").read_text().split())
+    assert "This is **not** NeMo RL's or Megatron's meaning" in loops
