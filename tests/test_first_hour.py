@@ -651,3 +651,47 @@ def test_train_global_batch_size_says_it_counts_one_data_parallel_rank():
         assert "data-parallel rank" in line, recipe.name
     loops = " ".join((ROOT / "docs" / "en" / "training_loops.md").read_text().split())
     assert "This is **not** NeMo RL's or Megatron's meaning" in loops
+
+
+# --------------------------------------------------------------------------- 10. README lines
+
+
+def _readme_commands() -> list[str]:
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    return [c.strip() for c in re.findall(r"```bash\n(.*?)```", text, re.S) if "-m venv" in c]
+
+
+def test_readme_312_line_finds_python312_from_pyenv_verbatim(tmp_path):
+    import shutil
+
+    line = next(c for c in _readme_commands() if ".venv312" in c)
+    interpreter = line.split(" -m venv ")[0]  # the part that has to find Python 3.12
+    if not shutil.which("pyenv") and not shutil.which("python3.12"):
+        pytest.skip("neither pyenv nor python3.12 on this machine")
+    proc = subprocess.run(
+        f"{interpreter} -c 'import sys; print(sys.version_info[:2])'",
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "PYENV_VERSION"},
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "(3, 12)"
+
+
+def test_readme_lines_use_their_own_venv_and_run_directory():
+    import re
+
+    from nemo_moe_metrics.config import load_recipe
+
+    lines = [c for c in _readme_commands() if "nemo-moe-metrics run" in c]
+    assert len(lines) == 2
+    venvs = {re.search(r"-m venv (\S+)", c)[1] for c in lines}
+    runs = {load_recipe(ROOT / re.search(r"run (\S+\.yaml)", c)[1]).name for c in lines}
+    assert venvs == {".venv", ".venv312"}
+    assert runs == {"grpo_moe_tiny", "grpo_hybrid_moe_tiny"}
