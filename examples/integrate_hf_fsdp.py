@@ -145,6 +145,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wrap", choices=["fsdp", "ddp", "none"], default="fsdp")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
+    from nemo_moe_metrics.extras import MissingExtraError, check_extra
+
+    try:
+        check_extra("hf", "examples/integrate_hf_fsdp.py")
+    except MissingExtraError as err:  # one line, before any rank starts talking
+        raise SystemExit(f"error: {err}") from None
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
         history = run(args.out, wrap=args.wrap, steps=args.steps)

@@ -12,11 +12,12 @@ from nemo_moe_metrics.extras import MissingExtraError
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from nemo_moe_metrics.preflight import preflight
+    from nemo_moe_metrics.preflight import layout_summary, preflight
 
     recipe = load_recipe(args.recipe, args.overrides)
     preflight(recipe, args.nproc)  # what `run` checks before launching, on the same ranks
     print(dump_recipe(recipe), end="")
+    print(layout_summary(recipe, args.nproc))
     return 0
 
 
@@ -173,10 +174,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one subcommand per job."""
     parser = argparse.ArgumentParser(
-        prog="nemo-moe-metrics", description="MoE training observability for Megatron-core."
+        prog="nemo-moe-metrics",
+        description=(
+            "MoE training observability (expert load, aux losses, throughput, FLOPs) for "
+            "Megatron-core and Hugging Face models: check and run recipes, report a run, "
+            "estimate FLOPs."
+        ),
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("check", help="validate a recipe (with overrides) and print it")
+    check = sub.add_parser(
+        "check",
+        help="validate a recipe (with overrides), print it and its layout on --nproc ranks",
+    )
     check.add_argument("recipe", help="YAML recipe, e.g. examples/configs/sft_moe_tiny.yaml")
     check.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     check.add_argument(

@@ -215,7 +215,15 @@ class PolicyConfig(StrictModel):
     # Required: a recipe that forgets its model must not silently train the tiny demo model.
     model: ModelConfig
     megatron_cfg: MegatronConfig = Field(default_factory=MegatronConfig)
-    train_global_batch_size: int = Field(8, ge=1, description="Sequences per optimizer step.")
+    train_global_batch_size: int = Field(
+        8,
+        ge=1,
+        description=(
+            "Sequences per optimizer step on EACH data-parallel rank (unlike NeMo RL's and "
+            "Megatron's global batch, which counts all ranks together): a step trains "
+            "train_global_batch_size x data-parallel size sequences. `check` prints both."
+        ),
+    )
     train_micro_batch_size: int = Field(2, ge=1, description="Sequences per microbatch.")
 
     @model_validator(mode="after")

@@ -6,6 +6,7 @@ and pyyaml. Everything heavier is an extra of the package, named in ``pyproject.
 - ``megatron``: megatron-core (reference policy worker, aux-loss tracker, CPU demo);
 - ``launch``: nemo-run (with its leptonai pin) and rich, for ``nemo-moe-metrics run`` and Slurm;
 - ``wandb``, ``tensorboard``: those sinks; ``report``: matplotlib for the pictures;
+- ``hf``: transformers, for Hugging Face models (``examples/integrate_hf_fsdp.py``);
 - ``all``: every one of them.
 
 A module that needs an extra imports it through :func:`require`, so a missing one fails with
@@ -25,6 +26,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "wandb": ("wandb",),
     "tensorboard": ("tensorboard",),
     "report": ("matplotlib",),
+    "hf": ("transformers",),
 }
 
 

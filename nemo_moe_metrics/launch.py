@@ -48,34 +48,62 @@ def check_launch_extras(recipe: Recipe) -> None:
         check_extra("wandb", "logger.wandb_enabled=true")
 
 
-def prepare_run_dir(run_dir: Path, *, resume: bool = False, overwrite: bool = False) -> None:
+def prepare_run_dir(run_dir: Path, *, resume: bool = False, overwrite: bool = False) -> str | None:
     """One run per directory: refuse an existing run unless ``resume`` or ``overwrite``.
 
     ``overwrite`` deletes everything the old run wrote (JSONL, expert-load store, TensorBoard,
     W&B, pictures, nemo-run state) before the new one starts; ``resume`` keeps it all and the
-    run continues it (the launcher passes ``logger.resume=true``).
+    run continues it (the launcher passes ``logger.resume=true``). A run that failed before
+    logging any step blocks nothing: its leftovers are cleared and a note saying so is returned.
     """
+    from nemo_moe_metrics.sinks import logged_run
+
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite exclude each other; pass one of them")
     old = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    logged = logged_run(run_dir) if old else []
     if resume and not old:
         raise ConfigError(
             f"--resume: {run_dir} holds no run to continue; drop --resume to start a new run"
         )
-    if old and not (resume or overwrite):
+    if resume and not logged:
+        raise ConfigError(
+            f"--resume: {run_dir} holds a run that logged no step; drop --resume to start a new run"
+        )
+    if logged and not (resume or overwrite):
         shown = ", ".join(old[:6]) + (", ..." if len(old) > 6 else "")
         raise ConfigError(
             f"run directory {run_dir} already holds a run ({shown}); pass --resume to continue "
             "it, --overwrite to delete it and start afresh, or choose another directory "
             "(--output-dir DIR, or the override name=NEW_NAME)"
         )
-    if overwrite:
+    note = None
+    if old and not logged and not overwrite:
+        note = f"{run_dir}: the earlier run there logged no step (it failed early); starting afresh"
+    if overwrite or note:
         for child in run_dir.iterdir():
             if child.is_dir() and not child.is_symlink():
                 shutil.rmtree(child)
             else:
                 child.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
+    return note
+
+
+def check_resume_has_steps_left(run_dir: Path, recipe: Recipe, recipe_path: str | Path) -> None:
+    """Raise ConfigError when the run to resume already reached ``training.max_steps``."""
+    from nemo_moe_metrics.sinks import read_resume_state
+
+    state = read_resume_state(run_dir)
+    max_steps = recipe.training.max_steps
+    if state.last_step is None or state.next_step < max_steps:
+        return
+    raise ConfigError(
+        f"--resume: {run_dir} is already at training.max_steps={max_steps} (last logged step "
+        f"{state.last_step}), so there is nothing left to train. To train further, raise "
+        f"max_steps, e.g. nemo-moe-metrics run {recipe_path} training.max_steps={2 * max_steps} "
+        "--resume; to look at it: nemo-moe-metrics report " + str(run_dir)
+    )
 
 
 def run_dir_for(recipe_path: str | Path, overrides: list[str], output_dir: str | Path) -> Path:
@@ -395,9 +423,11 @@ def _slurm_experiment(
 ) -> Any:
     import nemo_run as run
 
+    from nemo_moe_metrics.preflight import slurm_rank_words
+
     recipe = load_recipe(recipe_path, overrides)
-    gpus = executor_kwargs.get("gpus_per_node", 8) * executor_kwargs.get("nodes", 1)
-    preflight(recipe, gpus)
+    nodes, per_node = executor_kwargs.get("nodes", 1), executor_kwargs.get("gpus_per_node", 8)
+    preflight(recipe, nodes * per_node, slurm_rank_words(nodes, per_node))
     name = recipe.name
     kwargs = dict(executor_kwargs)
     # Slurm bookkeeping (sbatch script, logs, packaged code) lives apart from any run directory.
@@ -460,10 +490,30 @@ def _read_new_lines(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]
     return rows, offset + end
 
 
-def describe_step(row: dict[str, Any]) -> str:
-    """The progress line's text for one step's metrics (fields missing from the row are skipped)."""
+# GRPO's loss is the clipped policy-gradient surrogate: on-policy its value is about 0 while its
+# gradient is not, so the progress line shows the reward first and labels the loss.
+GRPO_FIELDS: list[tuple[str, str, str]] = [
+    (names.TRAIN_REWARD, "reward", "{:.3f}"),
+    (names.TRAIN_LOSS, "pg-loss", "{:.4f}"),
+    (names.TOKENS_PER_SECOND, "tok/s", "{:.0f}"),
+    (names.MAX_OVER_IDEAL, "max/ideal", "{:.2f}"),
+]
+GRPO_LOSS_NOTE = (
+    "GRPO: reward is what improves; pg-loss is the clipped policy-gradient loss, about 0 "
+    "on-policy by construction (its gradient is not 0), so a pg-loss near 0 is expected"
+)
+# Piped output (a log file, `| tee`): rich assumes 80 columns and would cut the metrics.
+PIPED_WIDTH = 160
+
+
+def describe_step(row: dict[str, Any], algorithm: str | None = None) -> str:
+    """The progress line's text for one step's metrics (fields missing from the row are skipped).
+
+    ``algorithm="grpo"`` puts the reward first and labels the loss ``pg-loss`` (see
+    :data:`GRPO_LOSS_NOTE`).
+    """
     parts = []
-    for key, label, fmt in PROGRESS_FIELDS:
+    for key, label, fmt in GRPO_FIELDS if algorithm == "grpo" else PROGRESS_FIELDS:
         value = row.get(key)
         if isinstance(value, (int, float)):
             parts.append(f"{label} {fmt.format(value)}")
@@ -496,8 +546,14 @@ def run_with_progress(
     from rich.table import Column
 
     console = console or Console()
+    if not console.is_terminal and console.width < PIPED_WIDTH:
+        console.width = PIPED_WIDTH  # whole progress lines in a log, never cut at 80 columns
     run_dir = Path(output_dir).resolve() / recipe.name
-    prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    note = prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
+    if resume:
+        check_resume_has_steps_left(run_dir, recipe, recipe_path)
+    if note:
+        console.print(note, markup=False, highlight=False, soft_wrap=True)
     if resume:
         overrides = [*overrides, "logger.resume=true"]
     metrics_path = run_dir / "metrics.jsonl"
@@ -511,6 +567,8 @@ def run_with_progress(
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
     last: dict[str, Any] = {}
     started = time.time()
+    if recipe.algorithm == "grpo":
+        console.print(GRPO_LOSS_NOTE, markup=False, highlight=False, soft_wrap=True)
     with (
         log_path.open("a" if resume else "w") as log,
         Progress(
@@ -535,7 +593,11 @@ def run_with_progress(
             rows, offset = _read_new_lines(metrics_path, offset)
             if rows:
                 last = rows[-1]
-                progress.update(task, completed=last["step"] + 1, description=describe_step(last))
+                progress.update(
+                    task,
+                    completed=last["step"] + 1,
+                    description=describe_step(last, recipe.algorithm),
+                )
             if done:
                 break
             time.sleep(poll_s)
@@ -546,19 +608,10 @@ def run_with_progress(
         return proc.returncode
     console.print(f"[green]done[/green]: {run_dir}  (last step {last.get('step')})", soft_wrap=True)
     if metrics_path.is_file():
-        from nemo_moe_metrics.extras import missing_modules
-
-        if missing_modules("report"):
-            console.print(
-                "pictures skipped: the report needs the 'report' extra "
-                "(pip install 'nemo_moe_metrics[report]')",
-                markup=False,
-                highlight=False,
-            )
-            return 0
         from nemo_moe_metrics.report import render_report
 
-        # The pictures and the summary a user looks at first.
+        # The pictures and the summary a user looks at first (without the 'report' extra the
+        # summary alone, with a line naming the extra).
         # soft_wrap: whole lines, never cut at the console width (80 columns when piped).
         console.print(render_report(run_dir), markup=False, highlight=False, soft_wrap=True)
     return 0

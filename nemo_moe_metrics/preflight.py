@@ -10,17 +10,56 @@ Plain arithmetic on the recipe: nothing here imports torch.distributed or megatr
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from nemo_moe_metrics.config import ConfigError, Recipe
 
 MODEL = "policy.model"
 MCFG = "policy.megatron_cfg"
 
 
-def layout_problems(recipe: Recipe, nproc: int | None = None) -> list[str]:
+def _nproc(n: int) -> str:
+    return f"--nproc {n}"
+
+
+@dataclass(frozen=True)
+class RankWords:
+    """How the caller chooses the number of ranks, so that messages speak its own options.
+
+    ``given(n)`` describes the ranks asked for; ``use(n)`` is the option setting that gives
+    ``n`` ranks (or a multiple). The default is ``nemo-moe-metrics run/check --nproc``.
+    """
+
+    name: str = "--nproc"
+    given: Callable[[int], str] = _nproc
+    use: Callable[[int], str] = _nproc
+
+
+def slurm_rank_words(nodes: int, gpus_per_node: int) -> RankWords:
+    """:class:`RankWords` for ``recipes/slurm.py``: ranks are ``--nodes`` x ``--gpus-per-node``."""
+
+    def given(n: int) -> str:
+        return f"--nodes {nodes} x --gpus-per-node {gpus_per_node} ({n} GPUs)"
+
+    def use(n: int) -> str:
+        per_node = max(1, n // math.gcd(max(nodes, 1), n)) if n else 1
+        with_nodes = f" with --nodes {nodes}" if nodes > 1 else ""
+        return f"--gpus-per-node {per_node}{with_nodes}"
+
+    return RankWords(name="--nodes x --gpus-per-node", given=given, use=use)
+
+
+def layout_problems(
+    recipe: Recipe, nproc: int | None = None, words: RankWords | None = None
+) -> list[str]:
     """Every problem with running ``recipe`` on ``nproc`` ranks (``None``: skip world-size checks).
 
-    Each message names the keys with their values and the fix.
+    Each message names the keys with their values and the fix; rank counts are described in
+    ``words`` (default: ``--nproc``).
     """
+    words = words or RankWords()
     model, mcfg, policy = recipe.policy.model, recipe.policy.megatron_cfg, recipe.policy
     ep, pp, cp = (
         mcfg.expert_model_parallel_size,
@@ -55,21 +94,21 @@ def layout_problems(recipe: Recipe, nproc: int | None = None) -> list[str]:
     if nproc is not None:
         model_parallel = pp * cp
         if nproc < 1:
-            problems.append(f"--nproc must be at least 1, got {nproc}")
+            problems.append(f"{words.name} must be at least 1, got {nproc}")
         elif nproc % model_parallel:
             problems.append(
-                f"--nproc {nproc} is not tensor 1 x pipeline {pp} x context {cp} x data-parallel "
-                f"D for a whole D ({MCFG}.pipeline_model_parallel_size={pp}, "
+                f"{words.given(nproc)} is not tensor 1 x pipeline {pp} x context {cp} x "
+                f"data-parallel D for a whole D ({MCFG}.pipeline_model_parallel_size={pp}, "
                 f"context_parallel_size={cp}); use a multiple of {model_parallel}, "
-                f"e.g. --nproc {model_parallel * max(1, nproc // model_parallel)}"
+                f"e.g. {words.use(model_parallel * max(1, nproc // model_parallel))}"
             )
         elif (nproc // pp) % ep:
             fit = ep * pp
             problems.append(
-                f"--nproc {nproc} does not fit {MCFG}.expert_model_parallel_size={ep}: the "
+                f"{words.given(nproc)} does not fit {MCFG}.expert_model_parallel_size={ep}: the "
                 f"{nproc // pp} ranks of a pipeline stage (data-parallel x context) must split "
-                f"into expert-parallel groups of {ep}; use --nproc {fit} (or a multiple of it), "
-                f"or override {MCFG}.expert_model_parallel_size to a divisor of {nproc // pp}"
+                f"into expert-parallel groups of {ep}; use {words.use(fit)} (or a multiple of "
+                f"it), or override {MCFG}.expert_model_parallel_size to a divisor of {nproc // pp}"
             )
 
     # --- batches (train_global_batch_size counts the sequences of ONE data-parallel rank)
@@ -120,11 +159,44 @@ def layout_problems(recipe: Recipe, nproc: int | None = None) -> list[str]:
     return problems
 
 
-def preflight(recipe: Recipe, nproc: int | None = None) -> None:
+def preflight(recipe: Recipe, nproc: int | None = None, words: RankWords | None = None) -> None:
     """Raise :class:`ConfigError` listing every problem :func:`layout_problems` finds."""
-    problems = layout_problems(recipe, nproc)
+    problems = layout_problems(recipe, nproc, words)
     if len(problems) == 1:
         raise ConfigError(f"recipe {recipe.name!r} cannot run: {problems[0]}")
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise ConfigError(f"recipe {recipe.name!r} cannot run:\n{listed}")
+
+
+def layout_summary(recipe: Recipe, nproc: int) -> str:
+    """What ``check`` prints after a recipe passes: the layout on ``nproc`` ranks, then ``OK``.
+
+    Call after :func:`preflight` (the divisions here are then whole).
+    """
+    model, mcfg, policy = recipe.policy.model, recipe.policy.megatron_cfg, recipe.policy
+    pp, cp, ep = (
+        mcfg.pipeline_model_parallel_size,
+        mcfg.context_parallel_size,
+        mcfg.expert_model_parallel_size,
+    )
+    dp = nproc // (pp * cp)
+    gbs, mbs = policy.train_global_batch_size, policy.train_micro_batch_size
+    if model.is_moe and model.num_experts is not None:
+        experts = (
+            f"experts per rank: {model.num_experts // ep} of {model.num_experts} "
+            f"(expert-parallel {ep}, top-{model.moe_router_topk})"
+        )
+    else:
+        experts = "experts per rank: none (a dense model)"
+    lines = [
+        f"layout on {nproc} rank(s):",
+        f"  data-parallel size: {dp} (tensor 1 x pipeline {pp} x context {cp} x data {dp})",
+        f"  {experts}",
+        f"  microbatches per rank: {gbs // mbs} per step, {mbs} sequences each",
+        f"  sequences per step: {gbs} per data-parallel rank "
+        f"(policy.train_global_batch_size), {gbs * dp} over all {dp}",
+        f"OK: recipe {recipe.name!r} can run on {nproc} rank(s) "
+        f"({recipe.training.max_steps} steps of {recipe.algorithm})",
+    ]
+    return "\n".join(lines)

@@ -51,6 +51,8 @@ class ModelFacts:
     num_layers: int  #: decoder layers (global layer ids index into them)
     ep_size: int  #: expert-parallel ranks (1 for Hugging Face models)
     aux_loss: Literal["megatron", "hf"] | None  #: where aux losses come from; None: none
+    source: Literal["megatron", "hf"] = "megatron"  #: which kind of config described the model
+    model_type: str | None = None  #: the Hugging Face model_type (None for megatron)
 
 
 _HF_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -74,7 +76,8 @@ def model_facts(config: Any) -> ModelFacts:
         experts = next((getattr(text, f) for f in _HF_EXPERT_FIELDS if getattr(text, f, None)), 0)
         aux = "hf" if experts and has_hf_load_balancing_loss(text) else None
         layers = int(getattr(text, "num_hidden_layers", 0) or 0)
-        return ModelFacts(int(experts or 0), layers, 1, aux)
+        model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None)
+        return ModelFacts(int(experts or 0), layers, 1, aux, "hf", model_type)
     if not hasattr(config, "num_layers"):
         raise TypeError(
             f"PolicyMetrics.attach(model, config): config is a {type(config).__name__}; pass the "
@@ -84,6 +87,28 @@ def model_facts(config: Any) -> ModelFacts:
     experts = int(getattr(config, "num_moe_experts", None) or 0)
     ep = int(getattr(config, "expert_model_parallel_size", 1) or 1)
     return ModelFacts(experts, int(config.num_layers), ep, "megatron" if experts else None)
+
+
+def _no_router_message(facts: ModelFacts) -> str:
+    """The warning for a model whose config has experts but whose modules hold no known router."""
+    register = (
+        "For a custom router class call nemo_moe_metrics.register_router(RouterClass, "
+        "counts_fn) before attach()."
+    )
+    if facts.source == "hf":
+        from nemo_moe_metrics.moe.hooks import known_hf_router_types
+
+        return (
+            f"PolicyMetrics.attach: the config ({facts.model_type}) says {facts.num_experts} "
+            "experts but the model has no Hugging Face MoE router this library knows, so no "
+            "expert loads are counted. Known model types: "
+            f"{', '.join(known_hf_router_types())}. {register}"
+        )
+    return (
+        f"PolicyMetrics.attach: the config says {facts.num_experts} experts but no known "
+        "MoE router was found in the model, so no expert loads are counted on this rank "
+        f"(expected only on a pipeline stage without MoE layers). {register}"
+    )
 
 
 class PolicyMetrics:
@@ -106,6 +131,7 @@ class PolicyMetrics:
         self._microbatches_since_export = 0  # a host counter: no device read per microbatch
         self._warned_empty_step = False
         self._aux_kept: dict[str, torch.Tensor] = {}  # megatron's tracker as step() left it
+        self._in_step = False  # inside `with metrics.step():`; errors name the public calls
 
     @property
     def active(self) -> bool:
@@ -157,15 +183,7 @@ class PolicyMetrics:
         self._reducer = ExpertLoadReducer(None)
         self._ep_size = facts.ep_size
         if self._collector is None:
-            warnings.warn(
-                f"PolicyMetrics.attach: the config says {facts.num_experts} experts but no known "
-                "MoE router was found in the model, so no expert loads are counted on this rank "
-                "(expected only on a pipeline stage without MoE layers). For a custom router "
-                "class call nemo_moe_metrics.moe.hooks.register_router(RouterClass, counts_fn) "
-                "before attach().",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            warnings.warn(_no_router_message(facts), RuntimeWarning, stacklevel=3)
         if facts.aux_loss == "hf" and self._collector is not None:
             from nemo_moe_metrics.moe.hf_aux_loss import HFAuxLossAccumulator
 
@@ -220,6 +238,12 @@ class PolicyMetrics:
         Only training forwards inside it are counted (expert loads, aux losses): what a forward
         with grad outside ``step()`` added to megatron's aux-loss tracker is undone on entry.
         """
+        if self._in_step:
+            raise RuntimeError(
+                "PolicyMetrics.step() is already open: steps do not nest; leave the previous "
+                "`with metrics.step():` block before starting the next step"
+            )
+        self._in_step = True
         self._enter_counting()
         try:
             if self._meter is not None:
@@ -231,6 +255,7 @@ class PolicyMetrics:
             self._discard_partial_step()
             raise
         finally:
+            self._in_step = False
             self._leave_counting()
         self._steps_since_export += 1
 
@@ -274,6 +299,11 @@ class PolicyMetrics:
     def microbatch(self, seq_lens: torch.Tensor) -> None:
         """Record one training microbatch; ``seq_lens``: see the module docstring (one per sequence)."""
         if self._meter is not None:
+            if not self._in_step:
+                raise RuntimeError(
+                    "PolicyMetrics.microbatch() called outside a step; call it once per "
+                    "microbatch inside `with metrics.step():`, before finish_step()"
+                )
             self._meter.add_sequences(seq_lens)
             self._microbatches_since_export += 1
 

@@ -18,11 +18,11 @@ uses NCCL, the alltoall token dispatcher, and no CPU shims.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 
 from nemo_moe_metrics.config import ConfigError
-from nemo_moe_metrics.extras import MissingExtraError
-from nemo_moe_metrics.launch import slurm_dry_run, slurm_submit
+from nemo_moe_metrics.extras import MissingExtraError, check_extra
 
 
 def main() -> int:
@@ -54,13 +54,33 @@ def main() -> int:
         job_dir=args.job_dir,
     )
     try:
+        check_extra("launch", "recipes/slurm.py")
+        from nemo_moe_metrics.launch import slurm_dry_run, slurm_submit
+
+        if args.nodes < 1 or args.gpus_per_node < 1:
+            raise ConfigError(
+                f"--nodes {args.nodes} --gpus-per-node {args.gpus_per_node}: both must be at "
+                "least 1"
+            )
         if not args.submit:
             print(slurm_dry_run(args.recipe, args.overrides, args.output_dir, **kwargs))
             return 0
+        if shutil.which("sbatch") is None:
+            raise ConfigError(
+                "--submit needs Slurm (sbatch is not on PATH): run it on a Slurm login node; "
+                "without --submit this prints the sbatch command and script it would submit"
+            )
         slurm_submit(args.recipe, args.overrides, args.output_dir, **kwargs)
     except (ConfigError, MissingExtraError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # sbatch refused the job, the cluster is unreachable, ...
+        print(
+            f"error: submitting to Slurm failed ({type(err).__name__}: {err}); "
+            f"nemo-run's files are in {args.job_dir}/",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -151,7 +151,7 @@ def test_max_over_ideal_plot_uses_per_layer_keys_when_no_table_was_logged(tmp_pa
     assert (
         "no expert-load counts in the run (no expert_loads.bin, no moe/expert_loads rows): "
         "expert_load_heatmap.png, expert_load_over_steps.png and routing_drift.png skipped; "
-        "log them with policy.megatron_cfg.track_moe_metrics=true and log_expert_table=true"
+        "log them with MetricsConfig(track_moe_metrics=True, log_expert_table=True)"
     ) in summary
 
 
@@ -178,7 +178,7 @@ def test_report_command_prints_summary_and_exits_2_on_a_missing_run(tmp_path):
     assert f"wrote {tmp_path / HEATMAP_FILE}" in ok.stdout
     bad = subprocess.run([*cmd, str(tmp_path / "nope")], capture_output=True, text=True, env=env)
     assert bad.returncode == 2
-    assert "metrics.jsonl not found" in bad.stderr and "Traceback" not in bad.stderr
+    assert "does not exist (no such directory)" in bad.stderr and "Traceback" not in bad.stderr
 
 
 # --- the report command (issue 16 item 7) and the timeline outputs (issue 15 item 3) ---------
@@ -228,7 +228,8 @@ def test_a_bad_step_window_names_every_accepted_form(tmp_path):
 def test_every_skipped_picture_names_the_flag_that_would_produce_it(tmp_path):
     # Scalars only, no table, no per-layer keys, no throughput: everything is skipped.
     cfg = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False)
-    sink = build_sinks(cfg, tmp_path, run_name="bare")
+    # A recipe's run (run.json holds the Recipe dump): hints name recipe keys.
+    sink = build_sinks(cfg, tmp_path, run_name="bare", config={"algorithm": "sft"})
     for step in range(3):
         sink.log({"train/loss": 1.0 / (step + 1)}, step)
     sink.close()
@@ -255,7 +256,7 @@ def test_one_logged_step_skips_the_timeline_pictures_naming_steps_and_table_ever
     assert (
         "only 1 logged step with expert counts: expert_load_over_steps.png and "
         "routing_drift.png skipped; they need 2 or more: widen --steps (or log the table more "
-        "often with logger.table_every)"
+        "often with LoggerConfig(table_every=...))"
     ) in proc.stdout.splitlines()
 
 
@@ -367,6 +368,6 @@ def test_a_window_between_stored_tables_says_to_widen_the_window(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (
         "no stored expert-load step in steps 1–3 (3 logged) (the store holds a table every "
-        "logger.table_every steps): expert_load_heatmap.png, expert_load_over_steps.png, "
+        "LoggerConfig(table_every=...) steps): expert_load_heatmap.png, expert_load_over_steps.png, "
         "routing_drift.png and max_over_ideal.png skipped; widen --steps"
     ) in proc.stdout.splitlines()

@@ -84,3 +84,18 @@ def test_alerts_in_a_real_grpo_run_print_a_line_and_count_per_step(piped_run):
         r"logger\.alerts\.max_over_ideal=1\.01",
         logs,
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_piped_grpo_progress_line_explains_the_loss_and_is_whole(piped_run):
+    proc, _ = piped_run
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("GRPO: reward is what improves; pg-loss is the clipped")
+    bar = [line for line in lines if line.startswith("grpo_moe_tiny")][-1]
+    # Every field of the last step, none cut at 80 columns ("…"): reward first, then pg-loss.
+    assert re.search(
+        r" 2/2 \d+:\d\d:\d\d reward \d\.\d{3}  pg-loss -?\d\.\d{4}  tok/s \d+  max/ideal \d\.\d\d$",
+        bar,
+    ), bar
+    assert "…" not in bar

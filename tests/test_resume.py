@@ -187,7 +187,8 @@ def test_tensorboard_resume_hides_steps_an_earlier_process_wrote_ahead(tmp_path)
     for step in range(5):
         sink.log({mn.TOKENS: step}, step)
     sink.close()
-    jsonl_only = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False)
+    # The same run, continued by a process that logs JSONL only.
+    jsonl_only = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False, resume=True)
     sink = build_sinks(jsonl_only, tmp_path, run_name="r")
     for step in range(3):
         sink.log({mn.TOKENS: step}, step)

@@ -84,8 +84,10 @@ def test_resume_after_a_torn_line_appends_on_a_fresh_line(tmp_path):
 
 def test_resumed_run_appends_and_readers_drop_the_abandoned_steps(tmp_path):
     # First run logs steps 0..3 and dies; the second resumes from a checkpoint at step 2.
-    for values in ({0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}, {2: 30.0, 3: 40.0, 4: 50.0}):
-        sink = build_sinks(JSONL_ONLY, tmp_path, run_name="r")
+    for again, values in enumerate(({0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}, {2: 30.0, 3: 40.0, 4: 50.0})):
+        sink = build_sinks(
+            JSONL_ONLY.model_copy(update={"resume": bool(again)}), tmp_path, run_name="r"
+        )
         for step, v in values.items():
             sink.log({mn.MAX_OVER_IDEAL: v}, step)
         sink.close()
@@ -101,8 +103,10 @@ def test_resumed_run_appends_and_readers_drop_the_abandoned_steps(tmp_path):
 
 
 def test_restart_earlier_than_the_last_step_discards_the_later_abandoned_steps(tmp_path):
-    for values in ({0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}, {2: 30.0}):
-        sink = build_sinks(JSONL_ONLY, tmp_path, run_name="r")
+    for again, values in enumerate(({0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}, {2: 30.0})):
+        sink = build_sinks(
+            JSONL_ONLY.model_copy(update={"resume": bool(again)}), tmp_path, run_name="r"
+        )
         for step, v in values.items():
             sink.log({mn.MAX_OVER_IDEAL: v}, step)
         sink.close()

@@ -119,6 +119,11 @@ _BUILTIN: dict[str, RouterSpec] = {
 _REGISTERED: dict[type, RouterSpec] = {}
 
 
+def known_hf_router_types() -> list[str]:
+    """The Hugging Face model types whose routers are counted without register_router."""
+    return sorted({key.split(".")[2] for key in _BUILTIN if key.startswith("transformers.models.")})
+
+
 def register_router(
     router_cls: type,
     counts_fn: CountsFn,

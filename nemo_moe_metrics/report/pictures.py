@@ -140,6 +140,31 @@ def bin_ratios(bins: StepBins, rows: list[int]) -> tuple[np.ndarray, np.ma.Maske
     return sums, np.ma.transpose(shown, (1, 2, 0))
 
 
+def column_edges(first: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """x edges of step-bin columns: each column centred on its bin's steps, no gap between.
+
+    A bin covering steps ``first..last`` is centred on ``(first + last) / 2``; neighbouring
+    columns meet half way between centres, and the outer columns are as wide as their neighbour
+    side. One logged step per bin thus puts step ``s`` at the middle of its column (not at its
+    left edge), and the axis does not run past the last logged step by a whole column.
+    """
+    centres = (np.asarray(first, dtype=float) + np.asarray(last, dtype=float)) / 2
+    if centres.size == 1:
+        return np.array([centres[0] - 0.5, centres[0] + 0.5])
+    inner = (centres[:-1] + centres[1:]) / 2
+    return np.concatenate(
+        [[centres[0] - (inner[0] - centres[0])], inner, [centres[-1] + (centres[-1] - inner[-1])]]
+    )
+
+
+def step_ticks(first_step: int, last_step: int, max_ticks: int = 10) -> np.ndarray:
+    """Whole-number step ticks inside ``first_step..last_step`` (never a step that was not run)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ticks = MaxNLocator(nbins=max_ticks, integer=True).tick_values(first_step, last_step)
+    return ticks[(ticks >= first_step) & (ticks <= last_step)]
+
+
 def render_over_steps(
     run: RunInfo,
     path: Path,
@@ -149,14 +174,25 @@ def render_over_steps(
     lim: float,
     why: str,
 ) -> None:
+    over_steps_figure(run, timeline, rows, shown, lim, why).savefig(path)
+
+
+def over_steps_figure(
+    run: RunInfo,
+    timeline: Timeline,
+    rows: list[int],
+    shown: np.ma.MaskedArray,
+    lim: float,
+    why: str,
+) -> Any:
+    """The matplotlib Figure of ``expert_load_over_steps.png`` (see :func:`render_over_steps`)."""
     from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
 
     bins = timeline.bins
     assert bins is not None
     n_experts = shown.shape[1]
-    # Bin edges on the step axis: each bin spans its first to its last logged step.
-    edges = np.append(bins.first[: bins.used], bins.last[bins.used - 1] + 1).astype(float)
+    edges = column_edges(bins.first[: bins.used], bins.last[: bins.used])
     panel = min(max(n_experts / 64, 1.6), 3.2)
     height = panel * len(rows) + 1.4
     fig = Figure(figsize=(11, height), dpi=_DPI, layout="constrained")
@@ -177,6 +213,8 @@ def render_over_steps(
         mean = np.nanmean(moi[:, row])
         ax.set_ylabel(f"layer {timeline.layer_ids[row]}: expert\n(mean max/ideal {mean:.2f})")
     axes[-1].set_xlabel("training step")
+    axes[-1].set_xlim(edges[0], edges[-1])
+    axes[-1].set_xticks(step_ticks(timeline.steps[0], timeline.steps[-1]))
     _colour_bar(fig, image, list(axes), lim, worst, 2.5 * height)
     per_bin = (
         "one column per logged step"
@@ -190,7 +228,7 @@ def render_over_steps(
         fontsize=10,
         loc="left",
     )
-    fig.savefig(path)
+    return fig
 
 
 def _nice_stride(n: int, max_ticks: int) -> int:
@@ -198,6 +236,18 @@ def _nice_stride(n: int, max_ticks: int) -> int:
     while n / stride > max_ticks:
         stride *= 2
     return stride
+
+
+def layer_colours() -> Any:
+    """The colour map of per-layer lines: viridis without its pale yellow end (faint on white)."""
+    from matplotlib import colormaps
+    from matplotlib.colors import ListedColormap
+
+    return ListedColormap(colormaps["viridis"](np.linspace(0.0, LAYER_COLOUR_TOP, 256)))
+
+
+# Where the per-layer colours stop along viridis: its top (yellow) is too faint on white.
+LAYER_COLOUR_TOP = 0.65
 
 
 def render_layer_series(
@@ -211,7 +261,20 @@ def render_layer_series(
     ideal: float | None,
 ) -> None:
     """One line per layer over steps: many layers as a band, the worst in red, the mean black."""
-    from matplotlib import colormaps
+    layer_series_figure(run, steps, series, ylabel=ylabel, title=title, ideal=ideal).savefig(path)
+
+
+def layer_series_figure(
+    run: RunInfo,
+    steps: list[int],
+    series: dict[int, np.ndarray],
+    *,
+    ylabel: str,
+    title: str,
+    ideal: float | None,
+) -> Any:
+    """The matplotlib Figure of :func:`render_layer_series`; the legend sits below the axes,
+    where it never covers a point."""
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
@@ -222,7 +285,7 @@ def render_layer_series(
     layers = list(series)
     values = np.array([series[la] for la in layers], dtype=np.float64)  # [layers, steps]
     many = len(layers) > 10
-    cmap = colormaps["viridis"]
+    cmap = layer_colours()
     norm = Normalize(min(layers), max(max(layers), min(layers) + 1))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns: empty steps
@@ -263,12 +326,15 @@ def render_layer_series(
             ax.set_ylim(bottom=0)
     if many:
         fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="MoE layer", pad=0.01)
-    ax.legend(fontsize=8, loc="upper right", ncols=2 if len(layers) > 5 else 1)
+    # Below the axes (constrained layout makes room): a legend inside covers the last points.
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncols=min(len(labels), 4))
     ax.set_xlabel("training step")
+    ax.set_xticks(step_ticks(steps[0], steps[-1]))
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.set_title(f"{run.name}: {title}", fontsize=10, loc="left")
-    fig.savefig(path)
+    return fig
 
 
 # --- the report --------------------------------------------------------------------------------

@@ -233,6 +233,30 @@ def layer_key_series(path: Path, lines: list[Line]) -> tuple[list[int], dict[int
 # --- pictures ----------------------------------------------------------------------------------
 
 
+# What to set for a missing family: (recipe key, Python API field), by hint name.
+FLAG_HINTS: dict[str, tuple[str, str]] = {
+    "table": (
+        "policy.megatron_cfg.track_moe_metrics=true and log_expert_table=true",
+        "MetricsConfig(track_moe_metrics=True, log_expert_table=True)",
+    ),
+    "per_layer": (
+        "policy.megatron_cfg.moe_per_layer_logging=true or log_expert_table=true",
+        "MetricsConfig(moe_per_layer_logging=True) or log_expert_table=True",
+    ),
+    "moe": ("policy.megatron_cfg.track_moe_metrics=true", "MetricsConfig(track_moe_metrics=True)"),
+    "throughput": (
+        "policy.megatron_cfg.track_throughput=true",
+        "MetricsConfig(track_throughput=True)",
+    ),
+    "flops": ("policy.megatron_cfg.track_flops=true", "MetricsConfig(track_flops=True)"),
+    "peak": (
+        "set policy.megatron_cfg.peak_flops_per_gpu",
+        "pass MetricsConfig(peak_flops_per_gpu=...)",
+    ),
+    "table_every": ("logger.table_every", "LoggerConfig(table_every=...)"),
+}
+
+
 @dataclass
 class RunInfo:
     """What ``run.json`` adds to the pictures' titles (all optional)."""
@@ -240,6 +264,14 @@ class RunInfo:
     name: str
     num_experts: int | None = None
     topk: int | None = None
+    #: written by a recipe (``nemo-moe-metrics run``, ``train``): hints name recipe keys;
+    #: False for a run logged through the Python API (hints name MetricsConfig fields)
+    recipe: bool = True
+
+    def hint(self, key: str) -> str:
+        """How to turn on what ``key`` names, in the terms of whoever wrote the run."""
+        recipe, api = FLAG_HINTS[key]
+        return recipe if self.recipe else api
 
     def model_label(self, n_layers: int, n_experts: int) -> str:
         topk = f", top-{self.topk}" if self.topk else ""
@@ -260,4 +292,6 @@ def run_info(run_dir: Path) -> RunInfo:
         name=str(meta.get("run_name") or run_dir.resolve().name),
         num_experts=meta.get("num_experts"),
         topk=meta.get("moe_router_topk"),
+        # A recipe's config is the whole Recipe dump; the API passes what it likes (or nothing).
+        recipe=not meta or "algorithm" in (meta.get("config") or {}),
     )

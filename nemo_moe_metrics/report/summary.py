@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -127,17 +128,13 @@ def render_report(
     the summary lists. Pictures that the run has no data for are skipped and the summary says
     which flag would produce them.
     """
-    from nemo_moe_metrics.extras import check_extra
+    from nemo_moe_metrics.extras import missing_extra_message, missing_modules
 
-    check_extra("report", "the report's pictures")
-    run_dir = Path(run_dir)
+    run_dir = resolve_run_dir(Path(run_dir))
     out_dir = Path(out_dir) if out_dir is not None else run_dir
     path = run_dir / METRICS_FILE
-    if not path.is_file():
-        raise ReportError(
-            f"{path} not found; point the report at a run directory written with "
-            "logger.jsonl_enabled=true"
-        )
+    missing = missing_modules("report")
+    draw = not missing  # without matplotlib: the text summary alone, and a line naming the extra
     if steps is not None and None not in steps and steps[0] > steps[1]:
         raise ReportError(
             f"step window {window_text(steps)} is empty; give FIRST:LAST with FIRST <= LAST"
@@ -153,10 +150,16 @@ def render_report(
         raise ReportError(
             f"no logged step in {window_text(steps)}; the log has steps {seen[0]}..{seen[1]}"
         )
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if draw:
+        _make_out_dir(out_dir)
     first, last = lines_[0].step, lines_[-1].step
     span = f"step {first}" if first == last else f"steps {first}–{last} ({len(lines_)} logged)"
     out = [f"run {run.name}: {span}"]
+    if not draw:
+        out.append(
+            "pictures skipped: "
+            + missing_extra_message(missing[0], "report", "drawing the report's pictures")
+        )
 
     source = store_counts(run_dir, steps)
     if source is None:
@@ -167,7 +170,7 @@ def render_report(
 
     routed = last_values(path, lines_, [mn.ROUTED_TOKENS]).get(mn.ROUTED_TOKENS)
     if timeline.steps:
-        out += _count_pictures(run, timeline, out_dir, layers)
+        out += _count_pictures(run, timeline, out_dir, layers, draw, windowed=steps is not None)
         if routed == 0:
             out.append(
                 f"last step: no expert received a training token ({mn.ROUTED_TOKENS} 0), so it "
@@ -182,21 +185,23 @@ def render_report(
     elif steps is not None and store_has_steps(run_dir):
         out.append(
             f"no stored expert-load step in {span} (the store holds a table every "
-            f"logger.table_every steps): {HEATMAP_FILE}, {OVER_STEPS_FILE}, {DRIFT_FILE} and "
-            f"{MAX_OVER_IDEAL_FILE} skipped; widen --steps"
+            f"{run.hint('table_every')} steps): {HEATMAP_FILE}, {OVER_STEPS_FILE}, {DRIFT_FILE} "
+            f"and {MAX_OVER_IDEAL_FILE} skipped; widen --steps"
         )
     else:
         out.append(
             "no expert-load counts in the run (no expert_loads.bin, no moe/expert_loads rows): "
             f"{HEATMAP_FILE}, {OVER_STEPS_FILE} and {DRIFT_FILE} skipped; log them with "
-            "policy.megatron_cfg.track_moe_metrics=true and log_expert_table=true"
+            + run.hint("table")
         )
         dead_last = last_values(path, lines_, [mn.DEAD_EXPERTS]).get(mn.DEAD_EXPERTS)
         if dead_last is not None:
             out.append(f"dead experts (last step, {mn.DEAD_EXPERTS}): {dead_last:g}")
         key_steps, key_series = layer_key_series(path, lines_)
         if key_series:
-            render_layer_series(
+            _draw(
+                draw,
+                render_layer_series,
                 run,
                 out_dir / MAX_OVER_IDEAL_FILE,
                 key_steps,
@@ -205,29 +210,105 @@ def render_report(
                 title="worst-expert load per layer",
                 ideal=1.0,
             )
-            out.append(f"wrote {out_dir / MAX_OVER_IDEAL_FILE}")
+            out += _wrote(draw, out_dir / MAX_OVER_IDEAL_FILE)
         else:
             out.append(
                 f"no per-layer expert-load data: {MAX_OVER_IDEAL_FILE} skipped; log it with "
-                "policy.megatron_cfg.moe_per_layer_logging=true or log_expert_table=true"
+                + run.hint("per_layer")
             )
 
     last_keys = [mn.TOKENS_PER_SECOND, mn.TFLOPS_PER_GPU, mn.MFU]
     aux_keys = [mn.aux_loss_key(n) for n in (*mn.AUX_LOSS_TRACKER_NAMES.values(), mn.Z_LOSS)]
     values = last_values(path, lines_, last_keys + aux_keys)
-    out += _throughput_lines(lines_, values)
+    out += _throughput_lines(lines_, values, run)
     aux = [f"{k} {values[k]:.4g}" for k in aux_keys if k in values]
     if aux:
         out.append("aux losses (last step): " + ", ".join(aux))
     elif routed == 0:
         out.append("aux losses: none (no expert received a training token)")
     else:
-        out.append("aux losses: not logged; enable policy.megatron_cfg.track_moe_metrics=true")
+        out.append("aux losses: not logged; enable " + run.hint("moe"))
     return "\n".join(out)
 
 
+def resolve_run_dir(given: Path) -> Path:
+    """The run directory a user meant: ``metrics.jsonl`` (or another file of the run) names its
+    directory; a missing path or a folder of runs raises :class:`ReportError` saying so."""
+    if given.is_file():
+        if given.parent.joinpath(METRICS_FILE).is_file():
+            return given.parent
+        raise ReportError(
+            f"{given} is a file, and no {METRICS_FILE} lies beside it; give the run directory "
+            f"(the one holding {METRICS_FILE})"
+        )
+    if not given.exists():
+        parent = next((p for p in given.parents if p.is_dir()), None)
+        near = _runs_below(parent, limit=6) if parent is not None else []
+        hint = f"; runs in {parent}: {', '.join(str(r) for r in near)}" if near else ""
+        raise ReportError(f"{given} does not exist (no such directory){hint}")
+    if not (given / METRICS_FILE).is_file():
+        runs = _runs_below(given, limit=20)
+        if runs:
+            listed = "\n".join(f"  {r}" for r in runs)
+            return_hint = f"nemo-moe-metrics report {runs[0]}"
+            raise ReportError(
+                f"{given} is not a run directory (no {METRICS_FILE}); it holds "
+                f"{len(runs)} run(s), report one of them (e.g. {return_hint}):\n{listed}"
+            )
+        raise ReportError(
+            f"{given} holds no {METRICS_FILE} and no run below it; "
+            "point the report at a run directory written with logger.jsonl_enabled=true "
+            "(e.g. runs/grpo_moe_tiny)"
+        )
+    return given
+
+
+def _runs_below(folder: Path, limit: int) -> list[Path]:
+    # Up to two levels down (runs/<name>/, or an output folder of output folders).
+    found = sorted(
+        {
+            p.parent
+            for pattern in ("*/" + METRICS_FILE, "*/*/" + METRICS_FILE)
+            for p in folder.glob(pattern)
+        }
+    )
+    return found[:limit]
+
+
+def _make_out_dir(out_dir: Path) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ReportError(
+            f"cannot write the pictures into {out_dir}: it is a file, not a directory"
+        )
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".nemo_moe_metrics_write_test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ReportError(
+            f"cannot write the pictures into {out_dir}: {err.strerror or err}; "
+            "choose a writable directory"
+        ) from None
+
+
+def _draw(draw: bool, render: Any, *args: Any, **kwargs: Any) -> None:
+    if draw:
+        render(*args, **kwargs)
+
+
+def _wrote(draw: bool, path: Path, detail: str = "") -> list[str]:
+    return [f"wrote {path}{detail}"] if draw else []
+
+
 def _count_pictures(
-    run: RunInfo, timeline: Timeline, out_dir: Path, layers: list[int] | None
+    run: RunInfo,
+    timeline: Timeline,
+    out_dir: Path,
+    layers: list[int] | None,
+    draw: bool = True,
+    *,
+    windowed: bool = False,
 ) -> list[str]:
     out: list[str] = []
     layer_ids, counts = timeline.layer_ids, timeline.heat
@@ -267,16 +348,26 @@ def _count_pictures(
     assert timeline.bins is not None
     _, over_shown = bin_ratios(timeline.bins, rows) if several else (None, np.ma.masked_all(0))
     limit = colour_limit(heat_shown, over_shown)
-    render_heatmap(run, out_dir / HEATMAP_FILE, layer_ids, counts, heat_steps, limit)
-    out.append(f"wrote {out_dir / HEATMAP_FILE}")
+    _draw(draw, render_heatmap, run, out_dir / HEATMAP_FILE, layer_ids, counts, heat_steps, limit)
+    out += _wrote(draw, out_dir / HEATMAP_FILE)
     if several:
-        render_over_steps(run, out_dir / OVER_STEPS_FILE, timeline, rows, over_shown, limit, why)
-        out.append(
-            f"wrote {out_dir / OVER_STEPS_FILE} (layers "
-            f"{', '.join(str(timeline.layer_ids[r]) for r in rows)}: {why})"
+        _draw(
+            draw,
+            render_over_steps,
+            run,
+            out_dir / OVER_STEPS_FILE,
+            timeline,
+            rows,
+            over_shown,
+            limit,
+            why,
         )
+        shown_layers = ", ".join(str(timeline.layer_ids[r]) for r in rows)
+        out += _wrote(draw, out_dir / OVER_STEPS_FILE, f" (layers {shown_layers}: {why})")
         drift = np.asarray(timeline.drift)
-        render_layer_series(
+        _draw(
+            draw,
+            render_layer_series,
             run,
             out_dir / DRIFT_FILE,
             timeline.steps[1:],
@@ -285,15 +376,23 @@ def _count_pictures(
             title="routing drift per layer (0 = the router's shares did not change)",
             ideal=None,
         )
-        out.append(f"wrote {out_dir / DRIFT_FILE}")
-    else:
+        out += _wrote(draw, out_dir / DRIFT_FILE)
+    elif windowed:
         out.append(
             f"only 1 logged step with expert counts: {OVER_STEPS_FILE} and {DRIFT_FILE} skipped; "
             "they need 2 or more: widen --steps (or log the table more often with "
-            "logger.table_every)"
+            f"{run.hint('table_every')})"
+        )
+    else:
+        out.append(
+            f"only 1 logged step with expert counts in the whole run: {OVER_STEPS_FILE} and "
+            f"{DRIFT_FILE} skipped; they need 2 or more: log the table more often with "
+            f"{run.hint('table_every')}, or train more steps"
         )
     moi = np.asarray(timeline.moi)
-    render_layer_series(
+    _draw(
+        draw,
+        render_layer_series,
         run,
         out_dir / MAX_OVER_IDEAL_FILE,
         timeline.steps,
@@ -302,14 +401,14 @@ def _count_pictures(
         title=f"worst-expert load per layer ({counts.shape[1]} experts)",
         ideal=1.0,
     )
-    out.append(f"wrote {out_dir / MAX_OVER_IDEAL_FILE}")
+    out += _wrote(draw, out_dir / MAX_OVER_IDEAL_FILE)
     return out
 
 
-def _throughput_lines(lines: list[Line], values: dict[str, float]) -> list[str]:
+def _throughput_lines(lines: list[Line], values: dict[str, float], run: RunInfo) -> list[str]:
     tps = values.get(mn.TOKENS_PER_SECOND)
     if tps is None:
-        return ["throughput: not logged; enable policy.megatron_cfg.track_throughput=true"]
+        return ["throughput: not logged; enable " + run.hint("throughput")]
     tokens = sum(ln.tokens or 0 for ln in lines)
     seconds = sum(ln.seconds or 0 for ln in lines)
     window = f"; window {tokens / seconds:,.0f} tokens/s (ratio of sums)" if seconds > 0 else ""
@@ -323,11 +422,9 @@ def _throughput_lines(lines: list[Line], values: dict[str, float]) -> list[str]:
     if mfu is not None:
         perf.append(f"MFU {mfu:.1%}")
     elif tflops is not None:
-        perf.append(
-            "MFU not logged (unknown accelerator peak; set policy.megatron_cfg.peak_flops_per_gpu)"
-        )
+        perf.append(f"MFU not logged (unknown accelerator peak; {run.hint('peak')})")
     if perf:
         out.append("compute (last step): " + ", ".join(perf))
     else:
-        out.append("compute: not logged; enable policy.megatron_cfg.track_flops=true")
+        out.append("compute: not logged; enable " + run.hint("flops"))
     return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import tempfile
 import warnings
 from datetime import UTC, datetime
@@ -27,6 +28,64 @@ from nemo_moe_metrics.sinks.store import STORE_FILE, ExpertLoadSink, store_path
 
 RUN_FILE = "run.json"
 TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"
+# What a run writes into its directory (sinks and report pictures); ``overwrite`` deletes these
+# and nothing else, so an API user's own files in the same directory are left alone.
+RUN_RECORD = (
+    METRICS_FILE,
+    STORE_FILE,
+    RUN_FILE,
+    TENSORBOARD_DIR,
+    WANDB_DIR,
+    "expert_load_heatmap.png",
+    "expert_load_over_steps.png",
+    "routing_drift.png",
+    "max_over_ideal.png",
+)
+
+
+class RunExistsError(FileExistsError):
+    """``run_dir`` already holds a run that logged steps, and neither resume nor overwrite was
+    asked for (one run per directory, as ``nemo-moe-metrics run`` does)."""
+
+
+def logged_run(run_dir: Path) -> list[str]:
+    """The files of a run in ``run_dir`` that logged at least one step; empty when there is none.
+
+    ``metrics.jsonl`` decides when it exists (a run that failed before logging leaves it empty);
+    without it (JSONL off) any TensorBoard or W&B output counts as a run.
+    """
+    run_dir = Path(run_dir)
+    # The store starts with its 8-byte magic; a step adds a record after it.
+    empty = {METRICS_FILE: 0, STORE_FILE: 8}
+    found = [
+        name
+        for name, size in empty.items()
+        if (run_dir / name).is_file() and (run_dir / name).stat().st_size > size
+    ]
+    if found or (run_dir / METRICS_FILE).is_file():
+        return found
+    return [
+        name
+        for name in (TENSORBOARD_DIR, WANDB_DIR)
+        if (run_dir / name).is_dir() and any((run_dir / name).iterdir())
+    ]
+
+
+def clear_run(run_dir: Path) -> list[str]:
+    """Delete what a run wrote into ``run_dir`` (:data:`RUN_RECORD`); returns the names removed."""
+    removed = []
+    for name in RUN_RECORD:
+        path = Path(run_dir) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
+
 
 __all__ = [
     "METRICS_FILE",
@@ -37,7 +96,10 @@ __all__ = [
     "NullSink",
     "ResumeState",
     "Sink",
+    "RunExistsError",
     "build_sinks",
+    "clear_run",
+    "logged_run",
     "read_resume_state",
     "run_metadata",
     "split_tables",
@@ -54,6 +116,7 @@ def build_sinks(
     config: dict[str, Any] | None = None,
     rank: int = 0,
     resume_state: ResumeState | None = None,
+    overwrite: bool = False,
 ) -> Sink:
     """The sinks ``logger_cfg`` enables, writing under ``run_dir``; rank != 0 gets a NullSink.
 
@@ -64,12 +127,31 @@ def build_sinks(
     ``run_dir`` when not given, says from which step): see :mod:`nemo_moe_metrics.sinks.resume`.
     ``logger_cfg.alerts.enabled`` adds the alert monitor (:mod:`nemo_moe_metrics.moe.alerts`)
     in front of the backends: every loop that logs through this sink gets ``moe/alerts``.
+
+    One run per directory, as ``nemo-moe-metrics run``: when ``run_dir`` already holds a run
+    that logged steps, :class:`RunExistsError` is raised unless ``logger_cfg.resume`` (continue
+    it) or ``overwrite`` (delete its files, :data:`RUN_RECORD`, first). A run that failed before
+    logging anything does not count.
     """
     if rank != 0:
         return NullSink()
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     resume = logger_cfg.resume
+    if resume and overwrite:
+        raise ValueError(
+            "build_sinks: LoggerConfig(resume=True) and overwrite=True exclude each other"
+        )
+    old = logged_run(run_dir)
+    if old and not (resume or overwrite):
+        raise RunExistsError(
+            f"{run_dir} already holds a run ({', '.join(old)}); build_sinks would append a second "
+            "run to it. Pass LoggerConfig(resume=True) to continue it (recipes: "
+            "logger.resume=true), build_sinks(..., overwrite=True) to delete it and start "
+            "afresh, or choose another run directory"
+        )
+    if overwrite:
+        clear_run(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     if resume and resume_state is None:
         resume_state = read_resume_state(run_dir)
     previous = _read_run_json(run_dir / RUN_FILE) if resume else {}
