@@ -104,6 +104,10 @@ class PolicyMetrics:
         self._hf_aux: Any = None  # moe.hf_aux_loss.HFAuxLossAccumulator for transformers models
         self._steps_since_export = 0
         self._microbatches_since_export = 0  # a host counter: no device read per microbatch
+        # megatron's aux-loss tracker as it was when the open step began (device copies):
+        # restart_step() puts it back; in shared mode it shows whether anything cleared it.
+        self._tracker_at_step_start: dict[str, torch.Tensor] | None = None
+        self._warned_uncleared_tracker = False
 
     @property
     def active(self) -> bool:
@@ -199,9 +203,17 @@ class PolicyMetrics:
         if self._meter is not None:
             self._meter.resume(total_tokens, total_seconds, total_flops)
 
+    @property
+    def _megatron_aux(self) -> bool:
+        return self._track_moe and self._hf_aux is None and self._facts.aux_loss == "megatron"
+
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """Bracket one optimizer step; a step that raises leaves no partial counts behind."""
+        if self._megatron_aux:
+            from nemo_moe_metrics.moe.aux_loss import tracker_snapshot
+
+            self._tracker_at_step_start = tracker_snapshot()  # device copies, no host read
         try:
             if self._meter is not None:
                 with self._meter.step():
@@ -218,10 +230,32 @@ class PolicyMetrics:
             self._collector.reset()
         if self._hf_aux is not None:
             self._hf_aux.reset()
-        elif self._track_moe:
+        elif self._track_moe and self.cfg.aux_loss_tracker == "own":
+            # shared: the tracker is the framework's; its own report decides what to do.
             from nemo_moe_metrics.moe.aux_loss import clear_aux_loss_tracker
 
             clear_aux_loss_tracker()
+
+    def restart_step(self) -> None:
+        """Forget what the open step counted so far, because its forward-backward runs again.
+
+        Megatron's rerun state machine (``should_run_forward_backward``) can run a step's
+        forward-backward twice; call this before the second run, so expert counts, tokens and
+        aux losses come from the run the optimizer applies, once. Megatron's aux-loss tracker is
+        put back to where it stood when the step began (in shared mode too: then the
+        framework's own report counts the step once as well). Expert counts restart from zero:
+        export once per step (``finish_step`` after every ``step()``) when you use this.
+        """
+        if self._collector is not None:
+            self._collector.reset()
+        if self._hf_aux is not None:
+            self._hf_aux.reset()
+        if self._tracker_at_step_start is not None:
+            from nemo_moe_metrics.moe.aux_loss import restore_tracker
+
+            restore_tracker(self._tracker_at_step_start)
+        if self._meter is not None:
+            self._meter.discard_step_sequences()
 
     def microbatch(self, seq_lens: torch.Tensor) -> None:
         """Record one training microbatch; ``seq_lens``: see the module docstring (one per sequence)."""
@@ -269,6 +303,8 @@ class PolicyMetrics:
             )
         if self._meter is not None:
             pending.append(self._meter.enqueue())
+        if self._megatron_aux and self.cfg.aux_loss_tracker == "shared":
+            pending.append(self._enqueue_uncleared_tracker_check())
         out: dict[str, Any] = {}
         for metrics in read_once(pending):
             out.update(metrics)
@@ -276,7 +312,35 @@ class PolicyMetrics:
             self._check_microbatches_recorded(out)
         self._steps_since_export = 0
         self._microbatches_since_export = 0
+        self._tracker_at_step_start = None
         return out
+
+    def _enqueue_uncleared_tracker_check(self) -> Pending[dict[str, Any]]:
+        # Shared mode: the framework's report clears megatron's tracker after finish_step. If the
+        # tracker held anything when this step began, nothing did, and values pile up over steps.
+        start = self._tracker_at_step_start
+        if self._warned_uncleared_tracker or not start:
+            return done({})
+        total = torch.stack([v.detach().float().abs().sum() for v in start.values()]).sum()
+
+        def finish(host: list[Any]) -> dict[str, Any]:
+            held = float(host[0].reshape(-1)[0])
+            if held != 0.0 and not self._warned_uncleared_tracker:
+                self._warned_uncleared_tracker = True
+                warnings.warn(
+                    f"aux_loss_tracker: shared, but megatron's aux-loss tracker still held values "
+                    f"(sum {held:.4g}) when this step began: nothing cleared it after the previous "
+                    "step, so megatron's and our moe/ aux losses add up over steps. Call "
+                    "megatron's report after finish_step every step (track_moe_metrics on "
+                    "megatron-core 0.16, get_moe_metrics_tracker().report on 0.19, as the "
+                    "training_log of Megatron-Bridge and Megatron-LM does), or set "
+                    "aux_loss_tracker: own to let nemo_moe_metrics clear it.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return {}
+
+        return Pending((total.reshape(1),), finish)
 
     def _enqueue_aux_loss(self, num_microbatches: int) -> Pending[dict[str, float]]:
         # One source per config type: megatron's tracker, or the HF router-output accumulator.
@@ -297,6 +361,7 @@ class PolicyMetrics:
             self._transformer_config,
             num_microbatches=num_microbatches,
             per_layer=self.cfg.moe_per_layer_logging,
+            tracker=self.cfg.aux_loss_tracker,
         )
 
     def _check_microbatches_recorded(self, perf: dict[str, Any]) -> None:
