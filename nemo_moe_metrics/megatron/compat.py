@@ -191,6 +191,18 @@ def reduce_like_megatron(
     return values
 
 
+def rerun_pass() -> tuple[int, str]:
+    """Which pass of megatron's rerun state machine is running: ``(iteration, state)``.
+
+    Within one training step, a change means the forward-backward runs again
+    (``should_run_forward_backward`` returned True once more). Both lines have the machine.
+    """
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    return int(machine.current_iteration), str(getattr(machine.state, "name", machine.state))
+
+
 class _ScalarCapture:
     """A TensorBoard-writer stand-in that keeps what megatron writes: ``{tag: float}``."""
 
