@@ -213,34 +213,36 @@ class _ScalarCapture:
         self.scalars[tag] = float(value)
 
 
-def megatron_reported_aux_losses(
+def megatron_report(
     config: Any,
     *,
-    num_microbatches: int,
+    loss_scale: float,
+    iteration: int,
     track_names: Sequence[str],
-    per_layer: bool = True,
+    writer: Any = None,
+    wandb_writer: Any = None,
+    total_loss_dict: dict | None = None,
+    per_layer: bool = False,
     force_initialize: bool = True,
     pg_collection: Any | None = None,
-) -> dict[str, float]:
-    """What megatron-core's own per-step reporting logs for the tracker now; clears it.
+) -> None:
+    """Megatron's own per-step aux-loss report, called as ``training_log`` calls it; clears it.
 
-    Calls ``get_moe_metrics_tracker().report`` where it exists (0.19), else
-    ``moe_utils.track_moe_metrics`` (0.16), with a writer that captures the scalars. Keys are
-    returned in this package's naming: ``moe/{name}`` for megatron's ``{name}`` and the per-layer
-    ``moe/{name}_layer_{i}`` unchanged (megatron writes one per layer, dense layers included).
-    Collective over megatron's groups, like megatron's call. For test oracles and comparisons.
+    ``get_moe_metrics_tracker().report`` where it exists (0.19), else
+    ``moe_utils.track_moe_metrics`` (0.16), with megatron's own ``num_layers``,
+    ``moe_layer_freq`` and ``mtp_num_layers`` from ``config``. Collective over megatron's groups.
     """
-    writer = _ScalarCapture()
-    moe_layer_freq = _moe_layer_freq_for_report(config)
     kwargs = dict(
-        loss_scale=1.0 / num_microbatches,
-        iteration=0,
+        loss_scale=loss_scale,
+        iteration=iteration,
         writer=writer,
+        wandb_writer=wandb_writer,
+        total_loss_dict=total_loss_dict,
         per_layer_logging=per_layer,
         force_initialize=force_initialize,
         track_names=list(track_names),
         num_layers=config.num_layers,
-        moe_layer_freq=moe_layer_freq,
+        moe_layer_freq=_moe_layer_freq_for_report(config),
         mtp_num_layers=getattr(config, "mtp_num_layers", None),
         pg_collection=pg_collection,
     )
@@ -254,9 +256,38 @@ def megatron_reported_aux_losses(
 
         # 0.16 force-initialises missing names with device="cuda" (rewritten to the CPU here;
         # a no-op with CUDA). Its force-initialised length leaves MTP layers out: a known 0.16
-        # mismatch this oracle reproduces rather than hides.
+        # mismatch this reproduces rather than hides.
         with cpu_device_mode():
             track_moe_metrics(**kwargs)
+
+
+def megatron_reported_aux_losses(
+    config: Any,
+    *,
+    num_microbatches: int,
+    track_names: Sequence[str],
+    per_layer: bool = True,
+    force_initialize: bool = True,
+    pg_collection: Any | None = None,
+) -> dict[str, float]:
+    """What megatron-core's own per-step reporting logs for the tracker now; clears it.
+
+    :func:`megatron_report` with a writer that captures the scalars. Keys are returned in this
+    package's naming: ``moe/{name}`` for megatron's ``{name}`` and the per-layer
+    ``moe/{name}_layer_{i}`` unchanged (megatron writes one per layer, dense layers included).
+    Collective over megatron's groups, like megatron's call. For test oracles and comparisons.
+    """
+    writer = _ScalarCapture()
+    megatron_report(
+        config,
+        loss_scale=1.0 / num_microbatches,
+        iteration=0,
+        track_names=track_names,
+        writer=writer,
+        per_layer=per_layer,
+        force_initialize=force_initialize,
+        pg_collection=pg_collection,
+    )
     return {
         (tag if tag.startswith("moe/") else f"moe/{tag}"): value
         for tag, value in writer.scalars.items()
