@@ -16,6 +16,7 @@ pipeline parallel 2.
 from __future__ import annotations
 
 import functools
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,7 +24,10 @@ import pytest
 import torch
 from dist import ok_values, run_ranks
 
-from nemo_moe_metrics.testing import load_bridge_callbacks
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.host_reads import HostReadCounter  # noqa: E402
+from nemo_moe_metrics.testing import load_bridge_callbacks  # noqa: E402
 
 SEQ, MICRO_BATCH, MICROBATCHES, STEPS = 16, 2, 2, 2
 AUX_NAMES = ("load_balancing_loss", "z_loss")
@@ -173,6 +177,17 @@ def _scenario(rank, world, tmp: Path, name: str, layout, rerun: bool) -> dict:
         table_every=1,
     )
     forward_step = callback.wrap_forward_step(_forward_step)
+    # Host reads of the callback's per-microbatch work (length, rerun check, restart).
+    microbatch_reads: list[int] = []
+    for attr in ("_record", "_check_rerun"):
+        inner = getattr(callback, attr)
+
+        def counted(*args, _inner=inner):
+            with HostReadCounter() as counter:
+                _inner(*args)
+            microbatch_reads.append(counter.total)
+
+        setattr(callback, attr, counted)
     manager = bridge.normalize_callbacks([callback])
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     ctx = functools.partial(bridge.CallbackContext, state=state, model=[model])
@@ -210,10 +225,11 @@ def _scenario(rank, world, tmp: Path, name: str, layout, rerun: bool) -> dict:
                 )
         optimizer.step()
         tracker_before_report = {k: v.clone() for k, v in compat.tracker_values().items()}
-        manager.fire(
-            "on_train_step_end",
-            ctx(user_state=manager.user_state, loss_dict={}, grad_norm=0.0, skipped_iter=False),
-        )
+        with HostReadCounter() as export_reads:
+            manager.fire(
+                "on_train_step_end",
+                ctx(user_state=manager.user_state, loss_dict={}, grad_norm=0.0, skipped_iter=False),
+            )
         tracker_after_ours = {k: v.clone() for k, v in compat.tracker_values().items()}
         state.train_state.step += 1
         phase("megatron")  # training_log: megatron's own report, Bridge's arguments
@@ -241,6 +257,7 @@ def _scenario(rank, world, tmp: Path, name: str, layout, rerun: bool) -> dict:
                 megatron_total={k: float(v) for k, v in total_loss_dict.items()},
                 independent=independent,
                 passes=records_pass[0],
+                export_reads=export_reads.total,
                 tokens=int(sum(b["loss_mask"].sum() for b in batches)),
                 tracker_untouched=all(
                     torch.equal(tracker_before_report[k], tracker_after_ours[k])
@@ -249,6 +266,7 @@ def _scenario(rank, world, tmp: Path, name: str, layout, rerun: bool) -> dict:
             )
         )
     manager.fire("on_train_end", ctx(user_state=manager.user_state))
+    out["microbatch_reads"] = microbatch_reads
     out["tb"] = tb.calls if tb else None
     out["wandb"] = wb.calls if wb else None
     return out
@@ -400,3 +418,15 @@ def test_rank_without_writers_writes_nothing_and_the_store_has_each_step_once(br
 def test_padded_vocabulary_comes_from_bridges_model_config(bridge_run):
     _, ranks = bridge_run
     assert all(r["ep"]["vocab"] == 128 for r in ranks)  # 100 padded to a multiple of 128
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_callback_reads_the_device_once_per_step_and_never_per_microbatch(bridge_run, scenario):
+    _, ranks = bridge_run
+    for result in ranks:
+        assert result[scenario]["microbatch_reads"]  # the wrapper ran
+        assert set(result[scenario]["microbatch_reads"]) == {0}
+        # Steady state: finish_step's one host read (the writers get Python numbers); the
+        # first export also agrees on the layer layout across ranks.
+        assert [s["export_reads"] for s in result[scenario]["steps"]][1:] == [1] * (STEPS - 1)
