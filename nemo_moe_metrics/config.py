@@ -74,6 +74,13 @@ class MetricsConfig(StrictModel):
         gt=0,
         description="Dense peak FLOP/s of one accelerator for MFU; None looks it up by device name.",
     )
+    aux_loss_tracker: Literal["own", "shared"] = Field(
+        "own",
+        description="Who clears megatron's aux-loss tracker after each step. own: finish_step "
+        "reads and clears it. shared: finish_step reads a copy and leaves the tracker to the "
+        "framework's own report (training_log's track_moe_metrics in Megatron-Bridge and "
+        "Megatron-LM, get_moe_metrics in NeMo RL), which then logs what it logs without us.",
+    )
 
     @model_validator(mode="after")
     def _check_contradictions(self) -> MetricsConfig:

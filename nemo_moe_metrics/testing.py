@@ -11,6 +11,7 @@ import queue
 import socket
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -96,3 +97,64 @@ def ok_values(results: list[tuple[str, Any]]) -> list[Any]:
     if errors:
         raise RuntimeError("\n".join(errors))
     return [v for _, v in results]
+
+
+#: The Megatron-Bridge release whose callbacks module the tests and the example load.
+BRIDGE_VERSION = "0.6.2"
+_BRIDGE_CALLBACKS = "megatron/bridge/training/callbacks.py"
+
+
+def bridge_cache_dir() -> Path:
+    """Where the Megatron-Bridge wheel and its unpacked callbacks module are cached."""
+    root = os.environ.get("NEMO_MOE_METRICS_CACHE") or Path.home() / ".cache" / "nemo_moe_metrics"
+    return Path(root)
+
+
+def load_bridge_callbacks(version: str = BRIDGE_VERSION, cache: Path | None = None) -> Any:
+    """Megatron-Bridge's ``training/callbacks.py`` from its wheel, loaded alone by file path.
+
+    The full Bridge package does not install or run on a CPU machine (see docs/en/frameworks.md),
+    but its callbacks module imports only the standard library. The wheel is fetched from the
+    package registry once (``pip download megatron-bridge==VERSION --no-deps``) into the cache
+    (:func:`bridge_cache_dir`), the one file is unpacked there, and the module is registered as
+    ``megatron.bridge.training.callbacks`` so ``nemo_moe_metrics.integrations.megatron_bridge``
+    finds it as it would find the installed package. Returns the module.
+    """
+    import importlib.util
+    import subprocess
+    import sys
+    import zipfile
+
+    name = "megatron.bridge.training.callbacks"
+    if name in sys.modules:
+        return sys.modules[name]
+    cache = Path(cache) if cache is not None else bridge_cache_dir()
+    path = cache / f"megatron_bridge-{version}" / _BRIDGE_CALLBACKS
+    if not path.is_file():
+        wheels = cache / "wheels"
+        wheel = wheels / f"megatron_bridge-{version}-py3-none-any.whl"
+        if not wheel.is_file():
+            cmd = [sys.executable, "-m", "pip", "download", f"megatron-bridge=={version}"]
+            cmd += ["--no-deps", "--python-version", "3.12", "--only-binary=:all:"]
+            cmd += ["-d", str(wheels), "--quiet"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0 or not wheel.is_file():
+                raise RuntimeError(
+                    f"could not fetch the megatron-bridge {version} wheel ({' '.join(cmd)}): "
+                    f"{proc.stderr.strip()[-2000:]}"
+                )
+        with zipfile.ZipFile(wheel) as zf:
+            data = zf.read(_BRIDGE_CALLBACKS)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before running it: its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module

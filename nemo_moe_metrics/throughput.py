@@ -385,6 +385,10 @@ class StepMeter:
         # A private copy (a device kernel, no sync): callers may reuse the buffer.
         self._step_lens.append(seq_lens.detach().to(torch.int64, copy=True))
 
+    def discard_step_sequences(self) -> None:
+        """Forget the open step's sequences (its forward-backward runs again); timing goes on."""
+        self._step_lens = []
+
     def export(self) -> dict[str, float]:
         """Reduce the interval across ranks and return the ``train_perf/`` metrics.
 

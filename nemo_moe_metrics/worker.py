@@ -132,6 +132,10 @@ class PolicyMetrics:
         self._warned_empty_step = False
         self._aux_kept: dict[str, torch.Tensor] = {}  # megatron's tracker as step() left it
         self._in_step = False  # inside `with metrics.step():`; errors name the public calls
+        # megatron's aux-loss tracker as it was when the open step began (device copies):
+        # restart_step() puts it back; in shared mode it shows whether anything cleared it.
+        self._tracker_at_step_start: dict[str, torch.Tensor] | None = None
+        self._warned_uncleared_tracker = False
 
     @property
     def active(self) -> bool:
@@ -231,6 +235,16 @@ class PolicyMetrics:
         if self._meter is not None:
             self._meter.resume(total_tokens, total_seconds, total_flops)
 
+    @property
+    def _megatron_aux(self) -> bool:
+        facts = self._facts
+        return (
+            self._track_moe
+            and self._hf_aux is None
+            and facts is not None
+            and facts.aux_loss == "megatron"
+        )
+
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """Bracket one optimizer step; a step that raises leaves no partial counts behind.
@@ -259,31 +273,26 @@ class PolicyMetrics:
             self._leave_counting()
         self._steps_since_export += 1
 
-    def _megatron_aux(self) -> bool:
-        return self._track_moe and self._facts is not None and self._facts.aux_loss == "megatron"
-
     def _enter_counting(self) -> None:
-        if self._megatron_aux():
-            # The tracker as the previous steps of this export left it (empty after an export):
-            # anything more came from forwards outside step(). Device ops only, no host read.
-            from nemo_moe_metrics.megatron import compat
+        if self._megatron_aux:
+            from nemo_moe_metrics.moe.aux_loss import restore_tracker, tracker_snapshot
 
-            for name, values in compat.tracker_values().items():
-                kept = self._aux_kept.get(name)
-                if kept is not None and kept.shape == values.shape:
-                    values.copy_(kept)
-                else:
-                    values.zero_()
+            if self.cfg.aux_loss_tracker == "own":
+                # The tracker as the previous steps of this export left it (empty after an
+                # export): anything more came from forwards outside step(). Shared mode leaves
+                # the tracker to the framework. Device ops only, no host read.
+                restore_tracker(self._aux_kept)
+            self._tracker_at_step_start = tracker_snapshot()  # for restart_step()
         if self._collector is not None:
             self._collector.counting = True
 
     def _leave_counting(self) -> None:
         if self._collector is not None:
             self._collector.counting = False
-        if self._megatron_aux():
-            from nemo_moe_metrics.megatron import compat
+        if self._megatron_aux:
+            from nemo_moe_metrics.moe.aux_loss import tracker_snapshot
 
-            self._aux_kept = {k: v.detach().clone() for k, v in compat.tracker_values().items()}
+            self._aux_kept = tracker_snapshot()
 
     def _discard_partial_step(self) -> None:
         self._aux_kept = {}
@@ -291,10 +300,32 @@ class PolicyMetrics:
             self._collector.reset()
         if self._hf_aux is not None:
             self._hf_aux.reset()
-        elif self._track_moe:
+        elif self._track_moe and self.cfg.aux_loss_tracker == "own":
+            # shared: the tracker is the framework's; its own report decides what to do.
             from nemo_moe_metrics.moe.aux_loss import clear_aux_loss_tracker
 
             clear_aux_loss_tracker()
+
+    def restart_step(self) -> None:
+        """Forget what the open step counted so far, because its forward-backward runs again.
+
+        Megatron's rerun state machine (``should_run_forward_backward``) can run a step's
+        forward-backward twice; call this before the second run, so expert counts, tokens and
+        aux losses come from the run the optimizer applies, once. Megatron's aux-loss tracker is
+        put back to where it stood when the step began (in shared mode too: then the
+        framework's own report counts the step once as well). Expert counts restart from zero:
+        export once per step (``finish_step`` after every ``step()``) when you use this.
+        """
+        if self._collector is not None:
+            self._collector.reset()
+        if self._hf_aux is not None:
+            self._hf_aux.reset()
+        if self._tracker_at_step_start is not None:
+            from nemo_moe_metrics.moe.aux_loss import restore_tracker
+
+            restore_tracker(self._tracker_at_step_start)
+        if self._meter is not None:
+            self._meter.discard_step_sequences()
 
     def microbatch(self, seq_lens: torch.Tensor) -> None:
         """Record one training microbatch; ``seq_lens``: see the module docstring (one per sequence)."""
@@ -347,6 +378,8 @@ class PolicyMetrics:
             )
         if self._meter is not None:
             pending.append(self._meter.enqueue())
+        if self._megatron_aux and self.cfg.aux_loss_tracker == "shared":
+            pending.append(self._enqueue_uncleared_tracker_check())
         out: dict[str, Any] = {}
         for metrics in read_once(pending):
             out.update(metrics)
@@ -357,6 +390,7 @@ class PolicyMetrics:
         self._steps_since_export = 0
         self._microbatches_since_export = 0
         self._aux_kept = {}
+        self._tracker_at_step_start = None
         return out
 
     def _drop_empty_moe_step(self, out: dict[str, Any]) -> None:
@@ -372,6 +406,33 @@ class PolicyMetrics:
                 "logs %s = 0 and no other moe/ key; warned once",
                 mn.ROUTED_TOKENS,
             )
+
+    def _enqueue_uncleared_tracker_check(self) -> Pending[dict[str, Any]]:
+        # Shared mode: the framework's report clears megatron's tracker after finish_step. If the
+        # tracker held anything when this step began, nothing did, and values pile up over steps.
+        start = self._tracker_at_step_start
+        if self._warned_uncleared_tracker or not start:
+            return done({})
+        total = torch.stack([v.detach().float().abs().sum() for v in start.values()]).sum()
+
+        def finish(host: list[Any]) -> dict[str, Any]:
+            held = float(host[0].reshape(-1)[0])
+            if held != 0.0 and not self._warned_uncleared_tracker:
+                self._warned_uncleared_tracker = True
+                warnings.warn(
+                    f"aux_loss_tracker: shared, but megatron's aux-loss tracker still held values "
+                    f"(sum {held:.4g}) when this step began: nothing cleared it after the previous "
+                    "step, so megatron's and our moe/ aux losses add up over steps. Call "
+                    "megatron's report after finish_step every step (track_moe_metrics on "
+                    "megatron-core 0.16, get_moe_metrics_tracker().report on 0.19, as the "
+                    "training_log of Megatron-Bridge and Megatron-LM does), or set "
+                    "aux_loss_tracker: own to let nemo_moe_metrics clear it.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return {}
+
+        return Pending((total.reshape(1),), finish)
 
     def _enqueue_aux_loss(self, num_microbatches: int) -> Pending[dict[str, float]]:
         # One source per config type: megatron's tracker, or the HF router-output accumulator.
@@ -392,6 +453,7 @@ class PolicyMetrics:
             self._transformer_config,
             num_microbatches=num_microbatches,
             per_layer=self.cfg.moe_per_layer_logging,
+            tracker=self.cfg.aux_loss_tracker,
         )
 
     def _check_microbatches_recorded(self, perf: dict[str, Any]) -> None:

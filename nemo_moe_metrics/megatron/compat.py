@@ -15,6 +15,9 @@ What differs, and how it is answered here:
   same semantics on both: created on a name's first record with length ``num_layers +
   mtp_num_layers`` of the recording model and reused for every later model in the process.
   Hence :func:`reset_tracker` (drop every entry) before a model with another layer count.
+- **Megatron's reduction of the tracker** (:func:`megatron_reduction_steps`): 0.19 averages
+  over data parallel after ``avg_group`` and for every entry with ``needs_dp_avg`` (z-loss
+  too); 0.16 only after a ``reduce_group`` without DP, before ``avg_group``.
 - **Megatron's own reporting** (test oracle): ``track_moe_metrics`` on 0.16,
   ``get_moe_metrics_tracker().report(...)`` on 0.19 (the former is deprecated there).
 - **Hybrid models.** 0.19: ``models.hybrid.HybridModel(hybrid_stack_spec=...,
@@ -113,6 +116,93 @@ def drop_tracker_entry(name: str) -> None:
         _legacy_tracker().pop(name, None)
 
 
+def _data_parallel_group(pg_collection: Any | None, *, remat: bool) -> Any:
+    if pg_collection is not None:
+        group = getattr(pg_collection, "dp_cp_gtp_remat", None) if remat else None
+        if group is None and not remat:
+            group = pg_collection.dp
+        if group is not None:
+            return group
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group(
+        with_context_parallel=False, partial_data_parallel=False
+    )
+
+
+def megatron_reduction_steps(name: str, pg_collection: Any | None = None) -> list[tuple[str, Any]]:
+    """The collectives megatron's own report applies to tracker entry ``name``, in its order.
+
+    ``[("sum" | "avg", group), ...]``, read from the groups the router recorded with the entry
+    (none for an entry this rank never recorded: megatron force-initialises it bare). 0.19
+    (``MoEMetricsTracker._sync_metrics``): pipeline sum, ``reduce_group`` sum, ``avg_group``
+    mean, then the data-parallel mean when ``needs_dp_avg``. 0.16
+    (``reduce_aux_losses_tracker_across_ranks``): pipeline sum, ``reduce_group`` sum followed by
+    the data-parallel mean unless ``reduce_group_has_dp``, then ``avg_group`` mean.
+    """
+    from megatron.core import parallel_state
+
+    pp = (
+        pg_collection.pp
+        if pg_collection is not None
+        else parallel_state.get_pipeline_model_parallel_group()
+    )
+    steps: list[tuple[str, Any]] = [("sum", pp)]
+    tracker = _metrics_tracker()
+    if tracker is not None:
+        entry = tracker.metrics.get(name)
+        reduce_group = getattr(entry, "reduce_group", None)
+        avg_group = getattr(entry, "avg_group", None)
+        if reduce_group is not None:
+            steps.append(("sum", reduce_group))
+        if avg_group is not None:
+            steps.append(("avg", avg_group))
+        if getattr(entry, "needs_dp_avg", True):
+            steps.append(("avg", _data_parallel_group(pg_collection, remat=True)))
+        return steps
+    entry = _legacy_tracker().get(name) or {}
+    if entry.get("reduce_group") is not None:
+        steps.append(("sum", entry["reduce_group"]))
+        if not entry.get("reduce_group_has_dp", False):
+            steps.append(("avg", _data_parallel_group(pg_collection, remat=False)))
+    if entry.get("avg_group") is not None:
+        steps.append(("avg", entry["avg_group"]))
+    return steps
+
+
+def reduce_like_megatron(
+    values: torch.Tensor, names: Sequence[str], pg_collection: Any | None = None
+) -> torch.Tensor:
+    """Reduce ``values`` (``[names, layers]``, a copy of the tracker) in place across ranks
+    exactly as megatron's report reduces its tracker; megatron's tracker is not touched.
+
+    Collective: every rank calls it with the same names, as megatron's report does.
+    """
+    import torch.distributed as dist
+
+    for row, name in enumerate(names):
+        for op, group in megatron_reduction_steps(name, pg_collection):
+            if dist.get_world_size(group) == 1:
+                continue
+            if op == "sum":
+                dist.all_reduce(values[row], op=dist.ReduceOp.SUM, group=group)
+            else:
+                dist.all_reduce(values[row], op=dist.ReduceOp.AVG, group=group)
+    return values
+
+
+def rerun_pass() -> tuple[int, str]:
+    """Which pass of megatron's rerun state machine is running: ``(iteration, state)``.
+
+    Within one training step, a change means the forward-backward runs again
+    (``should_run_forward_backward`` returned True once more). Both lines have the machine.
+    """
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    return int(machine.current_iteration), str(getattr(machine.state, "name", machine.state))
+
+
 class _ScalarCapture:
     """A TensorBoard-writer stand-in that keeps what megatron writes: ``{tag: float}``."""
 
@@ -123,34 +213,36 @@ class _ScalarCapture:
         self.scalars[tag] = float(value)
 
 
-def megatron_reported_aux_losses(
+def megatron_report(
     config: Any,
     *,
-    num_microbatches: int,
+    loss_scale: float,
+    iteration: int,
     track_names: Sequence[str],
-    per_layer: bool = True,
+    writer: Any = None,
+    wandb_writer: Any = None,
+    total_loss_dict: dict | None = None,
+    per_layer: bool = False,
     force_initialize: bool = True,
     pg_collection: Any | None = None,
-) -> dict[str, float]:
-    """What megatron-core's own per-step reporting logs for the tracker now; clears it.
+) -> None:
+    """Megatron's own per-step aux-loss report, called as ``training_log`` calls it; clears it.
 
-    Calls ``get_moe_metrics_tracker().report`` where it exists (0.19), else
-    ``moe_utils.track_moe_metrics`` (0.16), with a writer that captures the scalars. Keys are
-    returned in this package's naming: ``moe/{name}`` for megatron's ``{name}`` and the per-layer
-    ``moe/{name}_layer_{i}`` unchanged (megatron writes one per layer, dense layers included).
-    Collective over megatron's groups, like megatron's call. For test oracles and comparisons.
+    ``get_moe_metrics_tracker().report`` where it exists (0.19), else
+    ``moe_utils.track_moe_metrics`` (0.16), with megatron's own ``num_layers``,
+    ``moe_layer_freq`` and ``mtp_num_layers`` from ``config``. Collective over megatron's groups.
     """
-    writer = _ScalarCapture()
-    moe_layer_freq = _moe_layer_freq_for_report(config)
     kwargs = dict(
-        loss_scale=1.0 / num_microbatches,
-        iteration=0,
+        loss_scale=loss_scale,
+        iteration=iteration,
         writer=writer,
+        wandb_writer=wandb_writer,
+        total_loss_dict=total_loss_dict,
         per_layer_logging=per_layer,
         force_initialize=force_initialize,
         track_names=list(track_names),
         num_layers=config.num_layers,
-        moe_layer_freq=moe_layer_freq,
+        moe_layer_freq=_moe_layer_freq_for_report(config),
         mtp_num_layers=getattr(config, "mtp_num_layers", None),
         pg_collection=pg_collection,
     )
@@ -164,9 +256,38 @@ def megatron_reported_aux_losses(
 
         # 0.16 force-initialises missing names with device="cuda" (rewritten to the CPU here;
         # a no-op with CUDA). Its force-initialised length leaves MTP layers out: a known 0.16
-        # mismatch this oracle reproduces rather than hides.
+        # mismatch this reproduces rather than hides.
         with cpu_device_mode():
             track_moe_metrics(**kwargs)
+
+
+def megatron_reported_aux_losses(
+    config: Any,
+    *,
+    num_microbatches: int,
+    track_names: Sequence[str],
+    per_layer: bool = True,
+    force_initialize: bool = True,
+    pg_collection: Any | None = None,
+) -> dict[str, float]:
+    """What megatron-core's own per-step reporting logs for the tracker now; clears it.
+
+    :func:`megatron_report` with a writer that captures the scalars. Keys are returned in this
+    package's naming: ``moe/{name}`` for megatron's ``{name}`` and the per-layer
+    ``moe/{name}_layer_{i}`` unchanged (megatron writes one per layer, dense layers included).
+    Collective over megatron's groups, like megatron's call. For test oracles and comparisons.
+    """
+    writer = _ScalarCapture()
+    megatron_report(
+        config,
+        loss_scale=1.0 / num_microbatches,
+        iteration=0,
+        track_names=track_names,
+        writer=writer,
+        per_layer=per_layer,
+        force_initialize=force_initialize,
+        pg_collection=pg_collection,
+    )
     return {
         (tag if tag.startswith("moe/") else f"moe/{tag}"): value
         for tag, value in writer.scalars.items()

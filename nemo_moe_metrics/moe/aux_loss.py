@@ -16,7 +16,9 @@ At the end of an optimizer step this module turns that tracker into ``moe/`` sca
    assembles the stages' layers;
 4. pure arithmetic (:func:`summarize_aux_losses`): mean over the MoE layers only, optional
    per-layer values keyed by the global 0-based layer index, a warning for NaN/inf;
-5. megatron's tracker is cleared.
+5. megatron's tracker is cleared (``aux_loss_tracker: own``). With ``shared`` it is left
+   untouched for the framework's own report, and step 3 reduces the copy with megatron's own
+   collectives and groups instead, so the values equal that report's.
 
 Deviations from megatron-core's ``track_moe_metrics``, each on purpose (docs/en/aux_loss.md):
 the mean divides by the MoE layers the config really builds (MTP layers count only when the last
@@ -32,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -317,21 +319,46 @@ def clear_aux_loss_tracker() -> None:
     compat.clear_tracker()
 
 
+def tracker_snapshot() -> dict[str, torch.Tensor]:
+    """Device copies of megatron's tracker vectors, by name (no host read)."""
+    from nemo_moe_metrics.megatron import compat
+
+    return {name: values.detach().clone() for name, values in compat.tracker_values().items()}
+
+
+def restore_tracker(snapshot: Mapping[str, torch.Tensor]) -> None:
+    """Put megatron's tracker back to ``snapshot`` in place; names recorded since are zeroed."""
+    from nemo_moe_metrics.megatron import compat
+
+    for name, values in compat.tracker_values().items():
+        before = snapshot.get(name)
+        if before is None or before.shape != values.shape:
+            values.zero_()
+        else:
+            values.copy_(before)
+
+
 def aux_loss_metrics(
     config: Any,
     *,
     num_microbatches: int,
     per_layer: bool,
     pg_collection: Any | None = None,
+    tracker: Literal["own", "shared"] = "own",
 ) -> dict[str, float]:
     """``moe/{name}`` (mean over MoE layers, per microbatch) and optional per-layer values.
 
     Collective: call it on EVERY rank once per optimizer step, after the step's last backward,
     with this rank's microbatch count for the step; every rank gets the same dict. ``config`` is
-    the model's megatron ``TransformerConfig``. Clears megatron's tracker afterwards.
+    the model's megatron ``TransformerConfig``. Clears megatron's tracker afterwards, unless
+    ``tracker="shared"`` (see :func:`enqueue_aux_loss_metrics`).
     """
     pending = enqueue_aux_loss_metrics(
-        config, num_microbatches=num_microbatches, per_layer=per_layer, pg_collection=pg_collection
+        config,
+        num_microbatches=num_microbatches,
+        per_layer=per_layer,
+        pg_collection=pg_collection,
+        tracker=tracker,
     )
     return read_once([pending])[0]
 
@@ -342,28 +369,44 @@ def enqueue_aux_loss_metrics(
     num_microbatches: int,
     per_layer: bool,
     pg_collection: Any | None = None,
+    tracker: Literal["own", "shared"] = "own",
 ) -> Pending[dict[str, float]]:
     """The first half of :func:`aux_loss_metrics`: launch the reduction, read nothing.
 
-    The returned :class:`~nemo_moe_metrics.host_read.Pending` summarises the reduced values and
-    clears megatron's tracker once the export's one host read has happened.
+    The returned :class:`~nemo_moe_metrics.host_read.Pending` summarises the reduced values and,
+    with ``tracker="own"``, clears megatron's tracker once the export's one host read happened.
+
+    ``tracker="shared"`` leaves megatron's tracker exactly as it is (the framework's own report
+    reads, reduces and clears it afterwards): a copy is reduced with megatron's own collectives
+    and groups (:func:`nemo_moe_metrics.megatron.compat.reduce_like_megatron`), so the values
+    equal that report's in the same step on every rank that logs.
     """
     _check_num_microbatches(num_microbatches)
+    if tracker not in ("own", "shared"):
+        raise ValueError(f"tracker must be 'own' or 'shared', got {tracker!r}")
+    own = tracker == "own"
     names = tracked_aux_loss_names(config)
     if not names:
-        clear_aux_loss_tracker()
+        if own:
+            clear_aux_loss_tracker()
         return done({})
     moe_layers = moe_layer_indices(config)
-    values = local_aux_loss_values(config, names)
+    values = local_aux_loss_values(config, names)  # a copy: megatron's tensors stay untouched
     # Scale before reducing: each rank's own count, so ranks with different counts still agree.
     values.div_(num_microbatches)
-    reduce_aux_losses(values, names, pg_collection=pg_collection)
+    if own:
+        reduce_aux_losses(values, names, pg_collection=pg_collection)
+    else:
+        from nemo_moe_metrics.megatron import compat
+
+        compat.reduce_like_megatron(values, names, pg_collection)
 
     def finish(host: list[np.ndarray]) -> dict[str, float]:
         metrics = summarize_aux_losses(
             dict(zip(names, host[0].tolist(), strict=True)), moe_layers, per_layer=per_layer
         )
-        clear_aux_loss_tracker()
+        if own:
+            clear_aux_loss_tracker()
         return metrics
 
     return Pending((values,), finish)
