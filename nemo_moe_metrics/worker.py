@@ -51,6 +51,7 @@ class ModelFacts:
     num_layers: int  #: decoder layers (global layer ids index into them)
     ep_size: int  #: expert-parallel ranks (1 for Hugging Face models)
     aux_loss: Literal["megatron", "hf"] | None  #: where aux losses come from; None: none
+    expert_bias: bool = False  #: routers keep an aux-loss-free expert bias (moe/expert_bias.py)
 
 
 _HF_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -83,7 +84,8 @@ def model_facts(config: Any) -> ModelFacts:
         )
     experts = int(getattr(config, "num_moe_experts", None) or 0)
     ep = int(getattr(config, "expert_model_parallel_size", 1) or 1)
-    return ModelFacts(experts, int(config.num_layers), ep, "megatron" if experts else None)
+    bias = bool(experts and getattr(config, "moe_router_enable_expert_bias", False))
+    return ModelFacts(experts, int(config.num_layers), ep, "megatron" if experts else None, bias)
 
 
 class PolicyMetrics:
@@ -102,6 +104,7 @@ class PolicyMetrics:
         self._attached = False
         self._facts: ModelFacts | None = None
         self._hf_aux: Any = None  # moe.hf_aux_loss.HFAuxLossAccumulator for transformers models
+        self._bias: Any = None  # moe.expert_bias.ExpertBiasTracker when routers keep a bias
         self._steps_since_export = 0
         self._microbatches_since_export = 0  # a host counter: no device read per microbatch
 
@@ -152,6 +155,12 @@ class PolicyMetrics:
                 RuntimeWarning,
                 stacklevel=3,
             )
+        if facts.expert_bias:
+            from nemo_moe_metrics.moe.expert_bias import ExpertBiasTracker
+
+            # Every rank joins the bias reduce, also a pipeline stage without MoE layers.
+            sources = self._collector.expert_bias_sources() if self._collector else []
+            self._bias = ExpertBiasTracker(sources)
         if facts.aux_loss == "hf" and self._collector is not None:
             from nemo_moe_metrics.moe.hf_aux_loss import HFAuxLossAccumulator
 
@@ -267,6 +276,15 @@ class PolicyMetrics:
                     )
                 )
             )
+            if self._bias is not None:  # after the loads: their first export agrees the layers
+                from nemo_moe_metrics.moe.expert_bias import split_layer_keys
+
+                per_layer = self.cfg.moe_per_layer_logging
+                pending.append(
+                    self._bias.enqueue(self._reducer.layer_ids).then(
+                        lambda bias: split_layer_keys(bias, per_layer)
+                    )
+                )
         if self._meter is not None:
             pending.append(self._meter.enqueue())
         out: dict[str, Any] = {}

@@ -46,6 +46,9 @@ class RouterSpec:
     num_experts: Callable[[nn.Module], int]
     topk: Callable[[nn.Module], int]
     layer_id: Callable[[nn.Module, str], int] | None = None
+    # expert_bias(router, parent) -> the layer's aux-loss-free bias buffer [E] or None (the
+    # buffer is read again at every export, so a buffer replaced after attach is followed).
+    expert_bias: Callable[[nn.Module, nn.Module | None], torch.Tensor | None] | None = None
 
 
 def _megatron_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
@@ -90,6 +93,8 @@ _MEGATRON = RouterSpec(
     num_experts=lambda m: int(m.config.num_moe_experts),
     topk=lambda m: int(m.topk),
     layer_id=_megatron_layer_id,
+    # moe_router_enable_expert_bias: TopKRouter.expert_bias (None when off).
+    expert_bias=lambda router, parent: getattr(router, "expert_bias", None),
 )
 _HF = RouterSpec(
     counts_fn=_topk_index_counts,
@@ -242,6 +247,7 @@ class ExpertLoadCollector:
             self._handles.append(chunk.register_forward_pre_hook(self._enter))
             self._handles.append(chunk.register_forward_hook(self._leave, always_call=True))
         self._accs.sort(key=lambda a: a.layer_id)
+        self._bias_sources: list[tuple[int, Callable[[], torch.Tensor | None]]] = []
 
     @classmethod
     def attach(cls, model_chunks: nn.Module | Iterable[nn.Module]) -> ExpertLoadCollector | None:
@@ -253,15 +259,32 @@ class ExpertLoadCollector:
         if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
             raise TypeError("attach() takes an nn.Module or a list of nn.Module model chunks")
         routers = []
+        parents: dict[int, nn.Module | None] = {}
         for chunk in chunks:
-            for name, module in chunk.named_modules():
+            modules = dict(chunk.named_modules())
+            for name, module in modules.items():
                 spec = _spec_for(module)
                 if spec is None or "mtp" in name.split("."):
                     continue
                 routers.append((name, module, spec))
+                parents[id(module)] = modules.get(name.rpartition(".")[0]) if name else None
         if not routers:
             return None
-        return cls(chunks, routers)
+        collector = cls(chunks, routers)
+        for name, module, spec in routers:
+            if spec.expert_bias is not None:
+                layer = spec.layer_id(module, name) if spec.layer_id else _name_layer_id(name)
+                get = spec.expert_bias
+                parent = parents[id(module)]
+                collector._bias_sources.append(
+                    (layer, lambda get=get, m=module, p=parent: get(m, p))
+                )
+        return collector
+
+    def expert_bias_sources(self) -> list[tuple[int, Callable[[], torch.Tensor | None]]]:
+        """``(global layer id, getter of the current bias buffer or None)`` per hooked router
+        whose class knows where an aux-loss-free expert bias lives (``moe.expert_bias``)."""
+        return list(self._bias_sources)
 
     # -- hooks (hot path: Python flags and device ops only) --------------------------------
     def _enter(self, chunk: nn.Module, args: tuple) -> None:
