@@ -6,6 +6,7 @@ and pyyaml. Everything heavier is an extra of the package, named in ``pyproject.
 - ``megatron``: megatron-core (reference policy worker, aux-loss tracker, CPU demo);
 - ``launch``: nemo-run (with its leptonai pin) and rich, for ``nemo-moe-metrics run`` and Slurm;
 - ``wandb``, ``tensorboard``: those sinks; ``report``: matplotlib for the pictures;
+- ``torchtitan``: torchtitan 0.3.0 models (``examples/integrate_torchtitan.py``);
 - ``all``: every one of them.
 
 A module that needs an extra imports it through :func:`require`, so a missing one fails with
@@ -25,6 +26,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "wandb": ("wandb",),
     "tensorboard": ("tensorboard",),
     "report": ("matplotlib",),
+    "torchtitan": ("torchtitan",),
 }
 
 

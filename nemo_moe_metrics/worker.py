@@ -62,6 +62,11 @@ def model_facts(config: Any) -> ModelFacts:
 
     FLOPs need no adapter: ``nemo_moe_metrics.flops`` takes either config type.
     """
+    from nemo_moe_metrics.moe.torchtitan import is_torchtitan_config, torchtitan_model_facts
+
+    if is_torchtitan_config(config):  # torchtitan's model config (e.g. DeepSeekV3Model.Config)
+        experts, layers, bias = torchtitan_model_facts(config)
+        return ModelFacts(experts, layers, 1, None, bias)
     if isinstance(config, Mapping) and "model_type" in config:  # a config.json dict
         from transformers import AutoConfig
 
@@ -80,7 +85,8 @@ def model_facts(config: Any) -> ModelFacts:
         raise TypeError(
             f"PolicyMetrics.attach(model, config): config is a {type(config).__name__}; pass the "
             "model's megatron-core TransformerConfig or its transformers PretrainedConfig "
-            "(model.config, or its config.json as a dict with model_type)"
+            "(model.config, or its config.json as a dict with model_type), or a torchtitan "
+            "model config (e.g. DeepSeekV3Model.Config)"
         )
     experts = int(getattr(config, "num_moe_experts", None) or 0)
     ep = int(getattr(config, "expert_model_parallel_size", 1) or 1)

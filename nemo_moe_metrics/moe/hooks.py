@@ -78,6 +78,18 @@ def _topk_index_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any
     return counts, indices.shape[0]
 
 
+def _torchtitan_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    # TokenChoiceTopKRouter.forward(x_BLD, expert_bias_E) -> (topk_scores_BLK,
+    # topk_expert_ids_BLK, scores_BLE): count the expert ids (after the bias and any group
+    # limit), as MoE.forward does for its tokens_per_expert_E; no padding mask reaches it.
+    ids = output[1]
+    ids = ids.to_local() if hasattr(ids, "to_local") else ids  # DTensor under TP/SP
+    flat = ids.reshape(-1).to(torch.int64)
+    counts = torch.zeros(module.num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return counts, flat.numel() // ids.shape[-1]
+
+
 def _megatron_layer_id(module: nn.Module, name: str) -> int:
     number = getattr(module, "layer_number", None)
     if number is None:
@@ -102,9 +114,18 @@ _HF = RouterSpec(
     topk=lambda m: int(m.top_k),
 )
 
+_TORCHTITAN = RouterSpec(
+    counts_fn=_torchtitan_counts,
+    num_experts=lambda m: int(m.num_experts),
+    topk=lambda m: int(m.top_k),
+    # load_balance_coeff set: the parent MoE keeps expert_bias_E (None otherwise).
+    expert_bias=lambda router, parent: getattr(parent, "expert_bias_E", None),
+)
+
 # Built-in routers by "module.Class" so nothing is imported to recognise them.
 _BUILTIN: dict[str, RouterSpec] = {
     "megatron.core.transformer.moe.router.TopKRouter": _MEGATRON,
+    "torchtitan.models.common.moe.TokenChoiceTopKRouter": _TORCHTITAN,
     **{
         f"transformers.models.{mod}.modeling_{mod}.{cls}": _HF
         for mod, cls in [
@@ -253,7 +274,8 @@ class ExpertLoadCollector:
     def attach(cls, model_chunks: nn.Module | Iterable[nn.Module]) -> ExpertLoadCollector | None:
         """Hook every MoE router in the chunks; None (and no hooks at all) when there is none.
 
-        Multi-token-prediction routers (under a module named ``mtp``) are skipped.
+        Multi-token-prediction routers (under a module named ``mtp`` or ``mtp_layers``) are
+        skipped.
         """
         chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
         if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
@@ -264,7 +286,7 @@ class ExpertLoadCollector:
             modules = dict(chunk.named_modules())
             for name, module in modules.items():
                 spec = _spec_for(module)
-                if spec is None or "mtp" in name.split("."):
+                if spec is None or {"mtp", "mtp_layers"} & set(name.split(".")):
                     continue
                 routers.append((name, module, spec))
                 parents[id(module)] = modules.get(name.rpartition(".")[0]) if name else None

@@ -1,0 +1,7 @@
+"""One thin module per training framework; each imports its framework lazily.
+
+- :mod:`nemo_moe_metrics.integrations.megatron_bridge`: ``MoEMetricsCallback``, a Megatron-Bridge
+  training callback (``pretrain(config, forward_step, callbacks=[...])``).
+
+Importing this package imports no framework; the core package never imports an integration.
+"""
