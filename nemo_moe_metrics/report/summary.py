@@ -205,8 +205,14 @@ def render_report(
     values = last_values(path, lines_, last_keys + aux_keys)
     out += _throughput_lines(lines_, values)
     aux = [f"{k} {values[k]:.4g}" for k in aux_keys if k in values]
+    from nemo_moe_metrics.report.bias import bias_report_lines
+
+    bias = bias_report_lines(run, path, lines_, out_dir)  # [] without an expert bias
+    out += bias
     if aux:
         out.append("aux losses (last step): " + ", ".join(aux))
+    elif bias:
+        out.append("aux losses: none logged (the routers balance with the expert bias above)")
     else:
         out.append("aux losses: not logged; enable policy.megatron_cfg.track_moe_metrics=true")
     return "\n".join(out)
