@@ -22,17 +22,14 @@ def _bias_run(rank, world_size):
     from nemo_moe_metrics.config import MetricsConfig, load_recipe
     from nemo_moe_metrics.worker import PolicyMetrics
 
-    plain = mm.build_transformer_config
-
-    def with_bias(*args, **kwargs):
-        config = plain(*args, **kwargs)
-        config.moe_router_enable_expert_bias = True
-        config.moe_router_score_function = "sigmoid"
-        config.moe_router_bias_update_rate = 0.01
-        return config
-
-    mm.build_transformer_config = with_bias
-    recipe = load_recipe(RECIPE, ["policy.megatron_cfg.expert_model_parallel_size=1"])
+    recipe = load_recipe(
+        RECIPE,
+        [
+            "policy.megatron_cfg.expert_model_parallel_size=1",
+            "policy.model.moe_router_enable_expert_bias=true",
+            "policy.model.moe_router_bias_update_rate=0.01",
+        ],
+    )
     mm.init_distributed(recipe.policy.megatron_cfg)
     model = mm.build_gpt_model(recipe.policy.model, recipe.policy.megatron_cfg)
     config = model.config
