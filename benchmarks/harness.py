@@ -54,6 +54,9 @@ class StepModel:
     seq_length: int = 64
     micro_batch_size: int = 2
     num_microbatches: int = 4
+    # Aux-loss-free balancing on (megatron's router.expert_bias, moved after every step by
+    # megatron's own update): the on variant also exports moe/expert_bias_* (issue 22).
+    expert_bias: bool = True
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,7 @@ class _StepBench:
             num_experts=s.num_experts,
             moe_router_topk=s.topk,
             moe_ffn_hidden_size=s.moe_ffn_hidden_size,
+            moe_router_enable_expert_bias=s.expert_bias,
         )
         self.transformer_config = build_transformer_config(model_cfg, megatron_cfg)
         torch.manual_seed(cfg.seed)
@@ -289,6 +293,12 @@ class _StepBench:
                 )
             if variant.counter is not None:
                 variant.counter.mark()  # microbatches done: optimizer and step exit follow
+            if s.expert_bias:  # what finalize_model_grads does before the optimizer step
+                from megatron.core.distributed.finalize_model_grads import (
+                    _update_router_expert_bias,
+                )
+
+                _update_router_expert_bias([self.model], self.transformer_config)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         t1 = time.perf_counter()
@@ -348,6 +358,7 @@ class _StepBench:
             "check_assignments": per_layer == {i: tokens * s.topk for i in range(s.num_layers)},
             "check_flops": metrics.get(mn.ESTIMATED_FLOPS, 0.0) > 0,
             "check_aux_loss": 0.5 < metrics.get("moe/load_balancing_loss", 0.0) < 4.0,
+            "check_expert_bias": (mn.EXPERT_BIAS_RANGE in metrics) == s.expert_bias,
         }
 
     def account_direct_costs(self, steps: int) -> dict[str, list[float]]:

@@ -135,6 +135,15 @@ class ModelConfig(StrictModel):
     moe_aux_loss_coeff: float = Field(1e-2, ge=0)
     moe_z_loss_coeff: float | None = Field(None, ge=0)
     moe_expert_capacity_factor: float | None = Field(None, gt=0)
+    moe_router_enable_expert_bias: bool = Field(
+        False,
+        description=(
+            "Aux-loss-free balancing (DeepSeek-V3): a per-expert routing bias that megatron "
+            "moves by moe_router_bias_update_rate after each step; logged as "
+            "moe/expert_bias_range and moe/expert_bias_update. Routes with sigmoid scores."
+        ),
+    )
+    moe_router_bias_update_rate: float = Field(1e-3, gt=0)
     hybrid_layer_pattern: str | None = Field(
         None,
         description=(

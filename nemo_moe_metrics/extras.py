@@ -7,6 +7,7 @@ and pyyaml. Everything heavier is an extra of the package, named in ``pyproject.
 - ``launch``: nemo-run (with its leptonai pin) and rich, for ``nemo-moe-metrics run`` and Slurm;
 - ``wandb``, ``tensorboard``: those sinks; ``report``: matplotlib for the pictures;
 - ``hf``: transformers, for Hugging Face models (``examples/integrate_hf_fsdp.py``);
+- ``torchtitan``: torchtitan 0.3.0 models (``examples/integrate_torchtitan.py``);
 - ``all``: every one of them.
 
 A module that needs an extra imports it through :func:`require`, so a missing one fails with
@@ -27,6 +28,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "tensorboard": ("tensorboard",),
     "report": ("matplotlib",),
     "hf": ("transformers",),
+    "torchtitan": ("torchtitan",),
 }
 
 

@@ -63,6 +63,21 @@ def layer_stat_key(layer: int, stat: str) -> str:
     return f"{MOE_PREFIX}layer_{layer}/{stat}"
 
 
+# Aux-loss-free balancing (routers with an expert bias): means over MoE layers with a bias, and
+# per layer moe/layer_{i}/{stat} with moe_per_layer_logging (moe/expert_bias.py).
+EXPERT_BIAS_RANGE = "moe/expert_bias_range"
+EXPERT_BIAS_UPDATE = "moe/expert_bias_update"
+EXPERT_BIAS_KEYS = (EXPERT_BIAS_RANGE, EXPERT_BIAS_UPDATE)
+BIAS_LAYER_STATS = ("expert_bias_range", "expert_bias_update")
+
+
+def expert_bias_layer_key(layer: int, stat: str) -> str:
+    """``moe/layer_{i}/expert_bias_range`` or ``.../expert_bias_update`` (``i`` global, 0-based)."""
+    if stat not in BIAS_LAYER_STATS:
+        raise KeyError(f"unknown expert-bias statistic {stat!r}; known: {BIAS_LAYER_STATS}")
+    return f"{MOE_PREFIX}layer_{layer}/{stat}"
+
+
 # The expert-load table: a list of rows [layer, expert, tokens, load_percent].
 EXPERT_LOADS = "moe/expert_loads"
 EXPERT_LOAD_COLUMNS = ("layer", "expert", "tokens", "load_percent")
@@ -115,6 +130,7 @@ def documented_key_patterns() -> list[str]:
     keys += list(BALANCE_SUMMARY_KEYS)
     keys += [f"{MOE_PREFIX}layer_{{i}}/{stat}" for stat in LAYER_STATS]
     keys += [ALERTS, EXPERT_LOADS, *THROUGHPUT_KEYS, *FLOPS_KEYS]
+    keys += [*EXPERT_BIAS_KEYS, *(f"{MOE_PREFIX}layer_{{i}}/{s}" for s in BIAS_LAYER_STATS)]
     return keys
 
 

@@ -51,8 +51,10 @@ class ModelFacts:
     num_layers: int  #: decoder layers (global layer ids index into them)
     ep_size: int  #: expert-parallel ranks (1 for Hugging Face models)
     aux_loss: Literal["megatron", "hf"] | None  #: where aux losses come from; None: none
-    source: Literal["megatron", "hf"] = "megatron"  #: which kind of config described the model
+    #: which kind of config described the model
+    source: Literal["megatron", "hf", "torchtitan"] = "megatron"
     model_type: str | None = None  #: the Hugging Face model_type (None for megatron)
+    expert_bias: bool = False  #: routers keep an aux-loss-free expert bias (moe/expert_bias.py)
 
 
 _HF_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -63,6 +65,11 @@ def model_facts(config: Any) -> ModelFacts:
 
     FLOPs need no adapter: ``nemo_moe_metrics.flops`` takes either config type.
     """
+    from nemo_moe_metrics.moe.torchtitan import is_torchtitan_config, torchtitan_model_facts
+
+    if is_torchtitan_config(config):  # torchtitan's model config (e.g. DeepSeekV3Model.Config)
+        experts, layers, bias = torchtitan_model_facts(config)
+        return ModelFacts(experts, layers, 1, None, "torchtitan", expert_bias=bias)
     if isinstance(config, Mapping) and "model_type" in config:  # a config.json dict
         from transformers import AutoConfig
 
@@ -82,11 +89,14 @@ def model_facts(config: Any) -> ModelFacts:
         raise TypeError(
             f"PolicyMetrics.attach(model, config): config is a {type(config).__name__}; pass the "
             "model's megatron-core TransformerConfig or its transformers PretrainedConfig "
-            "(model.config, or its config.json as a dict with model_type)"
+            "(model.config, or its config.json as a dict with model_type), or a torchtitan "
+            "model config (e.g. DeepSeekV3Model.Config)"
         )
     experts = int(getattr(config, "num_moe_experts", None) or 0)
     ep = int(getattr(config, "expert_model_parallel_size", 1) or 1)
-    return ModelFacts(experts, int(config.num_layers), ep, "megatron" if experts else None)
+    bias = bool(experts and getattr(config, "moe_router_enable_expert_bias", False))
+    aux = "megatron" if experts else None
+    return ModelFacts(experts, int(config.num_layers), ep, aux, expert_bias=bias)
 
 
 def _no_router_message(facts: ModelFacts) -> str:
@@ -127,6 +137,7 @@ class PolicyMetrics:
         self._attached = False
         self._facts: ModelFacts | None = None
         self._hf_aux: Any = None  # moe.hf_aux_loss.HFAuxLossAccumulator for transformers models
+        self._bias: Any = None  # moe.expert_bias.ExpertBiasTracker when routers keep a bias
         self._steps_since_export = 0
         self._microbatches_since_export = 0  # a host counter: no device read per microbatch
         self._warned_empty_step = False
@@ -188,6 +199,12 @@ class PolicyMetrics:
         self._ep_size = facts.ep_size
         if self._collector is None:
             warnings.warn(_no_router_message(facts), RuntimeWarning, stacklevel=3)
+        if facts.expert_bias:
+            from nemo_moe_metrics.moe.expert_bias import ExpertBiasTracker
+
+            # Every rank joins the bias reduce, also a pipeline stage without MoE layers.
+            sources = self._collector.expert_bias_sources() if self._collector else []
+            self._bias = ExpertBiasTracker(sources)
         if facts.aux_loss == "hf" and self._collector is not None:
             from nemo_moe_metrics.moe.hf_aux_loss import HFAuxLossAccumulator
 
@@ -376,6 +393,15 @@ class PolicyMetrics:
                     )
                 )
             )
+            if self._bias is not None:  # after the loads: their first export agrees the layers
+                from nemo_moe_metrics.moe.expert_bias import split_layer_keys
+
+                per_layer = self.cfg.moe_per_layer_logging
+                pending.append(
+                    self._bias.enqueue(self._reducer.layer_ids).then(
+                        lambda bias: split_layer_keys(bias, per_layer)
+                    )
+                )
         if self._meter is not None:
             pending.append(self._meter.enqueue())
         if self._megatron_aux and self.cfg.aux_loss_tracker == "shared":

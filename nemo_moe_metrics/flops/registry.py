@@ -109,6 +109,12 @@ def get_flops_estimator(config: Any, *, vocab_size: int | None = None) -> FlopsE
     unwrapped) or a megatron-core TransformerConfig (then ``vocab_size`` is required: it sizes
     the lm_head; 0 leaves the lm_head out). ``vocab_size`` also overrides a HF config's value.
     """
+    from nemo_moe_metrics.moe.torchtitan import is_torchtitan_config
+
+    if is_torchtitan_config(config):  # read layer by layer, not through a config dict
+        from nemo_moe_metrics.flops.torchtitan import torchtitan_flops_estimator
+
+        return torchtitan_flops_estimator(config, vocab_size=vocab_size)
     data = normalise_config(config, vocab_size=vocab_size)
     model_type = data.get("model_type")
     factory = _REGISTRY.get(model_type) if isinstance(model_type, str) else None

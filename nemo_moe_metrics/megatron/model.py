@@ -90,6 +90,16 @@ def build_transformer_config(model: ModelConfig, megatron_cfg: MegatronConfig):
             moe_aux_loss_coeff=model.moe_aux_loss_coeff,
             moe_z_loss_coeff=model.moe_z_loss_coeff,
             moe_expert_capacity_factor=model.moe_expert_capacity_factor,
+            # megatron accepts the expert bias only with sigmoid router scores.
+            **(
+                dict(
+                    moe_router_enable_expert_bias=True,
+                    moe_router_score_function="sigmoid",
+                    moe_router_bias_update_rate=model.moe_router_bias_update_rate,
+                )
+                if model.moe_router_enable_expert_bias
+                else {}
+            ),
             moe_token_dispatcher_type="allgather" if not cuda_available() else "alltoall",
             moe_grouped_gemm=False,
         )

@@ -49,6 +49,9 @@ class RouterSpec:
     num_experts: Callable[[nn.Module], int]
     topk: Callable[[nn.Module], int]
     layer_id: Callable[[nn.Module, str], int] | None = None
+    # expert_bias(router, parent) -> the layer's aux-loss-free bias buffer [E] or None (the
+    # buffer is read again at every export, so a buffer replaced after attach is followed).
+    expert_bias: Callable[[nn.Module, nn.Module | None], torch.Tensor | None] | None = None
 
 
 def _megatron_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
@@ -78,6 +81,18 @@ def _topk_index_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any
     return counts, indices.shape[0]
 
 
+def _torchtitan_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    # TokenChoiceTopKRouter.forward(x_BLD, expert_bias_E) -> (topk_scores_BLK,
+    # topk_expert_ids_BLK, scores_BLE): count the expert ids (after the bias and any group
+    # limit), as MoE.forward does for its tokens_per_expert_E; no padding mask reaches it.
+    ids = output[1]
+    ids = ids.to_local() if hasattr(ids, "to_local") else ids  # DTensor under TP/SP
+    flat = ids.reshape(-1).to(torch.int64)
+    counts = torch.zeros(module.num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return counts, flat.numel() // ids.shape[-1]
+
+
 def _megatron_layer_id(module: nn.Module, name: str) -> int:
     number = getattr(module, "layer_number", None)
     if number is None:
@@ -93,6 +108,8 @@ _MEGATRON = RouterSpec(
     num_experts=lambda m: int(m.config.num_moe_experts),
     topk=lambda m: int(m.topk),
     layer_id=_megatron_layer_id,
+    # moe_router_enable_expert_bias: TopKRouter.expert_bias (None when off).
+    expert_bias=lambda router, parent: getattr(router, "expert_bias", None),
 )
 _HF = RouterSpec(
     counts_fn=_topk_index_counts,
@@ -100,9 +117,18 @@ _HF = RouterSpec(
     topk=lambda m: int(m.top_k),
 )
 
+_TORCHTITAN = RouterSpec(
+    counts_fn=_torchtitan_counts,
+    num_experts=lambda m: int(m.num_experts),
+    topk=lambda m: int(m.top_k),
+    # load_balance_coeff set: the parent MoE keeps expert_bias_E (None otherwise).
+    expert_bias=lambda router, parent: getattr(parent, "expert_bias_E", None),
+)
+
 # Built-in routers by "module.Class" so nothing is imported to recognise them.
 _BUILTIN: dict[str, RouterSpec] = {
     "megatron.core.transformer.moe.router.TopKRouter": _MEGATRON,
+    "torchtitan.models.common.moe.TokenChoiceTopKRouter": _TORCHTITAN,
     **{
         f"transformers.models.{mod}.modeling_{mod}.{cls}": _HF
         for mod, cls in [
@@ -251,26 +277,45 @@ class ExpertLoadCollector:
             self._handles.append(chunk.register_forward_pre_hook(self._enter))
             self._handles.append(chunk.register_forward_hook(self._leave, always_call=True))
         self._accs.sort(key=lambda a: a.layer_id)
+        self._bias_sources: list[tuple[int, Callable[[], torch.Tensor | None]]] = []
 
     @classmethod
     def attach(cls, model_chunks: nn.Module | Iterable[nn.Module]) -> ExpertLoadCollector | None:
         """Hook every MoE router in the chunks; None (and no hooks at all) when there is none.
 
-        Multi-token-prediction routers (under a module named ``mtp``) are skipped.
+        Multi-token-prediction routers (under a module named ``mtp`` or ``mtp_layers``) are
+        skipped.
         """
         chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
         if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
             raise TypeError("attach() takes an nn.Module or a list of nn.Module model chunks")
         routers = []
+        parents: dict[int, nn.Module | None] = {}
         for chunk in chunks:
-            for name, module in chunk.named_modules():
+            modules = dict(chunk.named_modules())
+            for name, module in modules.items():
                 spec = _spec_for(module)
-                if spec is None or "mtp" in name.split("."):
+                if spec is None or {"mtp", "mtp_layers"} & set(name.split(".")):
                     continue
                 routers.append((name, module, spec))
+                parents[id(module)] = modules.get(name.rpartition(".")[0]) if name else None
         if not routers:
             return None
-        return cls(chunks, routers)
+        collector = cls(chunks, routers)
+        for name, module, spec in routers:
+            if spec.expert_bias is not None:
+                layer = spec.layer_id(module, name) if spec.layer_id else _name_layer_id(name)
+                get = spec.expert_bias
+                parent = parents[id(module)]
+                collector._bias_sources.append(
+                    (layer, lambda get=get, m=module, p=parent: get(m, p))
+                )
+        return collector
+
+    def expert_bias_sources(self) -> list[tuple[int, Callable[[], torch.Tensor | None]]]:
+        """``(global layer id, getter of the current bias buffer or None)`` per hooked router
+        whose class knows where an aux-loss-free expert bias lives (``moe.expert_bias``)."""
+        return list(self._bias_sources)
 
     # -- hooks (hot path: Python flags and device ops only) --------------------------------
     def _enter(self, chunk: nn.Module, args: tuple) -> None:

@@ -146,6 +146,11 @@ class ExpertLoadReducer:
         self._index_on: dict[torch.device, torch.Tensor] = {}  # a host-to-device copy syncs
         self._size = 0
 
+    @property
+    def layer_ids(self) -> list[int]:
+        """Global MoE layer ids agreed at the first export (empty before it)."""
+        return list(self._layout[0]) if self._layout is not None else []
+
     def _agree(self, sig: Signature, world: int) -> None:
         if world > 1:
             gathered: list[Any] = [None] * world

@@ -222,10 +222,16 @@ def render_report(
     values = last_values(path, lines_, last_keys + aux_keys)
     out += _throughput_lines(lines_, values, run)
     aux = [f"{k} {values[k]:.4g}" for k in aux_keys if k in values]
+    from nemo_moe_metrics.report.bias import bias_report_lines
+
+    bias = bias_report_lines(run, path, lines_, out_dir)  # [] without an expert bias
+    out += bias
     if aux:
         out.append("aux losses (last step): " + ", ".join(aux))
     elif routed == 0:
         out.append("aux losses: none (no expert received a training token)")
+    elif bias:
+        out.append("aux losses: none logged (the routers balance with the expert bias above)")
     else:
         out.append("aux losses: not logged; enable " + run.hint("moe"))
     return "\n".join(out)

@@ -1,0 +1,89 @@
+"""examples/integrate_torchtitan.py on 2 gloo ranks: torchtitan's own FSDP2 parallelize, checked
+against oracles. Oracles: a probe on each router counting its expert ids (``torch.bincount``),
+summed over both ranks by the test; the ``expert_bias_E`` buffers read on each rank after the
+run; the sequence lengths of the batch."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from dist import ok_values, run_ranks
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "integrate_torchtitan.py"
+STEPS = 2
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("integrate_torchtitan", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rank(rank, world_size, out_dir):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    example = _example()
+    probe: list[dict[int, list[int]]] = []
+    moes = {}
+    parallelize = example.parallelize
+
+    def parallelize_with_oracle(model, family, world):
+        for name, m in model.named_modules():
+            layer = name.split("layers.")[1].split(".")[0] if "layers." in name else None
+            if type(m).__name__ == "TokenChoiceTopKRouter":
+
+                def hook(mod, args, out, layer=int(layer)):
+                    if not probe or layer in probe[-1]:
+                        probe.append({})
+                    counts = torch.bincount(out[1].reshape(-1), minlength=mod.num_experts)
+                    probe[-1][layer] = counts.tolist()
+
+                m.register_forward_hook(hook)
+            if type(m).__name__ == "MoE":
+                moes[int(layer)] = m
+        return parallelize(model, family, world)
+
+    example.parallelize = parallelize_with_oracle
+    history = example.run(Path(out_dir), steps=STEPS)
+    bias = {k: m.expert_bias_E.tolist() for k, m in moes.items()}
+    return history, probe, bias
+
+
+@pytest.mark.timeout(400)
+def test_torchtitan_example_matches_router_outputs_and_bias_buffers(tmp_path):
+    pytest.importorskip("torchtitan", reason="needs the torchtitan extra (torchtitan 0.3.0)")
+    from nemo_moe_metrics import metric_names as mn
+
+    results = ok_values(run_ranks(_rank, 2, str(tmp_path), timeout=380))
+    (h0, p0, b0), (h1, p1, b1) = results
+    assert h0 == h1  # the same dict on every rank
+    assert b0 == b1  # torchtitan's pre-hook keeps the replicas' bias equal
+    for step in range(STEPS):
+        out = h0[step]
+        table = np.array(out[mn.EXPERT_LOADS], dtype=np.int64)
+        for layer in (1, 2):  # layer 0 is dense
+            expected = np.add(p0[step][layer], p1[step][layer])
+            assert table[table[:, 0] == layer, 2].tolist() == expected.tolist()
+        assert out[mn.TOKENS] == 2 * 2 * 32
+    last = h0[-1]
+    for layer, b in b0.items():
+        assert last[f"moe/layer_{layer}/expert_bias_range"] == pytest.approx(np.ptp(b), abs=1e-9)
+    assert last["moe/expert_bias_range"] > 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS))
+
+
+def test_torchtitan_example_names_the_extra_when_torchtitan_is_missing(monkeypatch, tmp_path):
+    from nemo_moe_metrics.extras import MissingExtraError
+
+    monkeypatch.setitem(sys.modules, "torchtitan", None)  # import torchtitan now fails
+    with pytest.raises(MissingExtraError, match=r"nemo_moe_metrics\[torchtitan\]"):
+        _example().run(tmp_path)
