@@ -13,6 +13,10 @@ from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import ConfigError, LoggerConfig, load_recipe
 from nemo_moe_metrics.sinks import build_sinks
 
+# CLI, report, config and Hugging Face checks: the same on every megatron-core line
+# (tests/conftest.py), so CI runs them on one line.
+pytestmark = pytest.mark.one_line
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+# CLI, report, config and Hugging Face checks: the same on every megatron-core line
+# (tests/conftest.py), so CI runs them on one line.
+pytestmark = pytest.mark.one_line
+
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "examples" / "configs" / "grpo_moe_tiny.yaml"
 SFT = ROOT / "examples" / "configs" / "sft_moe_tiny.yaml"

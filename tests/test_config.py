@@ -15,6 +15,10 @@ from nemo_moe_metrics.config import (
     recipe_from_dict,
 )
 
+# CLI, report, config and Hugging Face checks: the same on every megatron-core line
+# (tests/conftest.py), so CI runs them on one line.
+pytestmark = pytest.mark.one_line
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "configs"
 RECIPES = sorted(EXAMPLES.glob("*.yaml"))
 

@@ -19,6 +19,10 @@ import pytest
 from nemo_moe_metrics.flops import get_flops_estimator, hf_defaults, registered_model_types
 from nemo_moe_metrics.flops.megatron import MEGATRON_MODEL_TYPE
 
+# CLI, report, config and Hugging Face checks: the same on every megatron-core line
+# (tests/conftest.py), so CI runs them on one line.
+pytestmark = pytest.mark.one_line
+
 LENGTHS = [1, 40, 5000]  # 5000 > the 4096-token default sliding windows
 
 _ATTN = dict(

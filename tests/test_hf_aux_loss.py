@@ -19,6 +19,10 @@ from nemo_moe_metrics.config import MetricsConfig
 from nemo_moe_metrics.moe.hf_aux_loss import layer_load_balancing_loss
 from nemo_moe_metrics.worker import PolicyMetrics, model_facts
 
+# CLI, report, config and Hugging Face checks: the same on every megatron-core line
+# (tests/conftest.py), so CI runs them on one line.
+pytestmark = pytest.mark.one_line
+
 torch.set_num_threads(1)
 WITH_AUX = [f for f in FAMILIES if f != "deepseek_v3"]
 ALL_ON = MetricsConfig(

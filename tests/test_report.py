@@ -21,6 +21,10 @@ from nemo_moe_metrics.report import (
 )
 from nemo_moe_metrics.sinks import build_sinks
 
+# CLI, report, config and Hugging Face checks: the same on every megatron-core line
+# (tests/conftest.py), so CI runs them on one line.
+pytestmark = pytest.mark.one_line
+
 REPO = Path(__file__).resolve().parent.parent
 N_EXPERTS = 8
 
