@@ -33,7 +33,7 @@ from nemo_moe_metrics.report.reading import (
     layer_key_series,
     run_info,
     scan_jsonl,
-    store_counts,
+    store_blocks,
     store_has_steps,
     window_text,
 )
@@ -158,12 +158,14 @@ def render_report(
     span = f"step {first}" if first == last else f"steps {first}–{last} ({len(lines_)} logged)"
     out = [f"run {run.name}: {span}"]
 
-    source = store_counts(run_dir, steps)
-    if source is None:
-        source = jsonl_table_counts(path, lines_, run.num_experts)
     timeline = Timeline(keep_sum=steps is not None, dead_steps=dead_steps)
-    for step, layer_ids, counts in source:
-        timeline.add(step, layer_ids, counts)
+    blocks = store_blocks(run_dir, steps)
+    if blocks is not None:
+        for block in blocks:
+            timeline.add_block(block)
+    else:
+        for step, layer_ids, counts in jsonl_table_counts(path, lines_, run.num_experts):
+            timeline.add(step, layer_ids, counts)
 
     if timeline.steps:
         out += _count_pictures(run, timeline, out_dir, layers)
