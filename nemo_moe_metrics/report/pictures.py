@@ -200,9 +200,9 @@ def _nice_stride(n: int, max_ticks: int) -> int:
     return stride
 
 
-# A line picture is 1,100 pixels wide: more points than this per line are drawn as each
+# A line picture is about 1,000 pixels wide: more points than this per line are drawn as each
 # column's lowest and highest value (``_envelope``), which looks the same and keeps spikes.
-_MAX_POINTS = 2_000
+_MAX_POINTS = 1_200
 
 
 def _envelope(steps: Any, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
