@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -80,7 +82,6 @@ def collapse(steps: int, layers: int) -> tuple[int, tuple[int, int]]:
 def measure_report(run_dir: Path, out_dir: Path, timeout: float = 600.0) -> dict:
     """Run ``nemo-moe-metrics report RUN --out OUT`` in a fresh process: wall seconds, CPU
     seconds and peak RSS of that process alone (``getrusage`` of a wrapper's only child)."""
-    import os
     import subprocess
 
     wrapper = (
@@ -107,43 +108,80 @@ def measure_report(run_dir: Path, out_dir: Path, timeout: float = 600.0) -> dict
     return json.loads(proc.stdout)
 
 
-def report_bench(work: Path, *, steps: int, layers: int, experts: int, table_every: int) -> dict:
-    """Generate a run, report on it; the two benchmark keys, checks and details."""
-    run_dir, out_dir = Path(work) / "run", Path(work) / "report"
-    written = write_run(
-        run_dir, steps=steps, layers=layers, experts=experts, table_every=table_every
-    )
-    m = measure_report(run_dir, out_dir)
+def _report_checks(m: dict, out_dir: Path, steps: int, layers: int, experts: int, every: int):
+    """The report's own checks on the generated run: exit 0, pictures, every step, the planted
+    dead streak and collapse found."""
     summary = m["stdout"]
-    logged = len(range(0, steps, table_every))
     (la, ex), (first, last) = next(iter(dead_streaks(steps, layers, experts).items()))
-    first = -(-first // table_every) * table_every  # the first logged step of the streak
-    last = last // table_every * table_every
+    first = -(-first // every) * every  # the first logged step of the streak
+    last = last // every * every
     hot_layer, _ = collapse(steps, layers)
     pngs = ("expert_load_heatmap.png", "expert_load_over_steps.png", "routing_drift.png")
     return {
-        "report_seconds": m["wall_s"],
-        "report_peak_rss_mb": m["maxrss_kb"] / 1024,
-        "checks": {
-            "report_exit_0": m["rc"] == 0,
-            "report_pictures_written": all((out_dir / f).is_file() for f in pngs),
-            "report_reads_every_logged_step": f"steps 0–{steps - 1} ({steps} logged)" in summary,
-            "report_finds_the_dead_streak": f"expert {ex} steps {first}–{last}" in summary
-            and f"layer {la}:" in summary,
-            "report_finds_the_collapse": f"at layer {hot_layer} step" in summary,
-        },
-        "details": {
-            "steps": steps,
-            "shape": [layers, experts],
-            "table_every": table_every,
-            "tables_in_store": logged,
-            "cpu_seconds": m["cpu_s"],
-            "jsonl_mb": written["jsonl_bytes"] / 1e6,
-            "store_mb": written["store_bytes"] / 1e6,
-            "generate_seconds": written["seconds"],
-            "stderr_tail": m["stderr"][-500:],
-        },
+        "exit_0": m["rc"] == 0,
+        "pictures_written": all((out_dir / f).is_file() for f in pngs),
+        "reads_every_logged_step": f"steps 0–{steps - 1} ({steps} logged)" in summary,
+        "finds_the_dead_streak": f"expert {ex} steps {first}–{last}" in summary
+        and f"layer {la}:" in summary,
+        "finds_the_collapse": f"at layer {hot_layer} step" in summary,
     }
+
+
+def report_bench(
+    work: Path,
+    *,
+    steps: int,
+    layers: int,
+    experts: int,
+    table_every: int,
+    every_step: bool = True,
+) -> dict:
+    """Generate a run, report on it at ``table_every`` and (``every_step``) on the same run with
+    a table every step (the report's hardest case); the benchmark keys, checks and details."""
+    run_dir, out_dir = Path(work) / "run", Path(work) / "report"
+    every_dir, every_out = Path(work) / "run_every_step", Path(work) / "report_every_step"
+    written = write_run(
+        run_dir,
+        steps=steps,
+        layers=layers,
+        experts=experts,
+        table_every=table_every,
+        also={every_dir: 1} if every_step else None,
+    )
+    m = measure_report(run_dir, out_dir)
+    checks = {
+        f"report_{k}": v
+        for k, v in _report_checks(m, out_dir, steps, layers, experts, table_every).items()
+    }
+    result = {"report_seconds": m["wall_s"], "report_peak_rss_mb": m["maxrss_kb"] / 1024}
+    details = {
+        "steps": steps,
+        "shape": [layers, experts],
+        "table_every": table_every,
+        "tables_in_store": len(range(0, steps, table_every)),
+        "cpu_seconds": m["cpu_s"],
+        "jsonl_mb": written["jsonl_bytes"] / 1e6,
+        "store_mb": written["store_bytes"] / 1e6,
+        "generate_seconds": written["seconds"],
+        "stderr_tail": m["stderr"][-500:],
+    }
+    if every_step:
+        e = measure_report(every_dir, every_out)
+        checks.update(
+            {
+                f"report_every_step_{k}": v
+                for k, v in _report_checks(e, every_out, steps, layers, experts, 1).items()
+            }
+        )
+        result["report_seconds_every_step"] = e["wall_s"]
+        result["report_peak_rss_mb_every_step"] = e["maxrss_kb"] / 1024
+        details["every_step"] = {
+            "tables_in_store": steps,
+            "cpu_seconds": e["cpu_s"],
+            "store_mb": written["store_bytes_every_1"] / 1e6,
+            "stderr_tail": e["stderr"][-500:],
+        }
+    return {**result, "checks": checks, "details": details}
 
 
 def write_run(
@@ -154,14 +192,22 @@ def write_run(
     experts: int = 256,
     table_every: int = DEFAULT_TABLE_EVERY,
     seed: int = 0,
+    also: dict[Path, int] | None = None,
 ) -> dict[str, float]:
-    """Write the run directory ``out``; returns its size in bytes per file and seconds taken."""
+    """Write the run directory ``out``; returns its size in bytes per file and seconds taken.
+
+    ``also`` maps more run directories to their table cadence: each gets the same
+    ``metrics.jsonl`` and ``run.json`` (hard links, or copies) and its own store at that cadence,
+    written in the same pass (one generation serves the default cadence and every step).
+    """
     if experts % EP_SIZE:
         raise ValueError(f"--experts must be a multiple of {EP_SIZE} (expert parallel size)")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    for name in (METRICS_FILE, store_path(out).name):
-        (out / name).unlink(missing_ok=True)
+    cadences = {out: table_every, **{Path(k): v for k, v in (also or {}).items()}}
+    for d in cadences:
+        d.mkdir(parents=True, exist_ok=True)
+        for name in (METRICS_FILE, store_path(d).name, RUN_FILE):
+            (d / name).unlink(missing_ok=True)
     started = time.perf_counter()
     rng = np.random.default_rng(seed)
     config = {
@@ -175,7 +221,7 @@ def write_run(
     wanted = TOKENS_PER_STEP * TOPK
     total_tokens = total_seconds = 0.0
     jsonl = JsonlSink(out / METRICS_FILE, fsync=False)
-    store = ExpertLoadStore(store_path(out), fsync=False)
+    stores = {d: (ExpertLoadStore(store_path(d), fsync=False), k) for d, k in cadences.items()}
     layer_ids = list(range(layers))
     try:
         for step in range(steps):
@@ -229,15 +275,25 @@ def write_run(
                 for name, values in stats.items():
                     record[mn.layer_stat_key(i, name)] = float(values[i])
             jsonl.log(record, step)
-            if step % table_every == 0:
-                store.append(step, layer_ids, counts)
+            for store, every in stores.values():
+                if step % every == 0:
+                    store.append(step, layer_ids, counts)
     finally:
         jsonl.close()
-        store.close()
+        for store, _ in stores.values():
+            store.close()
+    for d in cadences:
+        if d != out:
+            for name in (METRICS_FILE, RUN_FILE):
+                try:
+                    os.link(out / name, d / name)
+                except OSError:
+                    shutil.copyfile(out / name, d / name)
     return {
         "seconds": time.perf_counter() - started,
         "jsonl_bytes": (out / METRICS_FILE).stat().st_size,
         "store_bytes": store_path(out).stat().st_size,
+        **{f"store_bytes_every_{k}": store_path(d).stat().st_size for d, k in cadences.items()},
     }
 
 

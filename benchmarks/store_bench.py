@@ -5,15 +5,21 @@ realistic step table (Qwen3-235B's shape: 94 MoE layers x 256 experts; 4M tokens
 per step, so counts need 32 bits) and reports per step, amortised at the default cadence
 (``logger.table_every``): a table step's cost over ``table_every`` steps, plus the steps in
 between (which carry scalars only). The per-table-step figures are in the details.
+W&B is timed twice: as the machine is, and loaded with one busy-loop process per logical CPU
+(``busy_cores``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +93,9 @@ def store_bench(table_every: int, table_repeats: int, wandb_repeats: int) -> dic
         read_ms = 1e3 * (time.perf_counter() - t0) / len(tables)
 
     wandb = _wandb_bench(rows[0], wandb_repeats, table_every)
+    with busy_cores() as hogs:
+        loaded = _wandb_bench(rows[0], wandb_repeats, table_every)
+    loaded["busy_loop_processes"] = hogs
     table_ms = _median_ms(write_s)
     skip_ms = _median_ms(skip_s) if skip_s else 0.0
     bytes_table = float(statistics.median(sizes))
@@ -95,6 +104,7 @@ def store_bench(table_every: int, table_repeats: int, wandb_repeats: int) -> dic
         "store_bytes_per_step_94x256": bytes_table / table_every,
         "store_write_ms_94x256": amortised_ms,
         "wandb_table_ms_94x256": wandb["amortised_ms"],
+        "wandb_table_ms_94x256_loaded": loaded["amortised_ms"],
         "checks": {"store_round_trip_exact": exact},
         "details": {
             "table_every": table_every,
@@ -113,11 +123,33 @@ def store_bench(table_every: int, table_repeats: int, wandb_repeats: int) -> dic
                 "store_write_ms_per_table_step <= 5": table_ms <= 5.0,
             },
             "wandb": wandb,
+            # The same, while one busy-loop process per logical CPU keeps every core busy.
+            "wandb_loaded": loaded,
             "table_outputs_10k_steps_mb": 1e-6
             * (10_000 // table_every)
             * (bytes_table + wandb["table_bytes"]),
         },
     }
+
+
+@contextlib.contextmanager
+def busy_cores(n: int | None = None) -> Iterator[int]:
+    """Load the machine: ``n`` (default: one per logical CPU) processes spinning in a Python
+    loop until the block ends; yields how many. The measured process then shares each core
+    with a spinning one, besides whatever else runs."""
+    n = (os.cpu_count() or 1) if n is None else n
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+        for _ in range(n)
+    ]
+    try:
+        time.sleep(0.2)  # let them start spinning
+        yield n
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
 
 
 def _json_line(rows: list[list]) -> str:

@@ -81,3 +81,24 @@ def test_wandb_follows_table_every_when_wandb_table_every_is_unset(tmp_path):
     sink.close()
     files = (tmp_path / "wandb").glob("offline-run-*/files/media/table/moe/expert_loads_*")
     assert sorted(json.loads(f.read_text())["data"][0][2] for f in files) == [0, 3, 6]
+
+
+def test_wandb_table_declares_number_columns_and_refuses_a_missing_cell(tmp_path):
+    import wandb
+
+    from nemo_moe_metrics.metric_names import EXPERT_LOADS
+    from nemo_moe_metrics.sinks.wandb import WandbSink
+
+    sink = WandbSink(tmp_path, mode="offline", project="t", run_name="t")
+    try:
+        rows = [[0, e, 10 * e, 100.0 * e / 60] for e in range(4)]
+        table = sink._table(EXPERT_LOADS, rows)
+        # The same column types and rows as W&B's own row-by-row inference.
+        inferred = wandb.Table(columns=list(table.columns), data=rows, optional=False)
+        assert table._column_types.to_json() == inferred._column_types.to_json()
+        assert table.data == inferred.data
+        for bad in ([[0, 1, None, 2.0]], [[0, 1, 2]], [[0, 1, "x", 2.0]]):
+            with pytest.raises(TypeError, match="numbers"):
+                sink._table(EXPERT_LOADS, bad)
+    finally:
+        sink.close()

@@ -17,6 +17,7 @@ from nemo_moe_metrics.sinks.store import (
     ExpertLoadSink,
     ExpertLoadStore,
     StoreError,
+    read_expert_load_blocks,
     read_expert_loads,
     store_path,
     table_to_counts,
@@ -311,3 +312,39 @@ def test_kill_9_through_the_sinks_keeps_every_logged_step_in_jsonl_and_store(tmp
         assert ids.tolist() == list(range(94))
         expected = step + np.arange(94)[:, None] + np.arange(256)[None, :]
         np.testing.assert_array_equal(counts, expected)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_blocks_hold_the_same_steps_and_counts_as_the_step_reader(tmp_path, workers):
+    path = store_path(tmp_path)
+    rng = np.random.default_rng(5)
+    want = []
+    with ExpertLoadStore(path) as store:
+        for step in range(0, 40, 2):
+            # The model changes its MoE layers at step 20: a block must not span the change.
+            ids = [3, 1, 5] if step < 20 else [0, 2, 4]
+            c = _counts(rng, 3, 8, 70_000 + 1000 * step)  # 3-byte counts: 4-byte planes
+            store.append(step, ids, c)
+            want.append((step, ids, c))
+    got = [
+        (int(s), i.tolist(), c)
+        for steps, ids, counts in read_expert_load_blocks(path, block=4, workers=workers)
+        for s, i, c in zip(steps, [ids] * len(steps), counts, strict=True)
+    ]
+    assert [(s, i) for s, i, _ in got] == [(s, i) for s, i, _ in want]
+    assert all(np.array_equal(a[2], b[2]) for a, b in zip(got, want, strict=True))
+    blocks = list(read_expert_load_blocks(path, slice(6, 30), block=4, workers=workers))
+    assert [b[0].tolist() for b in blocks] == [[6, 8, 10, 12], [14, 16, 18], [20], [22, 24, 26, 28]]
+    assert [b[1].tolist() for b in blocks] == [[3, 1, 5]] * 2 + [[0, 2, 4]] * 2
+
+
+def test_blocks_skip_a_record_failing_its_checksum_with_a_warning(tmp_path):
+    path = store_path(tmp_path)
+    _, written = _write(path, range(4))
+    data = bytearray(path.read_bytes())
+    data[8 + 32 + 2] ^= 0xFF  # the payload of step 0
+    path.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="checksum"):
+        blocks = list(read_expert_load_blocks(path, workers=2, prepare=lambda s, i, c: (s, c)))
+    assert [s.tolist() for s, _ in blocks] == [[1, 2, 3]]
+    assert all(np.array_equal(blocks[0][1][k], written[k + 1]) for k in range(3))

@@ -96,3 +96,21 @@ def test_a_layer_that_routed_nothing_ends_its_streaks():
     tracker.update(2, [0], np.array([[0, 0]]))  # nothing routed: nothing can be judged
     tracker.update(3, [0], np.array([[0, 5]]))
     assert tracker.streaks() == [Streak(0, 0, 0, 1, 2, False)]
+
+
+@pytest.mark.parametrize("min_steps", [1, 3])
+def test_streaks_of_a_block_equal_those_of_its_steps_one_by_one(min_steps):
+    rng = np.random.default_rng(11)
+    counts = rng.integers(1, 9, (40, 4, 6))
+    counts[rng.random(counts.shape) < 0.25] = 0  # streaks start and end inside blocks
+    counts[17, 2] = 0  # a layer that routed nothing ends its streaks
+    steps = list(range(100, 140))
+    one = DeadStreaks(min_steps)
+    for s, c in zip(steps, counts, strict=True):
+        one.update(s, [0, 1, 2, 3], c)
+    blocked = DeadStreaks(min_steps)
+    for lo, hi in [(0, 1), (1, 9), (9, 10), (10, 33), (33, 40)]:
+        blocked.update_block(steps[lo:hi], [0, 1, 2, 3], counts[lo:hi])
+    assert blocked.streaks() == one.streaks()
+    assert len(one.streaks()) > 3
+    assert np.array_equal(blocked.first_steps[counts[-1] == 0], one.first_steps[counts[-1] == 0])

@@ -15,6 +15,7 @@ time during training), so both judge a run by the same arithmetic:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -33,9 +34,12 @@ def shares(counts: np.ndarray) -> np.ndarray:
 def entropy_bits(p: np.ndarray) -> np.ndarray:
     """Shannon entropy in bits of each row of distributions ``p`` (``0 log 0 = 0``; NaN stays)."""
     p = np.asarray(p, dtype=np.float64)
-    logs = np.zeros_like(p)
-    np.log2(p, out=logs, where=p > 0)
-    return -(p * logs).sum(axis=-1)
+    # log2 of 1 where p is 0 (or NaN): a plain log2 over the whole array, about twice as fast
+    # as a masked one (``where=``); p * 0 keeps 0 for empty cells and NaN for NaN rows.
+    x = np.where(p > 0, p, 1.0)
+    np.log2(x, out=x)
+    x *= p
+    return -x.sum(axis=-1)
 
 
 def js_divergence(prev: np.ndarray, cur: np.ndarray) -> np.ndarray:
@@ -50,10 +54,12 @@ def js_divergence(prev: np.ndarray, cur: np.ndarray) -> np.ndarray:
         raise ValueError(
             f"js_divergence needs two count arrays of one shape, got {p.shape}, {q.shape}"
         )
-    return _js(p, entropy_bits(p), q, entropy_bits(q))
+    return js_from_shares(p, entropy_bits(p), q, entropy_bits(q))
 
 
-def _js(p: np.ndarray, h_p: np.ndarray, q: np.ndarray, h_q: np.ndarray) -> np.ndarray:
+def js_from_shares(p: np.ndarray, h_p: np.ndarray, q: np.ndarray, h_q: np.ndarray) -> np.ndarray:
+    """Jensen-Shannon divergence (bits) of shares ``p`` and ``q`` ``[..., E]`` whose entropies
+    ``h_p``, ``h_q`` (``entropy_bits``) are known: one more logarithm per cell, for the mixture."""
     # JS(p, q) = H((p + q) / 2) - (H(p) + H(q)) / 2; rounding can make it -1e-16, never below 0.
     return np.clip(entropy_bits(0.5 * (p + q)) - 0.5 * (h_p + h_q), 0.0, 1.0)
 
@@ -76,7 +82,7 @@ class Drift:
         prev, self._prev = self._prev, (p, h)
         if prev is None or prev[0].shape != p.shape:
             return np.full(p.shape[:-1], np.nan)
-        return _js(prev[0], prev[1], p, h)
+        return js_from_shares(prev[0], prev[1], p, h)
 
     def reset(self) -> None:
         """Forget the previous step (the next update has nothing to compare with)."""
@@ -134,6 +140,59 @@ class DeadStreaks:
         self._length = np.where(dead, self._length + 1, 0)
         self._last_step = int(step)
         return self._length
+
+    def update_block(self, steps: Any, layer_ids: list[int], counts: np.ndarray) -> None:
+        """``update`` for each of ``K`` logged steps at once: ``steps`` ``[K]`` in order, counts
+        ``[K, L, E]`` of one set of layers. Same streaks as K calls of ``update``; only the
+        cells that are dead somewhere in the block or already in a streak are walked step by
+        step, so a healthy block costs a few whole-array operations."""
+        counts = np.asarray(counts)
+        steps = [int(s) for s in steps]
+        if not steps:
+            return
+        layer_ids = [int(la) for la in layer_ids]
+        if (
+            self._length is None
+            or layer_ids != self._layer_ids
+            or counts.shape[1:] != self._length.shape
+        ):
+            self.update(steps[0], layer_ids, counts[0])
+            steps, counts = steps[1:], counts[1:]
+            if not steps:
+                return
+        assert self._length is not None and self._first is not None
+        k, n_layers, n_experts = counts.shape
+        dead = (counts == 0) & (counts.sum(axis=2, keepdims=True) > 0)  # [K, L, E]
+        flat_length = self._length.reshape(-1)
+        flat_first = self._first.reshape(-1)
+        active = np.flatnonzero(dead.any(axis=0).reshape(-1) | (flat_length > 0))
+        if active.size:
+            walk = dead.reshape(k, -1)[:, active]  # [K, A]
+            length = flat_length[active]
+            first = flat_first[active]
+            for i, step in enumerate(steps):
+                d = walk[i]
+                ended = (length >= self.min_steps) & ~d
+                if ended.any():
+                    last = int(self._last_step) if self._last_step is not None else 0
+                    for j in np.flatnonzero(ended):
+                        row, expert = divmod(int(active[j]), n_experts)
+                        self._finished.append(
+                            Streak(
+                                layer=self._layer_ids[row],
+                                expert=expert,
+                                first=int(first[j]),
+                                last=last,
+                                length=int(length[j]),
+                                ongoing=False,
+                            )
+                        )
+                first = np.where(d & (length == 0), step, first)
+                length = np.where(d, length + 1, 0)
+                self._last_step = step
+            flat_length[active] = length
+            flat_first[active] = first
+        self._last_step = steps[-1]
 
     @property
     def first_steps(self) -> np.ndarray:

@@ -250,6 +250,50 @@ def layer_colours() -> Any:
 LAYER_COLOUR_TOP = 0.65
 
 
+# A line picture is about 1,000 pixels wide: more points than this per line are drawn as each
+# column's lowest and highest value (``_envelope``), which looks the same and keeps spikes.
+_MAX_POINTS = 1_200
+
+
+def _envelope(steps: Any, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(x [n], y [..., n])`` of series ``values`` ``[..., steps]``: unchanged up to
+    ``_MAX_POINTS`` steps; beyond, the steps are cut into ``_MAX_POINTS // 2`` runs and each
+    run is drawn as its lowest and highest value (in the order they occur), at its first and
+    last step. Every spike and dip of the full series stays in the picture."""
+    x = np.asarray(steps, dtype=np.float64)
+    n = x.size
+    if n <= _MAX_POINTS:
+        return x, values
+    runs = _MAX_POINTS // 2
+    edges = np.linspace(0, n, runs + 1).astype(np.int64)
+    lead = values.shape[:-1]
+    flat = values.reshape(-1, n)
+    out = np.full((flat.shape[0], 2 * runs), np.nan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN runs stay NaN
+        lo = np.fmin.reduceat(flat, edges[:-1], axis=1)
+        hi = np.fmax.reduceat(flat, edges[:-1], axis=1)
+    # Which comes first within the run: the lowest or the highest value.
+    filled = np.where(np.isnan(flat), np.inf, flat)
+    first_lo = np.minimum.reduceat(filled, edges[:-1], axis=1)
+    pos = np.arange(n)
+    lo_at = np.minimum.reduceat(
+        np.where(filled == np.repeat(first_lo, np.diff(edges), axis=1), pos, n), edges[:-1], axis=1
+    )
+    filled = np.where(np.isnan(flat), -np.inf, flat)
+    first_hi = np.maximum.reduceat(filled, edges[:-1], axis=1)
+    hi_at = np.minimum.reduceat(
+        np.where(filled == np.repeat(first_hi, np.diff(edges), axis=1), pos, n), edges[:-1], axis=1
+    )
+    lo_first = lo_at <= hi_at
+    out[:, 0::2] = np.where(lo_first, lo, hi)
+    out[:, 1::2] = np.where(lo_first, hi, lo)
+    xs = np.empty(2 * runs)
+    xs[0::2] = x[edges[:-1]]
+    xs[1::2] = x[edges[1:] - 1]
+    return xs, out.reshape(*lead, 2 * runs)
+
+
 def render_layer_series(
     run: RunInfo,
     path: Path,
@@ -292,6 +336,14 @@ def layer_series_figure(
         low, high = np.nanmin(values, axis=0), np.nanmax(values, axis=0)
         mean = np.nanmean(values, axis=0)
         layer_means = np.nanmean(values, axis=1)
+    # Long runs: each line as its per-column envelope (same look, every spike kept).
+    x, values = _envelope(steps, values)
+    if x.size != len(steps):  # the band: each run's lowest low and highest high
+        _, band = _envelope(steps, np.stack([low, high]))
+        low = np.repeat(np.fmin(band[0, 0::2], band[0, 1::2]), 2)
+        high = np.repeat(np.fmax(band[1, 0::2], band[1, 1::2]), 2)
+        _, mean = _envelope(steps, mean)
+    steps = x
     worst = layers[int(np.nanargmax(np.where(np.isnan(layer_means), -np.inf, layer_means)))]
     if many:
         # Many layers: a min-max band and faint lines, the worst layer picked out in red.

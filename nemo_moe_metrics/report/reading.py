@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import warnings
 from collections.abc import Iterator
@@ -180,6 +181,28 @@ def store_counts(
         return None
     lo, hi = window if window is not None else (None, None)
     return read_expert_loads(path, slice(lo, None if hi is None else hi + 1))
+
+
+def store_blocks(run_dir: Path, window: Window | None) -> Iterator[Any] | None:
+    """The store's logged steps as ``timeline.Block`` s of up to 32 steps, decoded and prepared
+    by up to two reader threads while the caller accumulates; None without a store."""
+    from nemo_moe_metrics.report.timeline import prepare_block
+    from nemo_moe_metrics.sinks.store import read_expert_load_blocks, store_path
+
+    path = store_path(run_dir)
+    if not path.is_file():
+        return None
+    lo, hi = window if window is not None else (None, None)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return read_expert_load_blocks(
+        path,
+        slice(lo, None if hi is None else hi + 1),
+        workers=max(1, min(2, cpus)),
+        prepare=prepare_block,
+    )
 
 
 def store_has_steps(run_dir: Path) -> bool:

@@ -34,7 +34,7 @@ from nemo_moe_metrics.report.reading import (
     layer_key_series,
     run_info,
     scan_jsonl,
-    store_counts,
+    store_blocks,
     store_has_steps,
     window_text,
 )
@@ -161,12 +161,14 @@ def render_report(
             + missing_extra_message(missing[0], "report", "drawing the report's pictures")
         )
 
-    source = store_counts(run_dir, steps)
-    if source is None:
-        source = jsonl_table_counts(path, lines_, run.num_experts)
     timeline = Timeline(keep_sum=steps is not None, dead_steps=dead_steps)
-    for step, layer_ids, counts in source:
-        timeline.add(step, layer_ids, counts)
+    blocks = store_blocks(run_dir, steps)
+    if blocks is not None:
+        for block in blocks:
+            timeline.add_block(block)
+    else:
+        for step, layer_ids, counts in jsonl_table_counts(path, lines_, run.num_experts):
+            timeline.add(step, layer_ids, counts)
 
     routed = last_values(path, lines_, [mn.ROUTED_TOKENS]).get(mn.ROUTED_TOKENS)
     if timeline.steps:

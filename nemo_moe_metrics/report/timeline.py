@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics.moe.timeline import DeadStreaks, Drift
+from nemo_moe_metrics.moe.timeline import DeadStreaks, entropy_bits, js_from_shares, shares
 from nemo_moe_metrics.report.reading import ReportError
 
 # The over-steps picture keeps at most this many step bins (tokens summed within a bin) ...
@@ -46,6 +46,28 @@ class StepBins:
         self.last[i] = step
         self.size[i] += 1
 
+    def add_block(self, steps: np.ndarray, counts: np.ndarray) -> None:
+        """``add`` for each of ``K`` steps ``[K]`` with counts ``[K, L, E]``: the steps that
+        fall into one bin are summed in one operation."""
+        i, k = 0, len(steps)
+        while i < k:
+            if self.used and self.size[self.used - 1] < self.width:
+                b = self.used - 1
+                n = min(int(self.width - self.size[b]), k - i)
+                self.sums[b] += counts[i : i + n].sum(axis=0)
+            else:
+                if self.used == self.n:
+                    self._halve()
+                b = self.used
+                self.used += 1
+                n = min(self.width, k - i)
+                self.sums[b] = counts[i : i + n].sum(axis=0)
+                self.first[b] = steps[i]
+                self.size[b] = 0
+            self.last[b] = steps[i + n - 1]
+            self.size[b] += n
+            i += n
+
     def _halve(self) -> None:
         h = self.n // 2
         self.sums[:h] = self.sums[0::2] + self.sums[1::2]
@@ -57,8 +79,48 @@ class StepBins:
 
 
 @dataclass
+class Block:
+    """``K`` consecutive logged steps of one set of MoE layers, with the per-step arithmetic
+    done (``prepare_block``, which may run in a reader thread): rows in layer order."""
+
+    steps: np.ndarray  # [K]
+    layer_ids: list[int]  # ascending
+    counts: np.ndarray  # [K, L, E]
+    moi: np.ndarray  # [K, L] max/ideal (NaN: the layer routed nothing)
+    js: np.ndarray  # [K - 1, L] drift between consecutive steps of the block
+    first: tuple[np.ndarray, np.ndarray]  # shares [L, E] and entropies [L] of the first step
+    last: tuple[np.ndarray, np.ndarray]  # ... and of the last step
+
+
+def prepare_block(steps: Any, layer_ids: Any, counts: np.ndarray) -> Block:
+    """Sort the layers, then max/ideal, shares, entropies and drift of ``counts`` ``[K, L, E]``
+    in whole-array operations (numpy releases the GIL: reader threads can run this)."""
+    ids = [int(la) for la in layer_ids]
+    order = np.argsort(ids, kind="stable")
+    if not np.array_equal(order, np.arange(len(ids))):
+        ids = [ids[i] for i in order]
+        counts = counts[:, order]
+    totals = counts.sum(axis=2)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        moi = counts.max(axis=2) * counts.shape[2] / totals
+    p = shares(counts)
+    h = entropy_bits(p)
+    js = js_from_shares(p[:-1], h[:-1], p[1:], h[1:])
+    return Block(
+        steps=np.asarray(steps, dtype=np.int64),
+        layer_ids=ids,
+        counts=counts,
+        moi=moi,
+        js=js,
+        first=(p[0].copy(), h[0].copy()),
+        last=(p[-1].copy(), h[-1].copy()),
+    )
+
+
+@dataclass
 class Timeline:
-    """What the report draws from the expert counts, accumulated one logged step at a time."""
+    """What the report draws from the expert counts, accumulated one block of logged steps at
+    a time."""
 
     keep_sum: bool
     dead_steps: int
@@ -69,35 +131,39 @@ class Timeline:
     heat: np.ndarray | None = None  # the last step's counts, or the window's sum
     bins: StepBins | None = None
     streaks: DeadStreaks | None = None
-    _drift: Drift = field(default_factory=Drift)
+    _prev: tuple[np.ndarray, np.ndarray] | None = None  # last step's shares and entropies
 
     def add(self, step: int, layer_ids: Any, counts: np.ndarray) -> None:
-        ids = [int(la) for la in layer_ids]
-        order = np.argsort(ids, kind="stable")
-        if not np.array_equal(order, np.arange(len(ids))):
-            ids = [ids[i] for i in order]
-            counts = counts[order]
+        """One logged step's counts ``[L, E]``."""
+        self.add_block(prepare_block([step], layer_ids, np.asarray(counts)[None]))
+
+    def add_block(self, block: Block) -> None:
+        """``K`` logged steps at once (from ``prepare_block``), after the steps already added."""
+        ids, counts = block.layer_ids, block.counts
+        if not len(block.steps):
+            return
         if not self.steps:
             self.layer_ids = ids
-            self.bins = StepBins(counts.shape)
+            self.bins = StepBins(counts.shape[1:])
             self.streaks = DeadStreaks(self.dead_steps)
-        elif ids != self.layer_ids or self.heat is None or counts.shape != self.heat.shape:
+        elif ids != self.layer_ids or self.heat is None or counts.shape[1:] != self.heat.shape:
             raise ReportError(
-                f"step {step} has MoE layers {ids} x {counts.shape[1]} experts but step "
-                f"{self.steps[0]} had {self.layer_ids} x {self.heat.shape[1]}; the model changed "
-                "within the run: report each part on its own with --steps FIRST:LAST"
+                f"step {int(block.steps[0])} has MoE layers {ids} x {counts.shape[2]} experts "
+                f"but step {self.steps[0]} had {self.layer_ids} x {self.heat.shape[1]}; the "
+                "model changed within the run: report each part on its own with --steps "
+                "FIRST:LAST"
             )
-        totals = counts.sum(axis=1)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            self.moi.append(counts.max(axis=1) * counts.shape[1] / totals)
-        js = self._drift.update(counts)
-        if self.steps:
-            self.drift.append(js)
-        if self.keep_sum and self.heat is not None:
-            self.heat += counts
+        self.moi.extend(block.moi)
+        if self._prev is not None:
+            self.drift.append(js_from_shares(*self._prev, *block.first))
+        self.drift.extend(block.js)
+        self._prev = block.last
+        if self.keep_sum:
+            summed = counts.sum(axis=0)
+            self.heat = summed if self.heat is None else self.heat + summed
         else:
-            self.heat = counts.astype(np.int64, copy=self.keep_sum)
+            self.heat = counts[-1].copy()
         assert self.bins is not None and self.streaks is not None
-        self.bins.add(step, counts)
-        self.streaks.update(step, ids, counts)
-        self.steps.append(int(step))
+        self.bins.add_block(block.steps, counts)
+        self.streaks.update_block(block.steps, ids, counts)
+        self.steps.extend(int(s) for s in block.steps)

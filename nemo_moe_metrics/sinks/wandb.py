@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from nemo_moe_metrics.metric_names import TABLE_COLUMNS
 from nemo_moe_metrics.sinks.base import Metrics, split_tables
 
@@ -72,13 +74,35 @@ class WandbSink:
         for key, value in tables.items():
             if len(value) > self._wandb.Table.MAX_ROWS:
                 self._wandb.Table.MAX_ROWS = len(value)
-            # optional=False: cells are validated numbers, never None; W&B's per-row type
-            # inference is then about 5x cheaper (0.25 s instead of 1.5 s for 64 x 256).
-            data[key] = self._wandb.Table(
-                columns=list(TABLE_COLUMNS[key]), data=value, optional=False
-            )
+            data[key] = self._table(key, value)
         # commit=True: the row is written now, not held back until the next step arrives.
         self.run.log(data, step=step, commit=True)
+
+    def _table(self, key: str, rows: Any) -> Any:
+        """A ``wandb.Table`` of numeric ``rows`` with every column typed as a number.
+
+        W&B's own constructor infers each cell's type row by row (0.4 s of host time for a
+        94 x 256 table, most of the table's cost); the cells of our tables are numbers by
+        construction, so the columns are declared as numbers (what the inference concludes)
+        and the rows are checked in one numpy pass instead: a missing or non-numeric cell, or a
+        row of the wrong length, is refused as W&B would refuse it.
+        """
+        columns = list(TABLE_COLUMNS[key])
+        rows = list(rows)
+        if rows:
+            try:
+                cells = np.asarray(rows, dtype=np.float64)
+            except (TypeError, ValueError) as err:
+                raise TypeError(f"{key}: every row must hold {len(columns)} numbers") from err
+            # numpy reads None as NaN: look for it (W&B refuses None in a non-optional column).
+            if cells.shape != (len(rows), len(columns)) or any(None in r for r in rows):
+                raise TypeError(
+                    f"{key}: every row must hold {len(columns)} numbers ({columns}), none "
+                    f"missing; got cells of shape {cells.shape}"
+                )
+        table = self._wandb.Table(columns=columns, optional=False, dtype=[float] * len(columns))
+        table.data = [list(r) for r in rows]
+        return table
 
     def close(self) -> None:
         """Finish the run (offline: the files are complete on disk afterwards)."""
