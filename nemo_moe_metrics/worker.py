@@ -102,6 +102,8 @@ class PolicyMetrics:
         self._attached = False
         self._facts: ModelFacts | None = None
         self._hf_aux: Any = None  # moe.hf_aux_loss.HFAuxLossAccumulator for transformers models
+        self._routing: Any = None  # moe.routing.RoutingTracker (this rank's routers) or None
+        self._routing_reducer: Any = None  # moe.reduction.RoutingReducer, every rank
         self._steps_since_export = 0
         self._microbatches_since_export = 0  # a host counter: no device read per microbatch
 
@@ -152,11 +154,31 @@ class PolicyMetrics:
                 RuntimeWarning,
                 stacklevel=3,
             )
+        if self.cfg.track_routing_consistency:
+            self._attach_routing(facts)
         if facts.aux_loss == "hf" and self._collector is not None:
             from nemo_moe_metrics.moe.hf_aux_loss import HFAuxLossAccumulator
 
             self._hf_aux = HFAuxLossAccumulator(facts.num_layers)
             self._collector.add_observer(self._hf_aux.observe)
+
+    def _attach_routing(self, facts: ModelFacts) -> None:
+        from nemo_moe_metrics.moe.reduction import RoutingReducer
+
+        config = self._transformer_config
+        if facts.aux_loss == "megatron" or hasattr(config, "num_moe_experts"):
+            from nemo_moe_metrics.moe.aux_loss import moe_layer_indices
+
+            # Decoder MoE layers only: engines return routes for the decoder's routers.
+            moe_layers = [i for i in moe_layer_indices(config) if i < int(config.num_layers)]
+            topk = int(config.moe_router_topk)
+        else:
+            if self._collector is None:
+                return
+            moe_layers, topk = self._collector.layer_ids, self._collector.topk
+        if self._collector is not None:
+            self._routing = self._collector.enable_routing(moe_layers)
+        self._routing_reducer = RoutingReducer(moe_layers, topk)
 
     def _build_meter(self, transformer_config: Any) -> Any:
         from nemo_moe_metrics.throughput import StepMeter
@@ -223,8 +245,20 @@ class PolicyMetrics:
 
             clear_aux_loss_tracker()
 
-    def microbatch(self, seq_lens: torch.Tensor) -> None:
-        """Record one training microbatch; ``seq_lens``: see the module docstring (one per sequence)."""
+    def microbatch(
+        self, seq_lens: torch.Tensor, rollout_routes: torch.Tensor | None = None
+    ) -> None:
+        """Record one training microbatch; ``seq_lens``: see the module docstring (one per sequence).
+
+        ``rollout_routes`` (with ``track_routing_consistency``): the experts the rollout engine
+        chose for this microbatch's tokens, ``[tokens, moe_layers, top_k]`` in the model's token
+        order (packed sequences concatenated) or padded ``[batch, seq, moe_layers, top_k]``;
+        ``-1`` where no route was captured. Shapes are checked here (a mismatch raises before
+        any collective); no value is read on the host.
+        """
+        if self._routing_reducer is not None and self._routing is not None:
+            n = len(seq_lens) if hasattr(seq_lens, "__len__") else None
+            self._routing.set_routes(rollout_routes, num_sequences=n)
         if self._meter is not None:
             self._meter.add_sequences(seq_lens)
             self._microbatches_since_export += 1
@@ -265,6 +299,16 @@ class PolicyMetrics:
                         table=self.cfg.log_expert_table,
                         ep_size=self._ep_size,
                     )
+                )
+            )
+        if self._routing_reducer is not None:
+            from nemo_moe_metrics.moe.reduction import default_contribute
+
+            pending.append(
+                self._routing_reducer.enqueue(
+                    self._routing,
+                    per_layer=self.cfg.moe_per_layer_logging,
+                    contribute=default_contribute(self._collector),
                 )
             )
         if self._meter is not None:
