@@ -304,6 +304,14 @@ class AlertsConfig(StrictModel):
     dropped_fraction: float | None = Field(
         0.1, gt=0, le=1, description="Share of a layer's top-k choices dropped by expert capacity."
     )
+    routing_disagreement: float | None = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="A layer (or, without per-layer keys, all layers) whose training router "
+        "disagrees with the rollout's routes on more than this share of (token, layer) pairs "
+        "(moe/routing_disagreement, track_routing_consistency).",
+    )
     max_lines_per_step: int = Field(
         10, ge=1, description="Warning lines printed per step; the rest are counted in one line."
     )
