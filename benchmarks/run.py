@@ -25,6 +25,10 @@ Measures (JSON keys, targets):
   expert-load store (bytes on disk, ms to write) and in W&B offline (ms of host time), per step,
   amortised at the default ``logger.table_every`` (``benchmarks/store_bench.py``; the
   per-table-step figures are in ``details.store``).
+- ``routing_overhead_ratio`` (<= 1.02): median over interleaved pairs of (step with
+  ``track_routing_consistency`` and rollout routes) / (the same step, every other MoE metric
+  on, without it) (``benchmarks/routing_bench.py``); ``details.routing`` also holds the device
+  memory of one microbatch's routes at 94 MoE layers x top-8 x 32k tokens (computed: 188 MiB).
 
 Exits 1 if a correctness check of the measured path fails (the numbers would mean nothing);
 missed targets are reported, not fatal. Method and results: docs/en/performance.md.
@@ -61,6 +65,7 @@ from benchmarks.harness import (  # noqa: E402
     step_rank,
 )
 from benchmarks.long_run import report_bench  # noqa: E402
+from benchmarks.routing_bench import routing_bench  # noqa: E402
 from benchmarks.store_bench import store_bench  # noqa: E402
 from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, LoggerConfig  # noqa: E402
 
@@ -76,6 +81,7 @@ RESULT_KEYS = (
     "store_bytes_per_step_94x256",
     "store_write_ms_94x256",
     "wandb_table_ms_94x256",
+    "routing_overhead_ratio",
 )
 TARGETS: dict[str, tuple[str, float]] = {
     "step_overhead_ratio": ("<=", 1.02),
@@ -89,6 +95,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "store_bytes_per_step_94x256": ("<=", 100_000.0),
     "store_write_ms_94x256": ("<=", 5.0),
     "wandb_table_ms_94x256": ("<=", 100.0),
+    "routing_overhead_ratio": ("<=", 1.02),
 }
 FLOPS_FIXTURES = {"qwen3_moe": "qwen3-30b-a3b", "qwen3_5_moe": "qwen3.5-35b-a3b"}
 STEP_WORLD_SIZE = 1  # one rank, one thread: the other core absorbs the machine's other load
@@ -105,6 +112,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         report=REPORT_RUN,
         store_repeats=100,
         wandb_repeats=5,
+        routing_pairs=40,
     ),
     "quick": dict(
         bench=BenchConfig(warmup_pairs=1, pairs=40, export_repeats=30),
@@ -113,6 +121,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         report=REPORT_RUN,
         store_repeats=30,
         wandb_repeats=3,
+        routing_pairs=20,
     ),
     # Tiny model and few repeats: exercises every path in seconds; the numbers mean little.
     "smoke": dict(
@@ -137,6 +146,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         report=dict(steps=300, layers=8, experts=16, table_every=1),
         store_repeats=3,
         wandb_repeats=1,
+        routing_pairs=2,
     ),
 }
 
@@ -183,6 +193,7 @@ def summarise(
     flops: dict[str, Any],
     store: dict[str, Any],
     report: dict[str, Any],
+    routing: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON result: the keys of ``RESULT_KEYS``, then the details they were computed from.
 
@@ -229,6 +240,8 @@ def summarise(
     checks.update({f"flops_{m}_same_total": v["check_same_total"] for m, v in flops.items()})
     checks.update(report["checks"])
     checks.update(store["checks"])
+    if routing is not None:
+        checks.update(routing["checks"])
 
     result: dict[str, Any] = {
         "step_overhead_ratio": _median(ratios),
@@ -241,7 +254,9 @@ def summarise(
         "report_peak_rss_mb_10k_94x256": report["report_peak_rss_mb"],
         **{k: store[k] for k in RESULT_KEYS if k in store},
     }
-    result["met"] = {k: _meets(result[k], *TARGETS[k]) for k in RESULT_KEYS}
+    if routing is not None:
+        result["routing_overhead_ratio"] = routing["routing_overhead_ratio"]
+    result["met"] = {k: _meets(result[k], *TARGETS[k]) for k in RESULT_KEYS if k in result}
     result["targets"] = {k: f"{op} {v}" for k, (op, v) in TARGETS.items()}
     result["checks"] = checks
     result["details"] = {
@@ -282,6 +297,14 @@ def summarise(
         "flops": flops,
         "report": report["details"],
         "store": store["details"],
+        "routing": (
+            None
+            if routing is None
+            else {
+                **routing["details"],
+                "route_bytes_94x8x32k": routing["routing_route_bytes_94x8x32k"],
+            }
+        ),
         "host_reads": {
             "per_microbatch_on_minus_off": per_mb,
             "per_step_boundary_on_minus_off": max(per_boundary),
@@ -333,6 +356,8 @@ def machine() -> dict[str, Any]:
 def _format(result: dict[str, Any]) -> str:
     lines = []
     for key in RESULT_KEYS:
+        if key not in result:
+            continue
         value = result[key]
         op, target = TARGETS[key]
         shown = f"{value:.4f}" if isinstance(value, float) else str(value)
@@ -353,6 +378,15 @@ def _format(result: dict[str, Any]) -> str:
         f"({st['wandb']['table_step_cpu_ms']:.0f} ms CPU) per table step; "
         f"one table every {st['table_every']} steps"
     )
+    rt = result["details"].get("routing")
+    if rt is not None:
+        lines.append(
+            f"  routing: off {rt['step_ms_off_median']:.0f} ms, on {rt['step_ms_on_median']:.0f} "
+            f"ms over {rt['pairs']} pairs; CPU-time ratio {rt['cpu_time_ratio_median']:.4f}; "
+            f"routing code {rt['direct_ms_per_step']:.1f} ms/step (ratio "
+            f"{rt['direct_overhead_ratio']:.4f}); routes of one microbatch at 94 layers x top-8 x 32k "
+            f"tokens: {rt['route_bytes_94x8x32k']:,} bytes ({rt['route_memory_mib']:.0f} MiB, int64)"
+        )
     sites = result["details"]["host_reads"]["export_sites_on"]
     lines.append("  host reads added per step: " + (json.dumps(sites) if sites else "none"))
     failed = [k for k, ok in result["checks"].items() if not ok]
@@ -410,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     with tempfile.TemporaryDirectory(prefix="nmm_report_") as work:
         report = report_bench(Path(work), **preset["report"])
-    result = summarise(ranks, exports, flops, store, report)
+    routing = routing_bench(bench.step, preset["routing_pairs"], timeout=args.timeout)
+    result = summarise(ranks, exports, flops, store, report, routing)
     result["machine"] = {
         **machine(),
         "load_average_1m_before": load_before[0],
