@@ -86,6 +86,13 @@ def model_facts(config: Any) -> ModelFacts:
     return ModelFacts(experts, int(config.num_layers), ep, "megatron" if experts else None)
 
 
+def _num_sequences(seq_lens: Any) -> int | None:
+    """How many sequences ``seq_lens`` describes (a shape, never a value read)."""
+    if isinstance(seq_lens, torch.Tensor):
+        return int(seq_lens.shape[0]) if seq_lens.dim() == 1 else None
+    return len(seq_lens) if isinstance(seq_lens, list | tuple) else None
+
+
 class PolicyMetrics:
     """Attaches what the metric flags ask for to a model and turns each step into metrics."""
 
@@ -104,6 +111,7 @@ class PolicyMetrics:
         self._hf_aux: Any = None  # moe.hf_aux_loss.HFAuxLossAccumulator for transformers models
         self._routing: Any = None  # moe.routing.RoutingTracker (this rank's routers) or None
         self._routing_reducer: Any = None  # moe.reduction.RoutingReducer, every rank
+        self._routes_ignored = False  # warned once that routes came with the flag off
         self._steps_since_export = 0
         self._microbatches_since_export = 0  # a host counter: no device read per microbatch
 
@@ -256,9 +264,22 @@ class PolicyMetrics:
         ``-1`` where no route was captured. Shapes are checked here (a mismatch raises before
         any collective); no value is read on the host.
         """
-        if self._routing_reducer is not None and self._routing is not None:
-            n = len(seq_lens) if hasattr(seq_lens, "__len__") else None
+        if self._routing is not None:
+            n = _num_sequences(seq_lens)
             self._routing.set_routes(rollout_routes, num_sequences=n)
+        elif (
+            self._routing_reducer is None
+            and rollout_routes is not None
+            and not self._routes_ignored
+        ):
+            self._routes_ignored = True
+            warnings.warn(
+                "PolicyMetrics.microbatch: rollout_routes are ignored because "
+                "track_routing_consistency is off (set it, with track_moe_metrics, to log "
+                "moe/routing_*)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if self._meter is not None:
             self._meter.add_sequences(seq_lens)
             self._microbatches_since_export += 1

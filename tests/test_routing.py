@@ -172,3 +172,58 @@ def test_report_draws_per_layer_disagreement_and_names_worst_layers(tmp_path: Pa
     assert "routing disagreement (last step, moe/routing_disagreement): 10.00%" in summary
     picture = imread(tmp_path / ROUTING_DISAGREEMENT_FILE)
     assert picture.shape[0] > 300 and np.ptp(picture[..., :3]) > 0
+
+
+def test_hugging_face_router_batch_major_routes_against_router_output_hooks():
+    """qwen3_moe: rollout routes from its routers' outputs under bf16 autocast, training fp32;
+    expected values from independent hooks on the routers (output[2], the top-k indices)."""
+    import transformers
+    from hf_tiny import tiny_config
+
+    from nemo_moe_metrics.worker import PolicyMetrics
+
+    torch.manual_seed(0)
+    cfg = tiny_config("qwen3_moe")
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    routers = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    seen: list[torch.Tensor] = []
+    handles = [r.register_forward_hook(lambda m, a, o: seen.append(o[2].clone())) for r in routers]
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(tokens)
+    rollout = torch.stack([t.reshape(2, 24, 2) for t in seen], dim=2)  # [b, s, L, k]
+    rollout[1, 20:] = -1  # no route captured for the tail of sequence 1
+    seen.clear()
+    model.train()
+    metrics = PolicyMetrics(
+        MetricsConfig(track_moe_metrics=True, moe_per_layer_logging=True,
+                      track_routing_consistency=True, log_expert_table=False)
+    )  # fmt: skip
+    metrics.attach(model, model.config)
+    with metrics.step():
+        metrics.microbatch(seq_lens=torch.tensor([24, 24]), rollout_routes=rollout)
+        model(tokens).logits.float().mean().backward()
+    got = metrics.finish_step(num_microbatches=1)
+    for h in handles:
+        h.remove()
+    train = torch.stack([t.reshape(2, 24, 2) for t in seen], dim=2)
+    routed = (rollout >= 0).all(-1)  # [b, s, L]
+    same = torch.tensor(
+        [
+            [[set(rollout[b, s, j].tolist()) == set(train[b, s, j].tolist()) for j in range(2)]
+             for s in range(24)]
+            for b in range(2)
+        ]
+    )  # fmt: skip
+    differ = routed & ~same
+    assert got[mn.ROUTING_DISAGREEMENT] == differ.sum().item() / routed.sum().item()
+    assert got[mn.ROUTING_MISSING_FRACTION] == (~routed).sum().item() / routed.numel()
+    for j in range(2):
+        assert got[f"moe/layer_{j}/routing_disagreement"] == (
+            differ[..., j].sum().item() / routed[..., j].sum().item()
+        )
+    all_routed = routed.all(-1)
+    assert got[mn.ROUTING_TOKENS_ANY_LAYER_DIFFERS] == (
+        (differ.any(-1) & all_routed).sum().item() / all_routed.sum().item()
+    )

@@ -111,8 +111,8 @@ def compare(
     k = rollout.shape[1]
     in_range = (rollout >= 0) & (rollout < num_experts)
     safe = torch.where(in_range, rollout, 0)
-    # k distinct ids: the rollout's own membership map has exactly k entries per row.
-    distinct = indices_to_map(torch.where(in_range, rollout, -1), num_experts).sum(dim=1) == k
+    # k distinct ids: each id equals only itself among the row's k ([T, k, k], k is small).
+    distinct = (safe.unsqueeze(2) == safe.unsqueeze(1)).sum(dim=(1, 2)) == k
     valid = in_range.all(dim=1) & distinct
     overlap = chosen_map.gather(1, safe).sum(dim=1)
     return valid, torch.where(valid, overlap, 0)
