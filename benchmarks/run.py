@@ -30,6 +30,10 @@ Measures (JSON keys, targets):
   per-table-step figures are in ``details.store``); ``wandb_table_ms_94x256_loaded`` (<= 100):
   the same W&B figure while one busy-loop process per logical CPU keeps every core busy
   (``details.store.wandb_loaded`` says how many).
+- ``routing_overhead_ratio`` (<= 1.02): median over interleaved pairs of (step with
+  ``track_routing_consistency`` and rollout routes) / (the same step, every other MoE metric
+  on, without it) (``benchmarks/routing_bench.py``); ``details.routing`` also holds the device
+  memory of one microbatch's routes at 94 MoE layers x top-8 x 32k tokens (computed: 188 MiB).
 
 Exits 1 if a correctness check of the measured path fails (the numbers would mean nothing);
 missed targets are reported, not fatal. Method and results: docs/en/performance.md.
@@ -66,6 +70,7 @@ from benchmarks.harness import (  # noqa: E402
     step_rank,
 )
 from benchmarks.long_run import report_bench  # noqa: E402
+from benchmarks.routing_bench import routing_bench  # noqa: E402
 from benchmarks.store_bench import store_bench  # noqa: E402
 from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, LoggerConfig  # noqa: E402
 
@@ -84,6 +89,7 @@ RESULT_KEYS = (
     "store_write_ms_94x256",
     "wandb_table_ms_94x256",
     "wandb_table_ms_94x256_loaded",
+    "routing_overhead_ratio",
 )
 TARGETS: dict[str, tuple[str, float]] = {
     "step_overhead_ratio": ("<=", 1.02),
@@ -100,6 +106,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "store_write_ms_94x256": ("<=", 5.0),
     "wandb_table_ms_94x256": ("<=", 100.0),
     "wandb_table_ms_94x256_loaded": ("<=", 100.0),
+    "routing_overhead_ratio": ("<=", 1.02),
 }
 FLOPS_FIXTURES = {"qwen3_moe": "qwen3-30b-a3b", "qwen3_5_moe": "qwen3.5-35b-a3b"}
 STEP_WORLD_SIZE = 1  # one rank, one thread: the other core absorbs the machine's other load
@@ -116,6 +123,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         report=REPORT_RUN,
         store_repeats=100,
         wandb_repeats=5,
+        routing_pairs=40,
     ),
     "quick": dict(
         bench=BenchConfig(warmup_pairs=1, pairs=40, export_repeats=30),
@@ -124,6 +132,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         report=REPORT_RUN,
         store_repeats=30,
         wandb_repeats=3,
+        routing_pairs=20,
     ),
     # Tiny model and few repeats: exercises every path in seconds; the numbers mean little.
     "smoke": dict(
@@ -148,6 +157,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         report=dict(steps=300, layers=8, experts=16, table_every=1),
         store_repeats=3,
         wandb_repeats=1,
+        routing_pairs=2,
     ),
 }
 
@@ -194,6 +204,7 @@ def summarise(
     flops: dict[str, Any],
     store: dict[str, Any],
     report: dict[str, Any],
+    routing: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON result: the keys of ``RESULT_KEYS``, then the details they were computed from.
 
@@ -240,6 +251,8 @@ def summarise(
     checks.update({f"flops_{m}_same_total": v["check_same_total"] for m, v in flops.items()})
     checks.update(report["checks"])
     checks.update(store["checks"])
+    if routing is not None:
+        checks.update(routing["checks"])
 
     result: dict[str, Any] = {
         "step_overhead_ratio": _median(ratios),
@@ -254,7 +267,9 @@ def summarise(
         "report_peak_rss_mb_10k_94x256_every_step": report["report_peak_rss_mb_every_step"],
         **{k: store[k] for k in RESULT_KEYS if k in store},
     }
-    result["met"] = {k: _meets(result[k], *TARGETS[k]) for k in RESULT_KEYS}
+    if routing is not None:
+        result["routing_overhead_ratio"] = routing["routing_overhead_ratio"]
+    result["met"] = {k: _meets(result[k], *TARGETS[k]) for k in RESULT_KEYS if k in result}
     result["targets"] = {k: f"{op} {v}" for k, (op, v) in TARGETS.items()}
     result["checks"] = checks
     result["details"] = {
@@ -295,6 +310,14 @@ def summarise(
         "flops": flops,
         "report": report["details"],
         "store": store["details"],
+        "routing": (
+            None
+            if routing is None
+            else {
+                **routing["details"],
+                "route_bytes_94x8x32k": routing["routing_route_bytes_94x8x32k"],
+            }
+        ),
         "host_reads": {
             "per_microbatch_on_minus_off": per_mb,
             "per_step_boundary_on_minus_off": max(per_boundary),
@@ -346,6 +369,8 @@ def machine() -> dict[str, Any]:
 def _format(result: dict[str, Any]) -> str:
     lines = []
     for key in RESULT_KEYS:
+        if key not in result:
+            continue
         value = result[key]
         op, target = TARGETS[key]
         shown = f"{value:.4f}" if isinstance(value, float) else str(value)
@@ -377,6 +402,15 @@ def _format(result: dict[str, Any]) -> str:
         f"{rd['every_step']['cpu_seconds']:.1f} s CPU with a table every step "
         f"({rd['every_step']['store_mb']:.0f} MB store)"
     )
+    rt = result["details"].get("routing")
+    if rt is not None:
+        lines.append(
+            f"  routing: off {rt['step_ms_off_median']:.0f} ms, on {rt['step_ms_on_median']:.0f} "
+            f"ms over {rt['pairs']} pairs; CPU-time ratio {rt['cpu_time_ratio_median']:.4f}; "
+            f"routing code {rt['direct_ms_per_step']:.1f} ms/step (ratio "
+            f"{rt['direct_overhead_ratio']:.4f}); routes of one microbatch at 94 layers x top-8 x 32k "
+            f"tokens: {rt['route_bytes_94x8x32k']:,} bytes ({rt['route_memory_mib']:.0f} MiB, int64)"
+        )
     sites = result["details"]["host_reads"]["export_sites_on"]
     lines.append("  host reads added per step: " + (json.dumps(sites) if sites else "none"))
     failed = [k for k, ok in result["checks"].items() if not ok]
@@ -434,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     with tempfile.TemporaryDirectory(prefix="nmm_report_") as work:
         report = report_bench(Path(work), **preset["report"])
-    result = summarise(ranks, exports, flops, store, report)
+    routing = routing_bench(bench.step, preset["routing_pairs"], timeout=args.timeout)
+    result = summarise(ranks, exports, flops, store, report, routing)
     result["machine"] = {
         **machine(),
         "load_average_1m_before": load_before[0],

@@ -81,6 +81,11 @@ class MetricsConfig(StrictModel):
         "framework's own report (training_log's track_moe_metrics in Megatron-Bridge and "
         "Megatron-LM, get_moe_metrics in NeMo RL), which then logs what it logs without us.",
     )
+    track_routing_consistency: bool = Field(
+        False,
+        description="Compare the rollout engine's routes (microbatch(rollout_routes=...)) with "
+        "the training routers' choices: moe/routing_* (needs track_moe_metrics).",
+    )
 
     @model_validator(mode="after")
     def _check_contradictions(self) -> MetricsConfig:
@@ -88,6 +93,11 @@ class MetricsConfig(StrictModel):
             raise ValueError(
                 "moe_per_layer_logging: true needs track_moe_metrics: true "
                 "(per-layer values are part of the MoE metrics); turn both on or both off"
+            )
+        if self.track_routing_consistency and not self.track_moe_metrics:
+            raise ValueError(
+                "track_routing_consistency: true needs track_moe_metrics: true (the routing "
+                "comparison runs in the MoE router hooks); turn track_moe_metrics on"
             )
         if self.track_flops and not self.track_throughput:
             raise ValueError(
@@ -104,6 +114,11 @@ class MegatronConfig(MetricsConfig):
     pipeline_model_parallel_size: int = Field(1, ge=1)
     context_parallel_size: int = Field(1, ge=1)
     recompute_granularity: Literal["full", "selective"] | None = None
+    moe_enable_routing_replay: bool = Field(
+        False,
+        description="Rollout Routing Replay (R3): training forwards execute the experts the "
+        "rollout chose, through megatron-core's RouterReplay (GRPO only).",
+    )
 
     def metrics(self) -> MetricsConfig:
         """The metric flags alone, as the worker integration takes them."""
@@ -274,6 +289,11 @@ class GRPOConfig(StrictModel):
     prompt_length: int = Field(8, ge=1)
     response_length: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
+    rollout_precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="Precision of the rollout forwards (bf16: autocast, as an inference engine "
+        "runs, so its expert choices differ from the fp32 training forwards).",
+    )
 
 
 #: ``logger.table_every`` default. At 94 x 256 one table step costs about 57 KB in the store
@@ -307,6 +327,14 @@ class AlertsConfig(StrictModel):
     )
     dropped_fraction: float | None = Field(
         0.1, gt=0, le=1, description="Share of a layer's top-k choices dropped by expert capacity."
+    )
+    routing_disagreement: float | None = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="A layer (or, without per-layer keys, all layers) whose training router "
+        "disagrees with the rollout's routes on more than this share of (token, layer) pairs "
+        "(moe/routing_disagreement, track_routing_consistency).",
     )
     max_lines_per_step: int = Field(
         10, ge=1, description="Warning lines printed per step; the rest are counted in one line."
@@ -358,6 +386,15 @@ class Recipe(StrictModel):
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
+
+    @model_validator(mode="after")
+    def _check_router_replay(self) -> Recipe:
+        if self.policy.megatron_cfg.moe_enable_routing_replay and self.algorithm != "grpo":
+            raise ValueError(
+                "policy.megatron_cfg.moe_enable_routing_replay replays the rollout's routes, "
+                f"which only the grpo loop has (algorithm is {self.algorithm}); turn it off"
+            )
+        return self
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

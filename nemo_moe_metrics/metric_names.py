@@ -83,6 +83,31 @@ EXPERT_LOADS = "moe/expert_loads"
 EXPERT_LOAD_COLUMNS = ("layer", "expert", "tokens", "load_percent")
 TABLE_COLUMNS: dict[str, tuple[str, ...]] = {EXPERT_LOADS: EXPERT_LOAD_COLUMNS}
 
+# Routing consistency (rollout routes vs training routes), with track_routing_consistency.
+ROUTING_DISAGREEMENT = "moe/routing_disagreement"
+ROUTING_TOPK_OVERLAP = "moe/routing_topk_overlap"
+ROUTING_TOKENS_ANY_LAYER_DIFFERS = "moe/routing_tokens_any_layer_differs"
+ROUTING_MISSING_FRACTION = "moe/routing_missing_fraction"
+ROUTING_REPLAY_MISMATCH = "moe/routing_replay_mismatch"  # only while router replay runs
+ROUTING_KEYS = (
+    ROUTING_DISAGREEMENT,
+    ROUTING_TOPK_OVERLAP,
+    ROUTING_TOKENS_ANY_LAYER_DIFFERS,
+    ROUTING_MISSING_FRACTION,
+    ROUTING_REPLAY_MISMATCH,
+)
+ROUTING_LAYER_STATS = ("routing_disagreement", "routing_topk_overlap")
+
+
+def routing_layer_key(layer: int, stat: str) -> str:
+    """``moe/layer_{i}/routing_disagreement`` or ``.../routing_topk_overlap`` (``i`` global)."""
+    if stat not in ROUTING_LAYER_STATS:
+        raise KeyError(
+            f"unknown per-layer routing statistic {stat!r}; known: {ROUTING_LAYER_STATS}"
+        )
+    return f"{MOE_PREFIX}layer_{layer}/{stat}"
+
+
 # Throughput and FLOPs.
 TOKENS = "train_perf/tokens"
 SECONDS = "train_perf/seconds"
@@ -131,6 +156,7 @@ def documented_key_patterns() -> list[str]:
     keys += [f"{MOE_PREFIX}layer_{{i}}/{stat}" for stat in LAYER_STATS]
     keys += [ALERTS, EXPERT_LOADS, *THROUGHPUT_KEYS, *FLOPS_KEYS]
     keys += [*EXPERT_BIAS_KEYS, *(f"{MOE_PREFIX}layer_{{i}}/{s}" for s in BIAS_LAYER_STATS)]
+    keys += [*ROUTING_KEYS, *(f"{MOE_PREFIX}layer_{{i}}/{s}" for s in ROUTING_LAYER_STATS)]
     return keys
 
 

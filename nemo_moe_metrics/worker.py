@@ -121,6 +121,13 @@ def _no_router_message(facts: ModelFacts) -> str:
     )
 
 
+def _num_sequences(seq_lens: Any) -> int | None:
+    """How many sequences ``seq_lens`` describes (a shape, never a value read)."""
+    if isinstance(seq_lens, torch.Tensor):
+        return int(seq_lens.shape[0]) if seq_lens.dim() == 1 else None
+    return len(seq_lens) if isinstance(seq_lens, list | tuple) else None
+
+
 class PolicyMetrics:
     """Attaches what the metric flags ask for to a model and turns each step into metrics."""
 
@@ -138,6 +145,9 @@ class PolicyMetrics:
         self._facts: ModelFacts | None = None
         self._hf_aux: Any = None  # moe.hf_aux_loss.HFAuxLossAccumulator for transformers models
         self._bias: Any = None  # moe.expert_bias.ExpertBiasTracker when routers keep a bias
+        self._routing: Any = None  # moe.routing.RoutingTracker (this rank's routers) or None
+        self._routing_reducer: Any = None  # moe.reduction.RoutingReducer, every rank
+        self._routes_ignored = False  # warned once that routes came with the flag off
         self._steps_since_export = 0
         self._microbatches_since_export = 0  # a host counter: no device read per microbatch
         self._warned_empty_step = False
@@ -205,11 +215,31 @@ class PolicyMetrics:
             # Every rank joins the bias reduce, also a pipeline stage without MoE layers.
             sources = self._collector.expert_bias_sources() if self._collector else []
             self._bias = ExpertBiasTracker(sources)
+        if self.cfg.track_routing_consistency:
+            self._attach_routing(facts)
         if facts.aux_loss == "hf" and self._collector is not None:
             from nemo_moe_metrics.moe.hf_aux_loss import HFAuxLossAccumulator
 
             self._hf_aux = HFAuxLossAccumulator(facts.num_layers)
             self._collector.add_observer(self._hf_aux.observe)
+
+    def _attach_routing(self, facts: ModelFacts) -> None:
+        from nemo_moe_metrics.moe.reduction import RoutingReducer
+
+        config = self._transformer_config
+        if facts.aux_loss == "megatron" or hasattr(config, "num_moe_experts"):
+            from nemo_moe_metrics.moe.aux_loss import moe_layer_indices
+
+            # Decoder MoE layers only: engines return routes for the decoder's routers.
+            moe_layers = [i for i in moe_layer_indices(config) if i < int(config.num_layers)]
+            topk = int(config.moe_router_topk)
+        else:
+            if self._collector is None:
+                return
+            moe_layers, topk = self._collector.layer_ids, self._collector.topk
+        if self._collector is not None:
+            self._routing = self._collector.enable_routing(moe_layers)
+        self._routing_reducer = RoutingReducer(moe_layers, topk)
 
     def _build_meter(self, transformer_config: Any) -> Any:
         from nemo_moe_metrics.throughput import StepMeter
@@ -344,8 +374,33 @@ class PolicyMetrics:
         if self._meter is not None:
             self._meter.discard_step_sequences()
 
-    def microbatch(self, seq_lens: torch.Tensor) -> None:
-        """Record one training microbatch; ``seq_lens``: see the module docstring (one per sequence)."""
+    def microbatch(
+        self, seq_lens: torch.Tensor, rollout_routes: torch.Tensor | None = None
+    ) -> None:
+        """Record one training microbatch; ``seq_lens``: see the module docstring (one per sequence).
+
+        ``rollout_routes`` (with ``track_routing_consistency``): the experts the rollout engine
+        chose for this microbatch's tokens, ``[tokens, moe_layers, top_k]`` in the model's token
+        order (packed sequences concatenated) or padded ``[batch, seq, moe_layers, top_k]``;
+        ``-1`` where no route was captured. Shapes are checked here (a mismatch raises before
+        any collective); no value is read on the host.
+        """
+        if self._routing is not None:
+            n = _num_sequences(seq_lens)
+            self._routing.set_routes(rollout_routes, num_sequences=n)
+        elif (
+            self._routing_reducer is None
+            and rollout_routes is not None
+            and not self._routes_ignored
+        ):
+            self._routes_ignored = True
+            warnings.warn(
+                "PolicyMetrics.microbatch: rollout_routes are ignored because "
+                "track_routing_consistency is off (set it, with track_moe_metrics, to log "
+                "moe/routing_*)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if self._meter is not None:
             if not self._in_step:
                 raise RuntimeError(
@@ -402,6 +457,16 @@ class PolicyMetrics:
                         lambda bias: split_layer_keys(bias, per_layer)
                     )
                 )
+        if self._routing_reducer is not None:
+            from nemo_moe_metrics.moe.reduction import default_contribute
+
+            pending.append(
+                self._routing_reducer.enqueue(
+                    self._routing,
+                    per_layer=self.cfg.moe_per_layer_logging,
+                    contribute=default_contribute(self._collector),
+                )
+            )
         if self._meter is not None:
             pending.append(self._meter.enqueue())
         if self._megatron_aux and self.cfg.aux_loss_tracker == "shared":

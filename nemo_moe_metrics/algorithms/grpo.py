@@ -29,6 +29,7 @@ from nemo_moe_metrics.config import Recipe
 ADVANTAGES = "advantages"
 OLD_LOGPROBS = "old_logprobs"
 CLIP_EPS = 0.2
+ROLLOUT_ROUTES = "rollout_routes"  # the worker's SequenceBatch.extras key (megatron.policy)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -64,16 +65,24 @@ def run_grpo(recipe: Recipe, worker, log_fn: LogFn, start_step: int = 0) -> None
             f"grpo.prompt_length + grpo.response_length = "
             f"{cfg.prompt_length + cfg.response_length} exceeds seq_length={model_cfg.seq_length}"
         )
+    mcfg = recipe.policy.megatron_cfg
+    wants_routes = mcfg.track_routing_consistency or mcfg.moe_enable_routing_replay
+    precision = {} if cfg.rollout_precision == "fp32" else {"precision": cfg.rollout_precision}
     for step in range(start_step, train_cfg.max_steps):
         g = generator(train_cfg.seed, step, worker.dp_rank)
         prompts = copy_prompts(
             gbs // cfg.num_generations, cfg.prompt_length, model_cfg.vocab_size, g
         )
         prompts = prompts.repeat_interleave(cfg.num_generations, dim=0)
-        seqs = worker.generate(prompts, cfg.response_length, cfg.temperature, generator=g).cpu()
+        seqs = worker.generate(
+            prompts, cfg.response_length, cfg.temperature, generator=g, **precision
+        ).cpu()
         rewards = copy_reward(prompts, seqs[:, cfg.prompt_length :])
         batch = pad(list(seqs), model_cfg.seq_length, [cfg.prompt_length] * len(seqs))
         batch.extras[ADVANTAGES] = group_advantages(rewards, cfg.num_generations)
+        if wants_routes:
+            # The rollout's own routes, as an engine returns them (vLLM's routed_experts).
+            batch.extras[ROLLOUT_ROUTES] = worker.rollout_routes(batch, cfg.rollout_precision).cpu()
         batch.extras[OLD_LOGPROBS] = worker.logprobs(batch)
         result = worker.train(batch, grpo_loss)
         # Mean and (population) std over every rank's rollouts, not a mean of per-rank stds.

@@ -103,6 +103,9 @@ def build_transformer_config(model: ModelConfig, megatron_cfg: MegatronConfig):
             moe_token_dispatcher_type="allgather" if not cuda_available() else "alltoall",
             moe_grouped_gemm=False,
         )
+        from nemo_moe_metrics.megatron import compat
+
+        moe.update(compat.router_replay_kwargs(megatron_cfg.moe_enable_routing_replay))
     recompute: dict = {}
     if megatron_cfg.recompute_granularity == "full":
         recompute = dict(

@@ -28,6 +28,9 @@ from nemo_moe_metrics.config import Recipe
 from nemo_moe_metrics.megatron.cpu_shims import cpu_device_mode, cuda_available
 from nemo_moe_metrics.megatron.model import build_model, causal_attention_mask, init_distributed
 
+#: ``SequenceBatch.extras`` key of the rollout's routes ``[b, s, moe_layers, top_k]`` (``-1``: none).
+ROLLOUT_ROUTES = "rollout_routes"
+
 # loss_fn(token_logprobs [b, s-1], microbatch) -> (loss of this microbatch, {full key: value}).
 # The loss is a mean over the microbatch's sequences: the schedule divides each microbatch's
 # loss by the number of microbatches, so equal-size microbatches give the batch mean exactly.
@@ -87,6 +90,7 @@ class MegatronPolicyWorker:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.hooks = hooks
+        self.router_replay = mcfg.moe_enable_routing_replay
         self._reference_state: dict[str, Any] | None = None
         if hooks is not None:
             hooks.attach(self.model, self.transformer_config)
@@ -114,7 +118,7 @@ class MegatronPolicyWorker:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         step = self.hooks.step() if self.hooks is not None else contextlib.nullcontext()
-        with step:
+        with step, self._replay_scope():
             with cpu_device_mode():
                 outputs = get_forward_backward_func()(
                     forward_step_func=partial(self._forward_step, loss_fn),
@@ -150,8 +154,14 @@ class MegatronPolicyWorker:
         # megatron-core calls this once per microbatch and passes the returned output tensor
         # to the returned loss function.
         mb = next(data_iterator)
+        routes = mb.extras.get(ROLLOUT_ROUTES)
         if self.hooks is not None:
-            self.hooks.microbatch(seq_lens=mb.lengths)
+            if routes is None:
+                self.hooks.microbatch(seq_lens=mb.lengths)
+            else:
+                self.hooks.microbatch(seq_lens=mb.lengths, rollout_routes=routes)
+        if self.router_replay:
+            self._set_replay(routes)
         logits = self._forward(model, mb.tokens, mb.padding_mask())
         return token_logprobs(logits, mb.tokens), partial(self._loss, loss_fn, mb)
 
@@ -177,6 +187,88 @@ class MegatronPolicyWorker:
             causal_attention_mask(s, device=tokens.device),
             padding_mask=padding_mask,
         )
+
+    @contextlib.contextmanager
+    def _replay_scope(self) -> Iterator[None]:
+        # Router replay (R3) covers exactly the training forwards of one step.
+        try:
+            yield
+        finally:
+            if self.router_replay:
+                from nemo_moe_metrics.megatron import compat
+
+                compat.clear_router_replay(compat.megatron_routers(self.model))
+
+    def _set_replay(self, routes: torch.Tensor | None) -> None:
+        from nemo_moe_metrics.megatron import compat
+
+        routers = compat.megatron_routers(self.model)
+        if routes is None:
+            raise ValueError(
+                "moe_enable_routing_replay is on but the training batch carries no "
+                f"extras[{ROLLOUT_ROUTES!r}]: router replay needs the rollout's routes"
+            )
+        # [b, s, L, k] -> the routers' token order [s * b] per MoE layer; -1 rows (padding,
+        # tokens without a route) fall back on the live router (compat.capture_router_choice).
+        b, s, layers, k = routes.shape
+        if layers != len(routers):
+            raise ValueError(f"rollout routes have {layers} MoE layers, the model {len(routers)}")
+        flat = routes.transpose(0, 1).reshape(s * b, layers, k)
+        compat.set_router_replay(routers, [flat[:, j] for j in range(layers)])
+
+    def rollout_routes(self, batch: SequenceBatch, precision: str = "fp32") -> torch.Tensor:
+        """The experts each real token was routed to in a rollout forward, ``[b, s, L, k]``.
+
+        What an inference engine returns with its routes (vLLM's ``routed_experts``): recorded
+        by forward hooks on every router during one eval, no-grad forward in ``precision``
+        (``"bf16"``: CPU/CUDA autocast). Padding positions hold ``-1``; MoE layers in model order.
+        """
+        from nemo_moe_metrics.megatron import compat
+
+        routers = compat.megatron_routers(self.model)
+        if not routers:
+            raise ValueError("rollout_routes needs a model with MoE routers")
+        batch = self._to_device(batch)
+        maps: dict[int, list[torch.Tensor]] = {}
+
+        def record(module, args, output):
+            maps.setdefault(int(module.layer_number), []).append(output[1])
+
+        handles = [r.register_forward_hook(record) for r in routers]
+        parts = []
+        try:
+            with self._inference(), self._precision(precision):
+                for start in range(0, len(batch), self.micro_batch_size):
+                    mb = batch.slice(start, start + self.micro_batch_size)
+                    maps.clear()
+                    self._forward(self.model, mb.tokens, mb.padding_mask())
+                    b, s = mb.tokens.shape
+                    k = int(routers[0].topk)
+                    per_layer = [
+                        maps[int(r.layer_number)][0]
+                        .to(torch.float32)
+                        .topk(k, dim=1)
+                        .indices.reshape(s, b, k)
+                        .transpose(0, 1)
+                        for r in routers
+                    ]
+                    routes = torch.stack(per_layer, dim=2)
+                    routes[mb.padding_mask()] = -1
+                    parts.append(routes)
+        finally:
+            for h in handles:
+                h.remove()
+        return torch.cat(parts)
+
+    @contextlib.contextmanager
+    def _precision(self, precision: str) -> Iterator[None]:
+        if precision == "fp32":
+            yield
+            return
+        if precision != "bf16":
+            raise ValueError(f"rollout precision must be fp32 or bf16, got {precision!r}")
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            yield
 
     def _allreduce_grads(self) -> None:
         # Megatron DDP semantics: every gradient is scaled by 1/dp_size, then dense gradients are
@@ -254,11 +346,13 @@ class MegatronPolicyWorker:
         max_new_tokens: int,
         temperature: float = 1.0,
         generator: torch.Generator | None = None,
+        precision: str = "fp32",
     ) -> torch.Tensor:
         """Sample ``max_new_tokens`` after equal-length ``prompts`` ``[n, p]``; returns ``[n, p+new]``.
 
         No KV cache (the model is tiny): each new token re-runs the whole prefix. Padding is
-        never sampled. Sampling uses ``generator`` (CPU) for reproducibility.
+        never sampled. Sampling uses ``generator`` (CPU) for reproducibility; ``precision``
+        ``"bf16"`` runs the forwards under autocast, as an inference engine would.
         """
         if prompts.dim() != 2 or prompts.shape[1] == 0:
             raise ValueError(
@@ -273,7 +367,7 @@ class MegatronPolicyWorker:
                 f"seq_length={limit}; shorten the prompt/response or raise policy.model.seq_length"
             )
         seqs = prompts.to(self.device)
-        with self._inference():
+        with self._inference(), self._precision(precision):
             for _ in range(max_new_tokens):
                 rows = []
                 for start in range(0, seqs.shape[0], self.micro_batch_size):

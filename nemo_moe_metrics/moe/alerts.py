@@ -14,6 +14,8 @@ that stays overloaded for 1,000 steps warns once, not 1,000 times. What each che
 - ``dead_steps``, ``drift``: the table (they compare experts across steps);
 - ``dropped_fraction``: ``moe/layer_{i}/dropped_fraction`` (layer; the table adds the busiest
   expert, the one at capacity), else ``moe/dropped_fraction`` (all layers together).
+- ``routing_disagreement``: ``moe/layer_{i}/routing_disagreement`` (layer), else
+  ``moe/routing_disagreement`` (all layers); only steps that log routing consistency.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from nemo_moe_metrics.moe.timeline import DeadStreaks, Drift
 
 log = logging.getLogger("nemo_moe_metrics.alerts")
 
-_LAYER_KEY = re.compile(r"^moe/layer_(\d+)/(max_over_ideal|dropped_fraction)$")
+_LAYER_KEY = re.compile(r"^moe/layer_(\d+)/(max_over_ideal|dropped_fraction|routing_disagreement)$")
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,11 @@ class AlertMonitor:
         table = metrics.get(mn.EXPERT_LOADS)
         has_rows = table is not None and len(table) > 0
         layers, counts = _table(table) if has_rows else ([], None)
-        per_layer: dict[str, dict[int, float]] = {"max_over_ideal": {}, "dropped_fraction": {}}
+        per_layer: dict[str, dict[int, float]] = {
+            "max_over_ideal": {},
+            "dropped_fraction": {},
+            "routing_disagreement": {},
+        }
         for key, value in metrics.items():
             m = _LAYER_KEY.match(key)
             if m and isinstance(value, int | float) and np.isfinite(value):
@@ -86,6 +92,7 @@ class AlertMonitor:
         holding: dict[tuple[str, int | None], Alert] = {}
         self._check_max_over_ideal(metrics, step, layers, counts, per_layer, holding)
         self._check_dropped(metrics, step, layers, counts, per_layer, holding)
+        self._check_routing(metrics, step, per_layer, holding)
         if counts is not None:
             self._check_drift(step, layers, counts, holding)
         else:
@@ -189,6 +196,38 @@ class AlertMonitor:
                     f"choices {text} (layer and expert unknown: log "
                     "policy.megatron_cfg.moe_per_layer_logging=true and log_expert_table=true)",
                 )
+
+    def _check_routing(self, metrics, step, per_layer, holding) -> None:
+        limit = self.cfg.routing_disagreement
+        if limit is None:
+            return
+        text = f"> logger.alerts.routing_disagreement={limit:g}"
+        hint = (
+            " (rollout and training routers choose different experts; consider router replay, "
+            "policy.megatron_cfg.moe_enable_routing_replay, or matching the rollout precision)"
+        )
+        if per_layer["routing_disagreement"]:
+            for layer, frac in sorted(per_layer["routing_disagreement"].items()):
+                if frac > limit:
+                    holding["routing_disagreement", layer] = Alert(
+                        "routing_disagreement",
+                        step,
+                        layer,
+                        None,
+                        f"moe alert step {step}: layer {layer} routing disagreement {frac:.1%} "
+                        f"{text}{hint}",
+                    )
+            return
+        frac = metrics.get(mn.ROUTING_DISAGREEMENT)
+        if isinstance(frac, int | float) and frac > limit:
+            holding["routing_disagreement", None] = Alert(
+                "routing_disagreement",
+                step,
+                None,
+                None,
+                f"moe alert step {step}: routing disagreement {frac:.1%} over all MoE layers "
+                f"{text}{hint}",
+            )
 
     def _check_drift(self, step, layers, counts, holding) -> None:
         prev, self._prev = self._prev, (step, layers, counts)

@@ -52,6 +52,10 @@ class RouterSpec:
     # expert_bias(router, parent) -> the layer's aux-loss-free bias buffer [E] or None (the
     # buffer is read again at every export, so a buffer replaced after attach is followed).
     expert_bias: Callable[[nn.Module, nn.Module | None], torch.Tensor | None] | None = None
+    # routes_fn(module, args, kwargs, output) -> (own choice [T, E] bool, executed [T, E] bool,
+    #   non-padding tokens [T] bool or None, replay active): for routing consistency.
+    routes_fn: Callable[[nn.Module, tuple, dict, Any], tuple] | None = None
+    sequence_major: bool = False  #: router token order [s, b] (megatron) or [b, s]
 
 
 def _megatron_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
@@ -103,6 +107,28 @@ def _megatron_layer_id(module: nn.Module, name: str) -> int:
     return int(number) - 1
 
 
+def _megatron_routes(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    # The routing map is what the dispatcher executes (replayed experts under router replay,
+    # after capacity dropping); the router's own top-k comes from its scores through the
+    # RouterReplay wrapper (megatron.compat.capture_router_choice) when replay is configured.
+    from nemo_moe_metrics.megatron import compat
+    from nemo_moe_metrics.moe.routing import indices_to_map
+
+    routing_map = output[1]
+    own = compat.pop_router_choice(module)
+    chosen = routing_map if own is None else indices_to_map(own, routing_map.shape[1])
+    padding_mask = kwargs.get("padding_mask", args[1] if len(args) > 1 else None)
+    valid = None if padding_mask is None else ~padding_mask.reshape(-1).bool()
+    return chosen, routing_map, valid, compat.router_replay_active(module)
+
+
+def _topk_index_routes(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    from nemo_moe_metrics.moe.routing import indices_to_map
+
+    chosen = indices_to_map(output[2], int(module.num_experts))
+    return chosen, chosen, None, False
+
+
 _MEGATRON = RouterSpec(
     counts_fn=_megatron_counts,
     num_experts=lambda m: int(m.config.num_moe_experts),
@@ -110,11 +136,14 @@ _MEGATRON = RouterSpec(
     layer_id=_megatron_layer_id,
     # moe_router_enable_expert_bias: TopKRouter.expert_bias (None when off).
     expert_bias=lambda router, parent: getattr(router, "expert_bias", None),
+    routes_fn=_megatron_routes,
+    sequence_major=True,
 )
 _HF = RouterSpec(
     counts_fn=_topk_index_counts,
     num_experts=lambda m: int(m.num_experts),
     topk=lambda m: int(m.top_k),
+    routes_fn=_topk_index_routes,
 )
 
 _TORCHTITAN = RouterSpec(
@@ -252,6 +281,8 @@ class ExpertLoadCollector:
         self._reducers: dict[Any, Any] = {}
         self._observers: list[Callable[[int, nn.Module, Any], None]] = []
         self.sequence_parallel = False
+        self.routing: Any = None  # moe.routing.RoutingTracker once enable_routing() ran
+        self._routers = routers
         seen: dict[int, str] = {}
         for name, module, spec in routers:
             layer = spec.layer_id(module, name) if spec.layer_id else _name_layer_id(name)
@@ -335,6 +366,11 @@ class ExpertLoadCollector:
                 acc.add(counted[0], counted[1], counted[2] if len(counted) > 2 else None)
                 for observe in self._observers:
                     observe(acc.layer_id, module, output)
+                if self.routing is not None:
+                    assert spec.routes_fn is not None
+                    self.routing.observe(
+                        acc.layer_id, *spec.routes_fn(module, args, kwargs, output)
+                    )
 
         return hook
 
@@ -345,6 +381,38 @@ class ExpertLoadCollector:
         ``observe`` must only launch device ops (e.g. ``moe.hf_aux_loss``).
         """
         self._observers.append(observe)
+
+    def enable_routing(self, moe_layers: list[int]) -> Any:
+        """Compare rollout routes with these routers' choices (``moe.routing.RoutingTracker``).
+
+        ``moe_layers``: every MoE layer of the model (global ids, model order), the layer axis
+        of the rollout routes. Megatron routers with router replay configured also report their
+        own top-k under replay (``megatron.compat.capture_router_choice``).
+        """
+        from nemo_moe_metrics.moe.routing import RoutingTracker
+
+        specs = {spec for _, _, spec in self._routers}
+        unsupported = [name for name, _, spec in self._routers if spec.routes_fn is None]
+        if unsupported:
+            raise ValueError(
+                f"track_routing_consistency: routers {unsupported[:3]} were registered without a "
+                "routes function; routing consistency supports megatron-core and Hugging Face "
+                "routers"
+            )
+        for _, module, spec in self._routers:
+            if spec is _MEGATRON:
+                from nemo_moe_metrics.megatron import compat
+
+                compat.capture_router_choice(module)
+        self.routing = RoutingTracker(
+            self.layer_ids,
+            moe_layers,
+            self.topk,
+            self.num_experts,
+            self._accs[0].counts.device,
+            sequence_major=any(spec.sequence_major for spec in specs),
+        )
+        return self.routing
 
     # -- step boundary -----------------------------------------------------------------------
     @property
@@ -379,6 +447,8 @@ class ExpertLoadCollector:
             a.counts.zero_()
             a.executed.zero_()
             a.tokens.zero_()
+        if self.routing is not None:
+            self.routing.reset()
 
     def export(self, group: Any = None, *, contribute: bool | None = None) -> ExpertLoads:
         """Reduce over ``group`` (default: world), reset, return loads identical on every rank.

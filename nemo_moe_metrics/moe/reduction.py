@@ -262,3 +262,61 @@ def export_expert_loads(
             "once at setup and passed every step, so this rank keeps the agreed layout"
         )
     return collector.export(group, contribute=contribute)
+
+
+class RoutingReducer:
+    """Sums the routing-consistency integers (``moe.routing``) over one process group.
+
+    One ``all_reduce`` per export, joined by every rank of the group whether or not it holds
+    MoE layers (a pipeline stage without them sends zeros); its result is read in the export's
+    one host read. ``moe_layers``: every MoE layer of the model (global ids), the same list on
+    every rank, so the payload layout needs no agreement round.
+    """
+
+    def __init__(self, moe_layers: list[int], topk: int, group: Any = None) -> None:
+        """``topk``: experts per token; ``group``: ranks to sum over (default world)."""
+        self.moe_layers = list(moe_layers)
+        self.topk = topk
+        self.group = group
+        self._pos = {layer: i for i, layer in enumerate(self.moe_layers)}
+        self._rows: dict[torch.device, torch.Tensor] = {}  # a host-to-device copy syncs
+
+    def enqueue(
+        self, tracker: Any, *, per_layer: bool, contribute: bool = True
+    ) -> Pending[dict[str, Any]]:
+        """Launch the summing ``all_reduce``; the Pending turns the sums into ``moe/routing_*``."""
+        from nemo_moe_metrics.moe import routing
+
+        world, _ = _world(self.group)
+        device = _collective_device(self.group, None)
+        n_layers = len(self.moe_layers)
+        stats = torch.zeros(n_layers, routing.LAYER_SLOTS, dtype=torch.int64, device=device)
+        tokens = torch.zeros(routing.GLOBAL_SLOTS, dtype=torch.int64, device=device)
+        if tracker is not None and contribute:
+            local, local_tokens = tracker.local_stats()
+            if device not in self._rows:
+                rows = [self._pos[layer] for layer in tracker.layer_ids]
+                self._rows[device] = torch.tensor(rows, dtype=torch.int64).to(device)
+            rows = self._rows[device]
+            stats.index_copy_(0, rows, local.to(device))
+            tokens.add_(local_tokens.to(device))
+        payload = torch.cat(
+            [stats.reshape(-1), tokens, torch.ones(1, dtype=torch.int64, device=device)]
+        )
+        if world > 1:
+            dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=self.group)
+
+        def finish(host: list[np.ndarray]) -> dict[str, Any]:
+            values = host[0]
+            if values[-1] != world:
+                raise RuntimeError(
+                    f"routing export: {int(values[-1])} of {world} ranks took part; every rank "
+                    "must call finish_step with track_routing_consistency on"
+                )
+            body = values[: n_layers * routing.LAYER_SLOTS]
+            tail = values[n_layers * routing.LAYER_SLOTS : -1]
+            return routing.routing_metrics(
+                self.moe_layers, body, tail, self.topk, per_layer=per_layer
+            )
+
+        return Pending((payload,), finish)

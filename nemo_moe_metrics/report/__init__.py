@@ -13,6 +13,9 @@ returns the summary:
 - ``routing_drift.png``: each layer's Jensen-Shannon divergence between consecutive logged
   steps (how much the router changed its mind).
 - ``max_over_ideal.png``: each layer's worst-expert load over ideal, step by step.
+- ``routing_disagreement.png``: each layer's ``moe/layer_{i}/routing_disagreement`` over steps
+  (rollout vs training routes; runs with ``track_routing_consistency`` and per-layer logging);
+  the summary names the worst layers.
 
 The per-step expert counts come from the expert-load store (``expert_loads.bin``), read one
 step at a time, or from ``moe/expert_loads`` rows in the JSONL of runs written before the store
@@ -29,6 +32,7 @@ from nemo_moe_metrics.report.pictures import (
     HEATMAP_FILE,
     MAX_OVER_IDEAL_FILE,
     OVER_STEPS_FILE,
+    ROUTING_DISAGREEMENT_FILE,
 )
 from nemo_moe_metrics.report.reading import ReportError, Window, read_metrics
 from nemo_moe_metrics.report.summary import (
@@ -44,6 +48,7 @@ __all__ = [
     "HEATMAP_FILE",
     "MAX_OVER_IDEAL_FILE",
     "OVER_STEPS_FILE",
+    "ROUTING_DISAGREEMENT_FILE",
     "ReportError",
     "Window",
     "read_metrics",

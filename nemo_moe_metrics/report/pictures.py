@@ -16,6 +16,7 @@ HEATMAP_FILE = "expert_load_heatmap.png"
 OVER_STEPS_FILE = "expert_load_over_steps.png"
 DRIFT_FILE = "routing_drift.png"
 MAX_OVER_IDEAL_FILE = "max_over_ideal.png"
+ROUTING_DISAGREEMENT_FILE = "routing_disagreement.png"
 _DPI = 110
 
 

@@ -231,8 +231,12 @@ def jsonl_table_counts(
             yield line.step, layer_ids, counts
 
 
-def layer_key_series(path: Path, lines: list[Line]) -> tuple[list[int], dict[int, list[float]]]:
-    """Per-layer max/ideal from ``moe/layer_{i}/max_over_ideal`` keys (runs without counts)."""
+def layer_key_series(
+    path: Path, lines: list[Line], pattern: re.Pattern[str] | None = None
+) -> tuple[list[int], dict[int, list[float]]]:
+    """Per-layer max/ideal from ``moe/layer_{i}/max_over_ideal`` keys (runs without counts);
+    ``pattern`` (group 1: the layer) reads another per-layer key instead."""
+    pattern = pattern or _LAYER_MOI
     steps: list[int] = []
     series: dict[int, list[float]] = {}
     with path.open("rb") as f:
@@ -240,7 +244,7 @@ def layer_key_series(path: Path, lines: list[Line]) -> tuple[list[int], dict[int
             values = {
                 int(m.group(1)): float(v)
                 for k, v in read_line(f, line).items()
-                if (m := _LAYER_MOI.match(k)) and v is not None
+                if (m := pattern.match(k)) and v is not None
             }
             if not values:
                 continue

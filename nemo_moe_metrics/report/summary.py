@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from nemo_moe_metrics.report.pictures import (
     HEATMAP_FILE,
     MAX_OVER_IDEAL_FILE,
     OVER_STEPS_FILE,
+    ROUTING_DISAGREEMENT_FILE,
     bin_ratios,
     colour_limit,
     log_ratio,
@@ -219,6 +221,7 @@ def render_report(
                 + run.hint("per_layer")
             )
 
+    out += _routing_lines(run, path, lines_, out_dir)
     last_keys = [mn.TOKENS_PER_SECOND, mn.TFLOPS_PER_GPU, mn.MFU]
     aux_keys = [mn.aux_loss_key(n) for n in (*mn.AUX_LOSS_TRACKER_NAMES.values(), mn.Z_LOSS)]
     values = last_values(path, lines_, last_keys + aux_keys)
@@ -410,6 +413,48 @@ def _count_pictures(
         ideal=1.0,
     )
     out += _wrote(draw, out_dir / MAX_OVER_IDEAL_FILE)
+    return out
+
+
+_LAYER_ROUTING = re.compile(r"^moe/layer_(\d+)/routing_disagreement$")
+
+
+def _routing_lines(run: RunInfo, path: Path, lines: list[Line], out_dir: Path) -> list[str]:
+    """Routing consistency (rollout vs training routes): the worst layers and a picture."""
+    keys = [mn.ROUTING_DISAGREEMENT, mn.ROUTING_REPLAY_MISMATCH, mn.ROUTING_MISSING_FRACTION]
+    values = last_values(path, lines, keys)
+    if mn.ROUTING_DISAGREEMENT not in values:
+        return []
+    head = f"routing disagreement (last step, {mn.ROUTING_DISAGREEMENT}): "
+    head += f"{values[mn.ROUTING_DISAGREEMENT]:.2%}"
+    if mn.ROUTING_REPLAY_MISMATCH in values:
+        head += f"; router replay mismatch {values[mn.ROUTING_REPLAY_MISMATCH]:.2%}"
+    if mn.ROUTING_MISSING_FRACTION in values:
+        head += f"; pairs without a rollout route {values[mn.ROUTING_MISSING_FRACTION]:.2%}"
+    out = [head]
+    steps, series = layer_key_series(path, lines, _LAYER_ROUTING)
+    if not series:
+        out.append(
+            f"no per-layer routing data: {ROUTING_DISAGREEMENT_FILE} skipped; log it with "
+            "policy.megatron_cfg.moe_per_layer_logging=true"
+        )
+        return out
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        means = {la: float(np.nanmean(v)) for la, v in series.items()}
+    worst = sorted(means, key=lambda la: -means[la] if np.isfinite(means[la]) else 1.0)
+    shown = ", ".join(f"layer {la} {means[la]:.2%}" for la in worst[:DEFAULT_WORST_LAYERS])
+    out.append(f"routing disagreement, worst layers (mean over {len(steps)} steps): {shown}")
+    render_layer_series(
+        run,
+        out_dir / ROUTING_DISAGREEMENT_FILE,
+        steps,
+        {la: np.asarray(v) for la, v in series.items()},
+        ylabel="share of (token, layer) pairs whose top-k set differs from the rollout's",
+        title="routing disagreement per layer (rollout vs training router; 0 = identical)",
+        ideal=None,
+    )
+    out.append(f"wrote {out_dir / ROUTING_DISAGREEMENT_FILE}")
     return out
 
 
