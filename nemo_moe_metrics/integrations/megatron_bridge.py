@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, MetricsConfig
+from nemo_moe_metrics.megatron import compat  # imports no megatron module by itself
 from nemo_moe_metrics.sinks.base import split_tables, validate_metrics
 from nemo_moe_metrics.worker import PolicyMetrics
 
@@ -112,7 +113,10 @@ def batch_lengths(batch: Any) -> torch.Tensor | None:
             return (rows[:, 1:] - rows[:, :-1]).clamp(min=0).reshape(-1).to(torch.int64)
     loss_mask = batch.get("loss_mask")
     if loss_mask is not None:
-        return loss_mask.reshape(loss_mask.shape[0], -1).to(torch.int64).sum(-1)
+        rows = loss_mask.reshape(loss_mask.shape[0], -1)
+        if rows.dtype.is_floating_point:  # 0/1 floats: sum first (exact below 2**24 tokens)
+            return rows.sum(-1).round().to(torch.int64)
+        return rows.sum(-1, dtype=torch.int64)
     tokens = batch.get("tokens")
     if tokens is None:
         return None
@@ -260,8 +264,6 @@ class MoEMetricsCallback(Callback):
         # runs again, and only the last run is the one the optimizer applies.
         if self._step is None or self.metrics is None:
             return
-        from nemo_moe_metrics.megatron import compat
-
         current = compat.rerun_pass()
         if self._pass is not None and current != self._pass:
             self.metrics.restart_step()
