@@ -333,9 +333,14 @@ class MegatronPolicyWorker:
         """
         batch = self._to_device(batch)
         out = []
-        with self._inference():
+        # With router replay, the old log-probs are scored on the rollout's experts too (as
+        # NeMo RL's R3 does for prev-logprobs), so the importance ratio starts at 1.
+        replay = self.router_replay and ROLLOUT_ROUTES in batch.extras
+        with self._inference(), self._replay_scope():
             for start in range(0, len(batch), self.micro_batch_size):
                 mb = batch.slice(start, start + self.micro_batch_size)
+                if replay:
+                    self._set_replay(mb.extras[ROLLOUT_ROUTES])
                 logits = self._forward(self.model, mb.tokens, mb.padding_mask())
                 out.append(token_logprobs(logits, mb.tokens))
         return torch.cat(out)

@@ -450,7 +450,7 @@ def _routing_lines(run: RunInfo, path: Path, lines: list[Line], out_dir: Path) -
         out_dir / ROUTING_DISAGREEMENT_FILE,
         steps,
         {la: np.asarray(v) for la, v in series.items()},
-        ylabel="share of (token, layer) pairs whose top-k set differs from the rollout's",
+        ylabel="pairs whose top-k set differs from the rollout",
         title="routing disagreement per layer (rollout vs training router; 0 = identical)",
         ideal=None,
     )
