@@ -114,7 +114,7 @@ def smoke(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
         [sys.executable, str(REPO / "benchmarks" / "run.py"), "--smoke", "--json", str(out)],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=480,  # tiny sizes, but several spawned step models; slow on a loaded machine
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
