@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -166,3 +167,19 @@ def test_smoke_run_measures_the_store_and_wandb_tables_at_94x256(smoke):
     )
     assert store["wandb"]["table_step_ms"] > store["wandb"]["scalar_step_ms"] > 0
     assert result["checks"]["store_round_trip_exact"] is True
+
+
+def test_smoke_run_reports_on_a_table_every_step_and_times_wandb_loaded(smoke):
+    proc, result = smoke
+    report = result["details"]["report"]
+    # The every-step run: one table per step, read whole, its planted streak found.
+    assert report["every_step"]["tables_in_store"] == report["steps"]
+    assert result["checks"]["report_every_step_reads_every_logged_step"] is True
+    assert result["checks"]["report_every_step_finds_the_dead_streak"] is True
+    assert result["report_seconds_10k_94x256_every_step"] > 0
+    assert result["report_peak_rss_mb_10k_94x256_every_step"] > 0
+    loaded = result["details"]["store"]["wandb_loaded"]
+    assert loaded["busy_loop_processes"] == (os.cpu_count() or 1)
+    assert loaded["table_step_ms"] > 0
+    assert "report_seconds_10k_94x256_every_step" in proc.stdout
+    assert "wandb_table_ms_94x256_loaded" in proc.stdout
