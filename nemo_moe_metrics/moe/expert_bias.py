@@ -52,34 +52,52 @@ class ExpertBiasTracker:
         """
         self.group = group
         self._sources = sorted(sources, key=lambda s: s[0])
-        self._previous: dict[int, torch.Tensor] = {}
-        for layer, get in self._sources:
-            bias = get()
-            if bias is not None:
-                self._previous[layer] = _local(bias).detach().to(torch.float64).clone()
+        # The bias at the last export, as one [layers, experts] float64 tensor when every layer
+        # has the same experts on one device (one batched computation), else per layer.
+        self._previous: tuple[tuple[int, ...], Any] | None = None
+        self._index: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+        self._current()  # the reference for the first export's update
 
     @property
     def layer_ids(self) -> list[int]:
         """Global ids of this rank's layers whose router has a bias (may be empty)."""
         return [layer for layer, get in self._sources if get() is not None]
 
-    def _local_values(self) -> list[tuple[int, torch.Tensor]]:
-        out = []
-        for layer, get in self._sources:
-            bias = get()
-            if bias is None:
-                continue
-            now = _local(bias).detach().to(torch.float64)
-            prev = self._previous.get(layer)
-            if prev is None or prev.shape != now.shape or prev.device != now.device:
-                prev = now.clone()  # first sight of this buffer (or it moved): no change yet
-            values = torch.stack(
-                [torch.ones((), dtype=now.dtype, device=now.device), now.max() - now.min()]
-                + [(now - prev).abs().mean()]
-            )
-            self._previous[layer] = now.clone()
-            out.append((layer, values))
-        return out
+    def _current(self) -> tuple[tuple[int, ...], torch.Tensor | None]:
+        """``(layers, [layers, 3] float64 values [1, range, update])`` on the buffers' device."""
+        found = [(layer, get()) for layer, get in self._sources]
+        layers = tuple(layer for layer, b in found if b is not None)
+        tensors = [_local(b).detach() for _, b in found if b is not None]
+        if not tensors:
+            return layers, None
+        if len({(t.shape, t.device) for t in tensors}) == 1:
+            now: Any = torch.stack(tensors).to(torch.float64)  # a copy: safe to keep
+            prev = self._previous[1] if self._previous and self._previous[0] == layers else None
+            if (
+                not isinstance(prev, torch.Tensor)
+                or prev.shape != now.shape
+                or prev.device != now.device
+            ):
+                prev = now  # first sight of these buffers (or they moved): no change yet
+            update = (now - prev).abs().mean(dim=1)
+            spread = now.amax(dim=1) - now.amin(dim=1)
+        else:  # layers with different expert counts or devices: one layer at a time
+            now = {
+                layer: t.to(torch.float64).clone() for layer, t in zip(layers, tensors, strict=True)
+            }
+            before = self._previous[1] if self._previous else {}
+            before = before if isinstance(before, dict) else {}
+            rows = []
+            for layer, t in now.items():
+                p = before.get(layer)
+                p = t if p is None or p.shape != t.shape or p.device != t.device else p
+                rows.append(torch.stack([t.max() - t.min(), (t - p).abs().mean()]))
+            device = tensors[0].device
+            both = torch.stack([r.to(device) for r in rows])
+            spread, update = both[:, 0], both[:, 1]
+        self._previous = (layers, now)
+        ones = torch.ones_like(spread)
+        return layers, torch.stack([ones, spread, update], dim=1)
 
     def enqueue(self, layer_ids: Sequence[int]) -> Pending[dict[str, float]]:
         """Device values for the global MoE ``layer_ids`` (every rank, same list), one MAX reduce.
@@ -90,13 +108,19 @@ class ExpertBiasTracker:
         from nemo_moe_metrics.moe.reduction import _collective_device
 
         layer_ids = list(layer_ids)
-        pos = {layer: i for i, layer in enumerate(layer_ids)}
         device = _collective_device(self.group, None)
         payload = torch.zeros(len(layer_ids), _FIELDS, dtype=torch.float64, device=device)
-        for layer, values in self._local_values():
-            if layer not in pos:
-                raise ValueError(f"expert bias of layer {layer} is not one of the MoE layers")
-            payload[pos[layer]] = values.to(device)
+        layers, values = self._current()
+        if values is not None:
+            key = (layers, device)
+            if key not in self._index:  # built once: a host-to-device copy would sync
+                pos = {layer: i for i, layer in enumerate(layer_ids)}
+                missing = [layer for layer in layers if layer not in pos]
+                if missing:
+                    raise ValueError(f"expert bias of layers {missing} is not on a MoE layer")
+                index = torch.tensor([pos[layer] for layer in layers], dtype=torch.int64)
+                self._index[key] = index.to(device)
+            payload.index_copy_(0, self._index[key], values.to(device))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(payload, op=dist.ReduceOp.MAX, group=self.group)
         return Pending((payload,), lambda host: bias_metrics(layer_ids, host[0]))
