@@ -50,6 +50,7 @@ def train(recipe: Recipe, output_dir: str | Path) -> None:
         hooks.resume_totals(state.total_tokens, state.total_seconds, state.total_flops)
     start_step = state.next_step if state is not None else 0
     if rank == 0:
+        _refuse_a_logged_run(output_dir, recipe)  # before recipe.yaml: the old run stays whole
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
         if state is not None and state.last_step is not None:
@@ -74,6 +75,19 @@ def train(recipe: Recipe, output_dir: str | Path) -> None:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def _refuse_a_logged_run(output_dir: Path, recipe: Recipe) -> None:
+    """One run per directory (as ``run`` and ``build_sinks``), said in recipe terms."""
+    from nemo_moe_metrics.sinks import RunExistsError, logged_run
+
+    old = [] if recipe.logger.resume else logged_run(output_dir)
+    if old:
+        raise RunExistsError(
+            f"{output_dir} already holds a run ({', '.join(old)}); pass the override "
+            "logger.resume=true to continue it, or choose another --output-dir "
+            "(nemo-moe-metrics run --overwrite deletes the old run first)"
+        )
 
 
 def _resume_state(output_dir: Path, rank: int) -> ResumeState:

@@ -16,7 +16,11 @@ def tiny_config(family: str) -> Any:
     """A 2- or 3-layer config of ``family`` with the eager code paths FlopCounter/CPU need."""
     import transformers as t
 
-    if family == "qwen3_moe":
+    if family == "qwen2_moe":
+        cfg = t.Qwen2MoeConfig(**_COMMON, intermediate_size=32, moe_intermediate_size=16,
+                               shared_expert_intermediate_size=24, num_hidden_layers=2,
+                               num_experts=E, decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+    elif family == "qwen3_moe":
         cfg = t.Qwen3MoeConfig(**_COMMON, intermediate_size=32, moe_intermediate_size=16,
                                num_hidden_layers=2, head_dim=16, num_experts=E,
                                decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
@@ -57,7 +61,16 @@ def tiny_config(family: str) -> Any:
     return cfg
 
 
-FAMILIES = ["qwen3_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next", "qwen3_5_moe"]
+FAMILIES = [
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "olmoe",
+    "gpt_oss",
+    "deepseek_v3",
+    "qwen3_next",
+    "qwen3_5_moe",
+]
 
 
 def tiny_model(family: str, seed: int = 0) -> Any:

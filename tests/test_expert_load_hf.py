@@ -69,7 +69,25 @@ def _train_step(model, seed, batch=2, seq=12):
     model(input_ids=ids, labels=ids).loss.backward()
 
 
-@pytest.mark.parametrize("build,moe_layers", [(_qwen3_moe, [0, 1]), (_deepseek_v3, [1, 2])])
+def _qwen2_moe():
+    # Qwen1.5-MoE / Qwen2-57B-A14B: softmax top-k router plus a sigmoid-gated shared expert that
+    # every token goes through (not routed, so not counted).
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, num_experts=E, num_experts_per_tok=K, decoder_sparse_step=1,
+        mlp_only_layers=[1], attn_implementation="eager",
+    )  # fmt: skip
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(0)
+    return Qwen2MoeForCausalLM(cfg).train()
+
+
+@pytest.mark.parametrize(
+    "build,moe_layers", [(_qwen2_moe, [0, 2]), (_qwen3_moe, [0, 1]), (_deepseek_v3, [1, 2])]
+)
 def test_hf_counts_equal_experts_dispatch(build, moe_layers):
     model = build()
     collector = ExpertLoadCollector.attach(model)

@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from nemo_moe_metrics import preflight as _preflight
+
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "examples" / "configs" / "grpo_moe_tiny.yaml"
 SFT = ROOT / "examples" / "configs" / "sft_moe_tiny.yaml"
+MCFG = _preflight.MCFG  # the recipe's metric-flag block, "policy.<worker>_cfg"
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -362,7 +365,7 @@ def test_check_of_a_dense_recipe_says_it_has_no_experts(tmp_path):
         "check",
         SFT,
         "policy.model.num_experts=null",
-        "policy.megatron_cfg.expert_model_parallel_size=1",
+        f"{MCFG}.expert_model_parallel_size=1",
         "--nproc",
         "1",
     )
@@ -464,7 +467,7 @@ def test_report_hints_speak_metricsconfig_to_api_users(tmp_path):
         in (summary)
     )
     assert "aux losses: not logged; enable MetricsConfig(track_moe_metrics=True)" in summary
-    assert "policy.megatron_cfg" not in summary and "logger." not in summary
+    assert MCFG not in summary and "logger." not in summary
     # The whole run holds one table step: no --steps to widen; log the table more often.
     assert (
         "only 1 logged step with expert counts in the whole run: expert_load_over_steps.png and "
@@ -475,7 +478,7 @@ def test_report_hints_speak_metricsconfig_to_api_users(tmp_path):
     # The same run written by a recipe (run.json holds the Recipe dump) gets recipe keys.
     recipe = _api_run(tmp_path / "recipe", rows, config={"algorithm": "grpo"})
     summary = render_report(recipe)
-    assert "set policy.megatron_cfg.peak_flops_per_gpu" in summary
+    assert f"set {MCFG}.peak_flops_per_gpu" in summary
     assert "log the table more often with logger.table_every, or train more steps" in summary
 
 
@@ -695,3 +698,17 @@ def test_readme_lines_use_their_own_venv_and_run_directory():
     runs = {load_recipe(ROOT / re.search(r"run (\S+\.yaml)", c)[1]).name for c in lines}
     assert venvs == {".venv", ".venv312"}
     assert runs == {"grpo_moe_tiny", "grpo_hybrid_moe_tiny"}
+
+
+def test_the_per_rank_entrypoint_refuses_a_logged_run_in_recipe_terms(tmp_path):
+    # torchrun -m nemo_moe_metrics.train (e.g. a Slurm rerun) checks before touching recipe.yaml.
+    from nemo_moe_metrics.config import load_recipe
+    from nemo_moe_metrics.sinks import RunExistsError
+    from nemo_moe_metrics.train import _refuse_a_logged_run
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(RunExistsError, match="pass the override logger.resume=true to continue"):
+        _refuse_a_logged_run(tmp_path, load_recipe(GRPO))
+    _refuse_a_logged_run(tmp_path, load_recipe(GRPO, ["logger.resume=true"]))  # continues
+    (tmp_path / "metrics.jsonl").write_text("")  # failed before logging: not a run
+    _refuse_a_logged_run(tmp_path, load_recipe(GRPO))

@@ -307,6 +307,8 @@ def test_field_set_to_null_names_it():
     ("name", "total_b", "active_b", "rel"),
     [
         ("qwen3-30b-a3b", 30.5, 3.3, 0.02),
+        ("qwen1.5-moe-a2.7b", 14.3, 2.7, 0.02),  # model card: 14.3B total, 2.7B activated
+        ("qwen2-57b-a14b", 57.4, 14.0, 0.02),  # 57B total ("57.4B" on the hub), A14B
         ("qwen3-235b-a22b", 235.0, 22.0, 0.02),
         ("deepseek-v3", 671.0, 37.0, 0.02),  # without the 14B MTP module
         ("mixtral-8x7b", 46.7, 12.9, 0.01),

@@ -54,6 +54,16 @@ SMALL: dict[str, dict] = {
     "qwen2": dict(_ATTN, **_WINDOWED),
     "qwen3": dict(_ATTN, **_WINDOWED),
     "qwen3_moe": dict(_ATTN, **_WINDOWED, **_QWEN_MOE, decoder_sparse_step=2, mlp_only_layers=[3]),
+    # qwen2_moe slides on even layers below max_window_layers (here 0 and 2), and always has a
+    # sigmoid-gated shared expert.
+    "qwen2_moe": dict(
+        _ATTN,
+        **{**_WINDOWED, "max_window_layers": 3},
+        **_QWEN_MOE,
+        shared_expert_intermediate_size=96,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+    ),
     "mixtral": dict(_ATTN, sliding_window=16, num_local_experts=12, num_experts_per_tok=3),
     "olmoe": dict(_ATTN, num_experts=12, num_experts_per_tok=3),
     "gpt_oss": dict(_ATTN, sliding_window=16, num_local_experts=12, num_experts_per_tok=3),

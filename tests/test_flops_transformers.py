@@ -55,6 +55,19 @@ def _tiny_configs():
         ),
     )
     yield (
+        "qwen2_moe",
+        t.Qwen2MoeConfig(
+            num_hidden_layers=4,
+            decoder_sparse_step=2,  # layers 1 and 3 sparse ...
+            mlp_only_layers=[3],  # ... but layer 3 forced dense
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=40,  # with its sigmoid gate (hidden -> 1)
+            **{k: v for k, v in COMMON.items() if k != "head_dim"},
+        ),
+    )
+    yield (
         "mixtral",
         t.MixtralConfig(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, **COMMON),
     )
@@ -237,7 +250,16 @@ def _leaf_sum(counts, predicate) -> float:
 
 @pytest.mark.parametrize(
     "name",
-    ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3_q_lora", "gpt_oss", "qwen3_next", "qwen3_5_moe"],
+    [
+        "qwen2_moe",
+        "qwen3_moe",
+        "mixtral",
+        "olmoe",
+        "deepseek_v3_q_lora",
+        "gpt_oss",
+        "qwen3_next",
+        "qwen3_5_moe",
+    ],
 )
 def test_moe_components_match_counter_module_by_module(name):
     # Forward attribution is exact per module; training is 3x forward for these matmuls.

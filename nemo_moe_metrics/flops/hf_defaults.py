@@ -43,6 +43,7 @@ HF_MODEL_TYPES: tuple[str, ...] = (
     "mixtral",
     "olmoe",
     "qwen2",
+    "qwen2_moe",
     "qwen3",
     "qwen3_5",
     "qwen3_5_moe",

@@ -41,6 +41,12 @@ def layer_window(cfg: ConfigReader, layer: int) -> int | None:
         return int(sliding_window) if layer >= int(cfg.get("max_window_layers", 28)) else None
     if model_type == "qwen3_moe" and not cfg.get("use_sliding_window", False):
         return None
+    if model_type == "qwen2_moe":
+        # Qwen2MoeConfig: even layers below max_window_layers slide, when use_sliding_window.
+        if not cfg.get("use_sliding_window", False):
+            return None
+        below = layer < int(cfg.get("max_window_layers", 28))
+        return int(sliding_window) if layer % 2 == 0 and below else None
     # mistral, mixtral, qwen3_moe: one window for every layer when set.
     return int(sliding_window)
 

@@ -1,4 +1,4 @@
-"""Hugging Face MoE decoders with softmax attention: qwen3_moe, mixtral, olmoe, gpt_oss."""
+"""Hugging Face MoE decoders with softmax attention: qwen2_moe, qwen3_moe, mixtral, olmoe, gpt_oss."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def qwen_moe_layer_is_sparse(cfg: ConfigReader, layer: int) -> bool:
 
 
 def qwen_moe_ffn(cfg: ConfigReader, layer: int, *, shared: bool) -> DenseMLP | MoEMLP:
-    """The feed-forward block of a Qwen MoE layer (qwen3_moe, qwen3_next)."""
+    """The feed-forward block of a Qwen MoE layer (qwen2_moe, qwen3_moe, qwen3_next)."""
     hidden = int(cfg.require("hidden_size"))
     if not qwen_moe_layer_is_sparse(cfg, layer):
         return dense_mlp(hidden, int(cfg.require("intermediate_size")))
@@ -42,6 +42,19 @@ def qwen3_moe(config: Mapping[str, Any]) -> FlopsEstimator:
         for i in range(num_layers(cfg))
     )
     return FlopsEstimator(ModelShape("qwen3_moe", hidden, layers, cfg.vocab_size(), tied(cfg)))
+
+
+def qwen2_moe(config: Mapping[str, Any]) -> FlopsEstimator:
+    """qwen2_moe (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): as qwen3_moe, plus in every sparse layer
+    a shared expert of width ``shared_expert_intermediate_size`` that sees every token, scaled
+    by a sigmoid gate (a ``hidden x 1`` projection). The q/k/v biases add no matmul FLOPs."""
+    cfg = ConfigReader(config, "qwen2_moe")
+    hidden = int(cfg.require("hidden_size"))
+    layers = tuple(
+        Layer(hf_attention(cfg, i), qwen_moe_ffn(cfg, i, shared=True))
+        for i in range(num_layers(cfg))
+    )
+    return FlopsEstimator(ModelShape("qwen2_moe", hidden, layers, cfg.vocab_size(), tied(cfg)))
 
 
 def _all_moe(

@@ -145,6 +145,7 @@ for _name in ("llama", "mistral", "qwen2", "qwen3"):
     _REGISTRY[_name] = hf_dense.dense_decoder
 _REGISTRY.update(
     {
+        "qwen2_moe": hf_moe.qwen2_moe,
         "qwen3_moe": hf_moe.qwen3_moe,
         "mixtral": hf_moe.mixtral,
         "olmoe": hf_moe.olmoe,

@@ -161,6 +161,9 @@ _BUILTIN: dict[str, RouterSpec] = {
     **{
         f"transformers.models.{mod}.modeling_{mod}.{cls}": _HF
         for mod, cls in [
+            # qwen2_moe (Qwen1.5-MoE, Qwen2-57B-A14B): softmax top-k router; its shared expert
+            # (sigmoid-gated, every token) is not routed, so it is not counted.
+            ("qwen2_moe", "Qwen2MoeTopKRouter"),
             ("qwen3_moe", "Qwen3MoeTopKRouter"),
             ("qwen3_next", "Qwen3NextTopKRouter"),
             ("qwen3_5_moe", "Qwen3_5MoeTopKRouter"),
