@@ -12,7 +12,7 @@ In a real Bridge training script the integration is two lines (docs/en/framework
 Bridge's ``pretrain()`` does not install or run on a CPU machine, so this script plays the part
 of Bridge's ``train()`` with the pieces that do run here: Bridge's own ``callbacks.py`` (the
 installed package's, else the megatron-bridge 0.6.2 wheel's, fetched once from the package
-registry into ``~/.cache/nemo_moe_metrics`` and loaded alone by file path, exactly as the tests
+registry into the user's cache folder and loaded alone by file path, exactly as the tests
 do: ``nemo_moe_metrics.testing.load_bridge_callbacks``), a real megatron-core GPT model with MoE
 layers, megatron's ``get_forward_backward_func`` and rerun state machine, and megatron's own
 aux-loss report called the way Bridge's ``training_log`` calls it. Events fire in Bridge's

@@ -16,7 +16,8 @@ def pytest_collection_modifyitems(config, items):
 
     A module marked ``one_line`` is left out: what it checks (CLI messages, report text, config
     validation, Hugging Face models) does not depend on the megatron-core line, even where it
-    uses a megatron run as its input, so CI runs it on the Python 3.11 line only.
+    uses a megatron run as its input, so CI runs it on the Python 3.11 line only. Test modules
+    named after torchtitan are marked ``torchtitan``: CI runs them on both lines too.
     """
     touches: dict = {}
     for item in items:
@@ -25,6 +26,8 @@ def pytest_collection_modifyitems(config, items):
             touches[path] = "megatron" in path.read_text(encoding="utf-8")
         if touches[path] and item.get_closest_marker("one_line") is None:
             item.add_marker(pytest.mark.megatron)
+        if "torchtitan" in path.name:
+            item.add_marker(pytest.mark.torchtitan)
 
 
 @pytest.fixture(scope="session")

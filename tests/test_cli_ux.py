@@ -344,13 +344,16 @@ def test_overwrite_clears_the_old_run_and_resume_continues_it(tmp_path):
     assert [p.name for p in (run_dir / "wandb").glob("offline-run-*")] != ["offline-run-old"]
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
     assert (run_dir / "expert_load_heatmap.png").stat().st_size > 10_000
-    # --resume reaches the ranks as logger.resume=true (the recipe they ran is saved).
+    # --resume reaches the ranks as logger.resume=true (the recipe they ran is saved) and
+    # continues the run from where it stopped (a finished run needs a larger max_steps).
     proc = _cli(
-        tmp_path, "run", GRPO, "training.max_steps=1", "--resume", "--output-dir", runs,
+        tmp_path, "run", GRPO, "training.max_steps=2", "--resume", "--output-dir", runs,
         timeout=380,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resume: true" in (run_dir / "recipe.yaml").read_text()
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1]
 
 
 # --------------------------------------------------------------------------- 5. Slurm
