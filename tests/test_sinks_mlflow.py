@@ -126,3 +126,37 @@ def test_missing_extra_names_it(monkeypatch, tmp_path):
         sink = build_sinks(CFG.model_copy(update={"jsonl_enabled": False}), tmp_path, run_name="r")
     assert sink.sinks == []
     assert any("nemo_moe_metrics[mlflow]" in str(w.message) for w in caught)
+
+
+def test_bridge_callback_logs_scalars_and_tables_to_mlflow(run, tmp_path):
+    from types import SimpleNamespace
+
+    from nemo_moe_metrics.testing import load_bridge_callbacks
+
+    try:
+        load_bridge_callbacks()
+    except Exception as err:  # no cached wheel and no registry: the Bridge tests cover it
+        pytest.skip(f"Bridge's callbacks.py not available: {err}")
+    from nemo_moe_metrics.integrations.megatron_bridge import MoEMetricsCallback
+
+    run_dir, _, _, client = run
+    callback = MoEMetricsCallback(
+        {"track_moe_metrics": True, "log_expert_table": True},
+        run_dir=tmp_path / "bridge_run",
+        table_every=2,
+        mlflow_enabled=True,
+        mlflow_tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}",
+        mlflow_experiment="bridge",
+    )
+    state = SimpleNamespace(cfg=SimpleNamespace(logger=None))
+    callback._open_store(state)  # what on_train_start does on the last rank, after attaching
+    for iteration in (1, 2):
+        callback._write(state, _step_metrics(iteration), iteration)
+    callback.on_train_end(SimpleNamespace(state=state))
+    [bridge_run] = client.search_runs([client.get_experiment_by_name("bridge").experiment_id])
+    run_id = bridge_run.info.run_id
+    assert bridge_run.info.run_name == "bridge_run" and bridge_run.info.status == "FINISHED"
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, mn.TOKENS))
+    assert history == [(1, 513.0), (2, 514.0)]
+    names = [a.path for a in client.list_artifacts(run_id, "expert_loads")]
+    assert names == ["expert_loads/step_00000002.csv"]
