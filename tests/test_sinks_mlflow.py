@@ -102,6 +102,9 @@ def test_tracking_uri_setting_logs_elsewhere(run, tmp_path):
     run_dir, first_id, _, client = run
     uri = f"sqlite:///{run_dir / 'mlflow.db'}"
     other = tmp_path / "other"
+    # A new experiment in a given store keeps its artifacts where MLflow's default says (./mlruns
+    # for a SQLite URI); the test creates it first with its artifacts under tmp_path.
+    client.create_experiment("second", artifact_location=(tmp_path / "art").as_uri())
     cfg = CFG.model_copy(update={"mlflow_tracking_uri": uri, "mlflow_experiment": "second"})
     run_id = _log(other, cfg, [4])
     assert not (other / "mlflow.db").exists() and run_id != first_id
@@ -140,6 +143,7 @@ def test_bridge_callback_logs_scalars_and_tables_to_mlflow(run, tmp_path):
     from nemo_moe_metrics.integrations.megatron_bridge import MoEMetricsCallback
 
     run_dir, _, _, client = run
+    client.create_experiment("bridge", artifact_location=(tmp_path / "art").as_uri())
     callback = MoEMetricsCallback(
         {"track_moe_metrics": True, "log_expert_table": True},
         run_dir=tmp_path / "bridge_run",
