@@ -362,11 +362,22 @@ class LoggerConfig(StrictModel):
         description="W&B's own table cadence (a 94 x 256 table costs W&B about 1 s of host "
         "time); None follows table_every.",
     )
+    mlflow_enabled: bool = Field(
+        False,
+        description="Log to MLflow (extra 'mlflow'): scalars as metrics with their step, the "
+        "moe/expert_loads table as a CSV artifact on table_every steps.",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI; None: a SQLite database in the run directory "
+        "(sqlite:///<run_dir>/mlflow.db, artifacts in <run_dir>/mlflow_artifacts).",
+    )
+    mlflow_experiment: str = "nemo_moe_metrics"
     resume: bool = Field(
         False,
         description="Continue the run in the output directory: steps, train_perf/total_* and "
         "the cumulative rates go on from its last logged step; JSONL and the store append; "
-        "TensorBoard and W&B continue the same run. Model weights are not restored.",
+        "TensorBoard, W&B and MLflow continue the same run. Model weights are not restored.",
     )
     alerts: AlertsConfig = Field(default_factory=AlertsConfig)
 

@@ -8,6 +8,7 @@ and pyyaml. Everything heavier is an extra of the package, named in ``pyproject.
 - ``wandb``, ``tensorboard``: those sinks; ``report``: matplotlib for the pictures;
 - ``hf``: transformers, for Hugging Face models (``examples/integrate_hf_fsdp.py``);
 - ``torchtitan``: torchtitan 0.3.0 models (``examples/integrate_torchtitan.py``);
+- ``mlflow``: mlflow-skinny with SQLAlchemy and Alembic, for the MLflow sink's SQLite store;
 - ``all``: every one of them.
 
 A module that needs an extra imports it through :func:`require`, so a missing one fails with
@@ -29,6 +30,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "report": ("matplotlib",),
     "hf": ("transformers",),
     "torchtitan": ("torchtitan",),
+    "mlflow": ("mlflow", "sqlalchemy", "alembic"),
 }
 
 

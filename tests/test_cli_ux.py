@@ -22,7 +22,17 @@ ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "examples" / "configs" / "grpo_moe_tiny.yaml"
 SFT = ROOT / "examples" / "configs" / "sft_moe_tiny.yaml"
 DPO = ROOT / "examples" / "configs" / "dpo_moe_tiny.yaml"
-HEAVY = ("ray", "nemo_run", "leptonai", "wandb", "matplotlib", "megatron", "tensorboard", "rich")
+HEAVY = (
+    "ray",
+    "nemo_run",
+    "leptonai",
+    "wandb",
+    "matplotlib",
+    "megatron",
+    "tensorboard",
+    "rich",
+    "mlflow",
+)
 
 
 def _env(tmp_path: Path) -> dict[str, str]:

@@ -33,6 +33,7 @@ import inspect
 import logging
 import math
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,12 @@ class MoEMetricsCallback(Callback):
             Bridge's TensorBoard directory (``<tensorboard_dir>/../nemo_moe_metrics``), or no
             store when TensorBoard is off.
         table_every: write the expert-load table on iterations that are multiples of this.
+        mlflow_enabled: also log to MLflow on the last rank (extra ``mlflow``): the scalars as
+            metrics at Bridge's iteration, the table as CSV artifacts on ``table_every``
+            iterations (:class:`nemo_moe_metrics.sinks.mlflow.MlflowSink`). Needs a run
+            directory (``run_dir`` or Bridge's TensorBoard directory).
+        mlflow_tracking_uri: None: a SQLite store in the run directory (``mlflow.db``).
+        mlflow_experiment: the MLflow experiment's name.
 
     ``callback.metrics`` is the :class:`PolicyMetrics`; ``callback.last_metrics`` the last
     step's dict (the same on every rank).
@@ -167,6 +174,9 @@ class MoEMetricsCallback(Callback):
         *,
         run_dir: str | Path | None = None,
         table_every: int = DEFAULT_TABLE_EVERY,
+        mlflow_enabled: bool = False,
+        mlflow_tracking_uri: str | None = None,
+        mlflow_experiment: str = "nemo_moe_metrics",
     ) -> None:
         cfg = (
             metrics_cfg
@@ -186,6 +196,10 @@ class MoEMetricsCallback(Callback):
         self._step: contextlib.ExitStack | None = None
         self._pass: Any = None  # the rerun state machine's pass the open step last saw
         self._store: Any = None
+        self.mlflow_enabled = mlflow_enabled
+        self.mlflow_tracking_uri = mlflow_tracking_uri
+        self.mlflow_experiment = mlflow_experiment
+        self._mlflow: Any = None
 
     # -- Bridge events ---------------------------------------------------------------------
     def on_train_start(self, context: Any) -> None:
@@ -226,6 +240,9 @@ class MoEMetricsCallback(Callback):
         if self._store is not None:
             self._store.close()
             self._store = None
+        if self._mlflow is not None:
+            self._mlflow.close()
+            self._mlflow = None
         if self.metrics is not None:
             self.metrics.detach()
 
@@ -295,24 +312,50 @@ class MoEMetricsCallback(Callback):
         import torch.distributed as dist
 
         last = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
-        if not (self.cfg.track_moe_metrics and self.cfg.log_expert_table and last):
+        if not (self.cfg.track_moe_metrics and last):
+            return
+        want_store = self.cfg.log_expert_table
+        if not (want_store or self.mlflow_enabled):
             return
         run_dir = self.run_dir
         if run_dir is None:
             tb_dir = getattr(getattr(state.cfg, "logger", None), "tensorboard_dir", None)
             if not tb_dir:
-                log.info("MoEMetricsCallback: no run_dir and no tensorboard_dir: no expert store")
+                log.info(
+                    "MoEMetricsCallback: no run_dir and no tensorboard_dir: no expert store, "
+                    "no MLflow"
+                )
                 return
             run_dir = Path(tb_dir).parent / "nemo_moe_metrics"
-        from nemo_moe_metrics.sinks.store import ExpertLoadSink, store_path
-
+        name = (run_dir.parent if self.run_dir is None else run_dir).name or "megatron_bridge"
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._store = ExpertLoadSink(store_path(run_dir), table_every=self.table_every)
+        if want_store:
+            from nemo_moe_metrics.sinks.store import ExpertLoadSink, store_path
+
+            self._store = ExpertLoadSink(store_path(run_dir), table_every=self.table_every)
+        if self.mlflow_enabled:
+            from nemo_moe_metrics.sinks.mlflow import MlflowSink
+
+            try:
+                self._mlflow = MlflowSink(
+                    run_dir,
+                    run_name=name,
+                    experiment=self.mlflow_experiment,
+                    tracking_uri=self.mlflow_tracking_uri,
+                    table_every=self.table_every,
+                )
+            except Exception as err:  # a logging backend must never stop training
+                warnings.warn(
+                    f"MoEMetricsCallback: MLflow could not start ({type(err).__name__}: {err}); "
+                    "continuing without it",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     def _write(self, state: Any, out: dict[str, Any], iteration: int) -> None:
         writer = getattr(state, "tensorboard_logger", None)
         wandb_writer = getattr(state, "wandb_logger", None)
-        if writer is None and wandb_writer is None and self._store is None:
+        if writer is None and wandb_writer is None and self._store is None and self._mlflow is None:
             return  # a rank without Bridge's writers writes nothing
         scalars, tables = split_tables(validate_metrics(out, iteration))
         if writer is not None:
@@ -322,3 +365,7 @@ class MoEMetricsCallback(Callback):
             wandb_writer.log(scalars, iteration)
         if self._store is not None and tables and self._store.wants_tables(iteration):
             self._store.log(tables, iteration)
+        if self._mlflow is not None:
+            if not self.cfg.log_expert_table:
+                tables = {}
+            self._mlflow.log({**scalars, **tables}, iteration)

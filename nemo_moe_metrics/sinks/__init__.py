@@ -1,4 +1,4 @@
-"""Metric sinks (JSONL, TensorBoard, W&B) behind one small interface, built from the recipe.
+"""Metric sinks (JSONL, TensorBoard, W&B, MLflow) behind one small interface, built from the recipe.
 
 ``build_sinks`` is the only constructor call sites need: it returns one ``Sink`` whose ``log``
 fans out to every enabled backend, or a do-nothing sink on ranks other than 0. It also writes
@@ -23,6 +23,7 @@ from typing import Any
 from nemo_moe_metrics.config import LoggerConfig
 from nemo_moe_metrics.sinks.base import MultiSink, NullSink, Sink, split_tables, validate_metrics
 from nemo_moe_metrics.sinks.jsonl import METRICS_FILE, JsonlSink
+from nemo_moe_metrics.sinks.mlflow import MLFLOW_ARTIFACTS_DIR, MLFLOW_DB
 from nemo_moe_metrics.sinks.resume import ResumeState, read_resume_state
 from nemo_moe_metrics.sinks.store import STORE_FILE, ExpertLoadSink, store_path
 
@@ -37,6 +38,8 @@ RUN_RECORD = (
     RUN_FILE,
     TENSORBOARD_DIR,
     WANDB_DIR,
+    MLFLOW_DB,
+    MLFLOW_ARTIFACTS_DIR,
     "expert_load_heatmap.png",
     "expert_load_over_steps.png",
     "routing_drift.png",
@@ -53,7 +56,7 @@ def logged_run(run_dir: Path) -> list[str]:
     """The files of a run in ``run_dir`` that logged at least one step; empty when there is none.
 
     ``metrics.jsonl`` decides when it exists (a run that failed before logging leaves it empty);
-    without it (JSONL off) any TensorBoard or W&B output counts as a run.
+    without it (JSONL off) any TensorBoard, W&B or MLflow output counts as a run.
     """
     run_dir = Path(run_dir)
     # The store starts with its 8-byte magic; a step adds a record after it.
@@ -65,11 +68,14 @@ def logged_run(run_dir: Path) -> list[str]:
     ]
     if found or (run_dir / METRICS_FILE).is_file():
         return found
-    return [
+    found = [
         name
-        for name in (TENSORBOARD_DIR, WANDB_DIR)
+        for name in (TENSORBOARD_DIR, WANDB_DIR, MLFLOW_ARTIFACTS_DIR)
         if (run_dir / name).is_dir() and any((run_dir / name).iterdir())
     ]
+    if (run_dir / MLFLOW_DB).is_file():
+        found.append(MLFLOW_DB)
+    return found
 
 
 def clear_run(run_dir: Path) -> list[str]:
@@ -161,6 +167,9 @@ def build_sinks(
     if resume and previous:
         meta["created"] = previous.get("created", meta["created"])
         meta["resumed"] = [*previous.get("resumed", []), _now()]
+        for key in ("mlflow_run_id", "mlflow_tracking_uri"):
+            if key in previous:
+                meta[key] = previous[key]
     _write_json_atomic(run_dir / RUN_FILE, meta)
     next_step = resume_state.next_step if resume and resume_state is not None else None
 
@@ -177,6 +186,18 @@ def build_sinks(
             "W&B",
             lambda: _wandb(run_dir, logger_cfg, run_name, config, meta["run_id"]),
         )
+    if logger_cfg.mlflow_enabled:
+        # The MLflow run id lives in run.json beside ours; a resume reopens that run.
+        mlflow_id = previous.get("mlflow_run_id") if resume else None
+        added = _try_add(
+            sinks,
+            "MLflow",
+            lambda: _mlflow(run_dir, logger_cfg, run_name, config, mlflow_id),
+        )
+        if added is not None:
+            meta["mlflow_run_id"] = added.run_id
+            meta["mlflow_tracking_uri"] = added.tracking_uri
+            _write_json_atomic(run_dir / RUN_FILE, meta)
     return MultiSink(sinks, monitor=_alert_monitor(logger_cfg))
 
 
@@ -241,17 +262,44 @@ def _wandb(
     )
 
 
-def _try_add(sinks: list[Sink], name: str, make: Any) -> None:
+def _mlflow(
+    run_dir: Path,
+    cfg: LoggerConfig,
+    run_name: str,
+    config: dict[str, Any] | None,
+    run_id: str | None,
+) -> Any:
+    from nemo_moe_metrics.sinks.mlflow import MlflowSink
+
+    return MlflowSink(
+        run_dir,
+        run_name=run_name,
+        experiment=cfg.mlflow_experiment,
+        tracking_uri=cfg.mlflow_tracking_uri,
+        config=config,
+        table_every=cfg.table_every,
+        run_id=run_id,
+        resume=cfg.resume,
+    )
+
+
+_FLAGS = {"W&B": "wandb", "TensorBoard": "tensorboard", "MLflow": "mlflow"}
+
+
+def _try_add(sinks: list[Sink], name: str, make: Any) -> Any:
+    """Append ``make()`` to ``sinks`` and return it; on failure warn and return None."""
     try:
-        sinks.append(make())
+        sink = make()
     except Exception as err:  # a logging backend must never stop training
         warnings.warn(
             f"{name} sink could not start ({type(err).__name__}: {err}); continuing without it. "
-            f"Set logger.{'wandb' if name == 'W&B' else 'tensorboard'}_enabled=false to silence "
-            "this warning.",
+            f"Set logger.{_FLAGS[name]}_enabled=false to silence this warning.",
             RuntimeWarning,
             stacklevel=3,
         )
+        return None
+    sinks.append(sink)
+    return sink
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
