@@ -176,8 +176,10 @@ def test_zero_token_step_exports_zeros_and_no_nan(runs, world):
     assert all(e == empty[0] for e in empty)
     e = empty[0]
     assert e[mn.TOKENS] == 0.0 and e[mn.ESTIMATED_FLOPS] == 0.0
-    assert all(row[2] == 0 and row[3] == 0 for row in e[mn.EXPERT_LOADS])
-    assert all(math.isfinite(v) for k, v in e.items() if k != mn.EXPERT_LOADS)
+    # No expert received a token: routed_tokens 0 and no balance key, table or aux loss made up.
+    assert e[mn.ROUTED_TOKENS] == 0.0
+    assert [k for k in e if k.startswith(mn.MOE_PREFIX)] == [mn.ROUTED_TOKENS]
+    assert all(math.isfinite(v) for v in e.values())
 
 
 def test_rank_that_dies_before_the_export_gives_the_others_a_clear_error_fast(runs):
