@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cli_ux import _cli, _env  # the real CLI in a clean HOME, as test_cli_ux runs it
 
 from nemo_moe_metrics import preflight as _preflight
 
@@ -17,24 +18,6 @@ ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "examples" / "configs" / "grpo_moe_tiny.yaml"
 SFT = ROOT / "examples" / "configs" / "sft_moe_tiny.yaml"
 MCFG = _preflight.MCFG  # the recipe's metric-flag block, "policy.<worker>_cfg"
-
-
-def _env(tmp_path: Path) -> dict[str, str]:
-    home = tmp_path / "home"
-    home.mkdir(exist_ok=True)
-    return {**os.environ, "HOME": str(home), "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
-
-
-def _cli(tmp_path, *args, timeout=120):
-    return subprocess.run(
-        [sys.executable, "-m", "nemo_moe_metrics.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=_env(tmp_path),
-        stdin=subprocess.DEVNULL,
-        timeout=timeout,
-    )
 
 
 def _python(tmp_path, code, *args, timeout=120):
