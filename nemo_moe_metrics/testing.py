@@ -143,8 +143,10 @@ def load_bridge_callbacks(version: str = BRIDGE_VERSION, cache: Path | None = No
     finds it as it would find the installed package. Returns the module.
     """
     import importlib.util
+    import shutil
     import subprocess
     import sys
+    import tempfile
     import zipfile
 
     name = "megatron.bridge.training.callbacks"
@@ -156,19 +158,26 @@ def load_bridge_callbacks(version: str = BRIDGE_VERSION, cache: Path | None = No
         wheels = cache / "wheels"
         wheel = wheels / f"megatron_bridge-{version}-py3-none-any.whl"
         if not wheel.is_file():
+            # Into a private folder first: a second test session (CI runs both Python lines at
+            # once) must never read a half-written wheel.
+            wheels.mkdir(parents=True, exist_ok=True)
+            private = Path(tempfile.mkdtemp(dir=wheels))
             cmd = [sys.executable, "-m", "pip", "download", f"megatron-bridge=={version}"]
             cmd += ["--no-deps", "--python-version", "3.12", "--only-binary=:all:"]
-            cmd += ["-d", str(wheels), "--quiet"]
+            cmd += ["-d", str(private), "--quiet"]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            if proc.returncode != 0 or not wheel.is_file():
+            fetched = private / wheel.name
+            if proc.returncode != 0 or not fetched.is_file():
                 raise RuntimeError(
                     f"could not fetch the megatron-bridge {version} wheel ({' '.join(cmd)}): "
                     f"{proc.stderr.strip()[-2000:]}"
                 )
+            os.replace(fetched, wheel)
+            shutil.rmtree(private, ignore_errors=True)
         with zipfile.ZipFile(wheel) as zf:
             data = zf.read(_BRIDGE_CALLBACKS)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, path)
     spec = importlib.util.spec_from_file_location(name, path)
