@@ -7,7 +7,14 @@ import math
 import numpy as np
 import pytest
 
-from nemo_moe_metrics.moe.timeline import DeadStreaks, Drift, Streak, js_divergence
+from nemo_moe_metrics.moe.timeline import (
+    DeadStreaks,
+    Drift,
+    Streak,
+    entropy_from_counts,
+    js_divergence,
+    shares,
+)
 
 
 def _js_by_hand(a: list[int], b: list[int]) -> float:
@@ -40,6 +47,24 @@ def test_js_divergence_is_0_for_same_shares_and_1_for_disjoint_experts():
 
 def test_js_divergence_is_nan_when_a_step_routed_nothing():
     assert np.isnan(js_divergence(np.array([[0, 0]]), np.array([[1, 2]]))[0])
+
+
+@pytest.mark.parametrize("top", [40, 1_200_000, (1 << 22) + 5])
+@pytest.mark.parametrize("dtype", [np.int64, np.uint32])
+def test_entropy_from_counts_is_the_entropy_of_the_shares(top, dtype):
+    rng = np.random.default_rng(top)
+    counts = rng.integers(0, top, (6, 5, 32)).astype(dtype)
+    counts[0, 1] = 0  # an empty row: NaN, as for its shares
+    counts[2, :, :4] = 0
+    got = entropy_from_counts(counts)
+    by_hand = [
+        -sum(c / sum(row) * math.log2(c / sum(row)) for c in row if c) if sum(row) else math.nan
+        for row in counts.reshape(-1, 32).astype(float).tolist()
+    ]
+    np.testing.assert_allclose(got.reshape(-1), by_hand, rtol=1e-12, atol=1e-12)
+    assert np.isnan(got[0, 1]) and np.isnan(shares(counts)[0, 1]).all()
+    with pytest.raises(ValueError, match=">= 0"):
+        entropy_from_counts(np.array([[3, -1]]))
 
 
 def test_drift_compares_each_step_with_the_previous_one():

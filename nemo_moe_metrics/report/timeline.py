@@ -7,7 +7,12 @@ from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics.moe.timeline import DeadStreaks, entropy_bits, js_from_shares, shares
+from nemo_moe_metrics.moe.timeline import (
+    DeadStreaks,
+    entropy_from_counts,
+    js_from_shares,
+    shares,
+)
 from nemo_moe_metrics.report.reading import ReportError
 
 # The over-steps picture keeps at most this many step bins (tokens summed within a bin) ...
@@ -104,7 +109,7 @@ def prepare_block(steps: Any, layer_ids: Any, counts: np.ndarray) -> Block:
     with np.errstate(divide="ignore", invalid="ignore"):
         moi = counts.max(axis=2) * counts.shape[2] / totals
     p = shares(counts)
-    h = entropy_bits(p)
+    h = entropy_from_counts(counts)
     js = js_from_shares(p[:-1], h[:-1], p[1:], h[1:])
     return Block(
         steps=np.asarray(steps, dtype=np.int64),
