@@ -64,3 +64,34 @@ def test_long_series_are_drawn_as_envelopes_that_keep_every_extreme():
     assert np.isnan(env[2, 0])
     short = rng.normal(size=(2, 300))
     assert _envelope(range(300), short)[1] is short
+
+
+def test_many_layers_long_run_faint_lines_are_run_means_and_the_extremes_stay():
+    from nemo_moe_metrics.report.pictures import layer_series_figure
+    from nemo_moe_metrics.report.reading import RunInfo
+
+    rng = np.random.default_rng(5)
+    steps = list(range(0, 2 * 5_000, 2))
+    values = 1.0 + rng.random((20, 5_000))
+    values[3, 777] = 9.0  # a spike in a faint (not the worst) layer
+    values[7, :40] = np.nan  # a layer without tokens at first
+    values[11] += 0.5  # the worst layer by mean
+    fig = layer_series_figure(
+        RunInfo("t"), steps, dict(enumerate(values)), ylabel="y", title="t", ideal=1.0
+    )
+    ax = fig.axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    worst = lines["worst layer (11)"]
+    assert np.nanmax(worst.get_ydata()) == values[11].max()
+    faint = [line for line in ax.get_lines() if line.get_label().startswith("_")]
+    assert len(faint) == 19
+    runs = len(faint[0].get_xdata())
+    assert runs <= 600
+    # Independently: each faint line is the mean of equal runs of steps, NaNs left out.
+    edges = np.linspace(0, 5_000, runs + 1).astype(int)
+    want = [np.nanmean(values[3, a:b]) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+    np.testing.assert_allclose(faint[3].get_ydata(), want, rtol=1e-12)
+    assert np.isnan(faint[7].get_ydata()[0])
+    # The band still reaches the faint layer's spike.
+    band = ax.collections[0].get_paths()[0].vertices
+    assert band[:, 1].max() == 9.0

@@ -295,6 +295,21 @@ def _envelope(steps: Any, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return xs, out.reshape(*lead, 2 * runs)
 
 
+def _run_means(steps: Any, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(x [runs], y [..., runs])``: the mean of each of ``_envelope``'s runs (NaN where a run
+    holds no value), at the run's centre. Many layers' faint lines are drawn this way: Agg
+    needs about 5x longer for 94 zig-zagging envelopes, and the band keeps every extreme."""
+    x = np.asarray(steps, dtype=np.float64)
+    edges = np.linspace(0, x.size, _MAX_POINTS // 2 + 1).astype(np.int64)
+    flat = values.reshape(-1, x.size)
+    finite = np.isfinite(flat)
+    sums = np.add.reduceat(np.where(finite, flat, 0.0), edges[:-1], axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        means = sums / np.add.reduceat(finite, edges[:-1], axis=1)
+    centres = (x[edges[:-1]] + x[edges[1:] - 1]) / 2
+    return centres, means.reshape(*values.shape[:-1], edges.size - 1)
+
+
 def render_layer_series(
     run: RunInfo,
     path: Path,
@@ -337,23 +352,27 @@ def layer_series_figure(
         low, high = np.nanmin(values, axis=0), np.nanmax(values, axis=0)
         mean = np.nanmean(values, axis=0)
         layer_means = np.nanmean(values, axis=1)
-    # Long runs: each line as its per-column envelope (same look, every spike kept).
-    x, values = _envelope(steps, values)
-    if x.size != len(steps):  # the band: each run's lowest low and highest high
+    worst = layers[int(np.nanargmax(np.where(np.isnan(layer_means), -np.inf, layer_means)))]
+    # Long runs: each line as its per-column envelope (same look, every spike kept); many
+    # layers' faint lines as run means (the band and the worst layer keep the extremes).
+    x, envelopes = _envelope(steps, values)
+    long_run = x.size != len(steps)
+    faint_x, faint = _run_means(steps, values) if long_run and many else (x, envelopes)
+    if long_run:  # the band: each run's lowest low and highest high
         _, band = _envelope(steps, np.stack([low, high]))
         low = np.repeat(np.fmin(band[0, 0::2], band[0, 1::2]), 2)
         high = np.repeat(np.fmax(band[1, 0::2], band[1, 1::2]), 2)
         _, mean = _envelope(steps, mean)
     steps = x
-    worst = layers[int(np.nanargmax(np.where(np.isnan(layer_means), -np.inf, layer_means)))]
     if many:
         # Many layers: a min-max band and faint lines, the worst layer picked out in red.
         ax.fill_between(steps, low, high, color="tab:blue", alpha=0.12, label="range over layers")
-    for layer, vs in zip(layers, values, strict=True):
+    for i, layer in enumerate(layers):
         highlight = many and layer == worst
+        xs, ys = (faint_x, faint[i]) if many and not highlight else (x, envelopes[i])
         ax.plot(
-            steps,
-            vs,
+            xs,
+            ys,
             color="tab:red" if highlight else cmap(norm(layer)),
             lw=2.0 if highlight else 1.0,
             alpha=1.0 if highlight or not many else 0.35,
