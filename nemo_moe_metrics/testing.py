@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +33,8 @@ _PRELOAD = (
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.transformer.moe.moe_layer",
     "megatron.core.pipeline_parallel",
-    "nemo_moe_metrics.megatron.worker",
+    "nemo_moe_metrics.worker",
+    "nemo_moe_metrics.megatron.policy",
 )
 
 
@@ -97,14 +99,39 @@ def run_ranks(
     for p in procs:
         p.start()
     out: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
     try:
         while len(out) < world_size:
-            rank, status, value = results.get(timeout=timeout)
-            out[rank] = (status, value)
-    except queue.Empty:
-        raise TimeoutError(
-            f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout}s"
-        ) from None
+            try:
+                rank, status, value = results.get(timeout=1.0)
+                out[rank] = (status, value)
+                continue
+            except queue.Empty:
+                pass
+            # A rank whose process is gone without a result (killed, or it could not start)
+            # fails now, not at the timeout; its result may still be in the pipe: drain first.
+            gone = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+            if gone:
+                while True:
+                    try:
+                        rank, status, value = results.get(timeout=0.5)
+                    except queue.Empty:
+                        break
+                    out[rank] = (status, value)
+                for r in gone:
+                    out.setdefault(
+                        r,
+                        (
+                            "error",
+                            f"the rank's process exited (code {procs[r].exitcode}) "
+                            "without returning a result",
+                        ),
+                    )
+            elif time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in "
+                    f"{timeout}s"
+                )
     finally:
         for p in procs:
             p.join(timeout=10)
