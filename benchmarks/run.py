@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The cost of observing, measured as ratios in one run: ``python benchmarks/run.py [--quick]``.
 
-    python benchmarks/run.py --quick --json results.json     # under 2 minutes on 2 cores
+    python benchmarks/run.py --quick --json results.json     # about 5 minutes on 2 cores
     python benchmarks/run.py --json results.json             # more repeats
     python benchmarks/run.py --smoke                         # tiny sizes: checks the harness
 
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmarks, print a summary, optionally write JSON; 1 if a check failed."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="fewer repeats (< 2 min on 2 cores)")
+    mode.add_argument("--quick", action="store_true", help="fewer repeats (about 5 min on 2 cores)")
     mode.add_argument("--smoke", action="store_true", help="tiny sizes, to test the harness")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--pairs", type=int, help="interleaved on/off step pairs (after warm-up)")
