@@ -80,10 +80,12 @@ def run_ranks(
     env: dict[str, str] | None = None,
     threads: int = 1,
 ) -> list[tuple[str, Any]]:
-    """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)``.
+    """Start ``world_size`` processes (forked from a warm fork server) running
+    ``fn(rank, world_size, *args)``.
 
     Returns ``[(status, value)]`` by rank, status "ok" (value = return value) or "error"
-    (value = the exception text). Raises TimeoutError if any rank is not done in time.
+    (value = the exception text, or why its process ended without a result). Raises
+    TimeoutError if a rank still running is not done in time.
     ``threads`` is each rank's intra-op thread count (1: ranks never oversubscribe the cores).
     """
     ctx = _context()
@@ -192,15 +194,17 @@ def load_bridge_callbacks(version: str = BRIDGE_VERSION, cache: Path | None = No
             cmd = [sys.executable, "-m", "pip", "download", f"megatron-bridge=={version}"]
             cmd += ["--no-deps", "--python-version", "3.12", "--only-binary=:all:"]
             cmd += ["-d", str(private), "--quiet"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-            fetched = private / wheel.name
-            if proc.returncode != 0 or not fetched.is_file():
-                raise RuntimeError(
-                    f"could not fetch the megatron-bridge {version} wheel ({' '.join(cmd)}): "
-                    f"{proc.stderr.strip()[-2000:]}"
-                )
-            os.replace(fetched, wheel)
-            shutil.rmtree(private, ignore_errors=True)
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                fetched = private / wheel.name
+                if proc.returncode != 0 or not fetched.is_file():
+                    raise RuntimeError(
+                        f"could not fetch the megatron-bridge {version} wheel ({' '.join(cmd)}): "
+                        f"{proc.stderr.strip()[-2000:]}"
+                    )
+                os.replace(fetched, wheel)
+            finally:
+                shutil.rmtree(private, ignore_errors=True)
         with zipfile.ZipFile(wheel) as zf:
             data = zf.read(_BRIDGE_CALLBACKS)
         path.parent.mkdir(parents=True, exist_ok=True)

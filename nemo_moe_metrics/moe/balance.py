@@ -223,11 +223,9 @@ def expert_load_metrics(
                 out[mn.layer_stat_key(layer, name)] = value
         if table:
             pct = load_percent(c)
-            # tolist() gives Python ints and floats at once: indexing numpy per cell costs
-            # most of the export at 94 x 256.
-            rows += [
-                [int(layer), e, n, p] for e, (n, p) in enumerate(zip(c.tolist(), pct.tolist()))
-            ]
+            # tolist() converts a layer at once; indexing numpy scalars cell by cell is slower.
+            pairs = zip(c.tolist(), pct.tolist(), strict=True)
+            rows += [[int(layer), e, n, p] for e, (n, p) in enumerate(pairs)]
     active = [s for ok, s in stats if ok]
     out[mn.MAX_OVER_IDEAL] = (
         float(np.mean([s["max_over_ideal"] for s in active])) if active else 0.0
