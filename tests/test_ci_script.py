@@ -1,0 +1,30 @@
+"""`.ci/run` exits with its tests' verdict: its clean-up on exit must not turn green into red."""
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+CI_SCRIPT = Path(__file__).resolve().parents[1] / ".ci" / "run"
+
+
+def _exit_trap() -> str:
+    found = re.search(r"^trap '(.*)' EXIT$", CI_SCRIPT.read_text(), re.MULTILINE)
+    assert found, ".ci/run no longer sets its EXIT trap on one line; update this test"
+    return found[1]
+
+
+@pytest.mark.parametrize("verdict, expected", [("true", 0), ("false", 1)])
+def test_exit_trap_keeps_the_verdict(tmp_path, verdict, expected):
+    # As at the end of .ci/run: errexit on, the 3.12 line already waited for (no children left),
+    # and the last command is the verdict. A failing pkill in the trap used to make CI exit 1.
+    script = (
+        "set -euo pipefail\n"
+        "sleep 0 & line312=$!\n"
+        'wait "$line312"\n'
+        f"trap '{_exit_trap()}' EXIT\n"
+        f"{verdict}\n"
+    )
+    proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == expected, proc.stderr
