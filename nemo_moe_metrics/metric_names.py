@@ -37,6 +37,10 @@ EP_IMBALANCE_MAX = "moe/ep_imbalance_max"
 DEAD_EXPERTS = "moe/dead_experts"
 DROPPED_FRACTION = "moe/dropped_fraction"
 PADDING_FRACTION = "moe/padding_fraction"
+# Share of the top-k picks that went to zero-computation experts (longcat_flash, zaya), over all
+# MoE layers; logged only for models that have such experts (per layer: ZERO_EXPERT_STAT).
+ZERO_EXPERT_FRACTION = "moe/zero_expert_fraction"
+ZERO_EXPERT_STAT = "zero_expert_fraction"
 # Training tokens the MoE routers saw this step (the busiest MoE layer's count); 0 means no expert
 # received a training token: then no other balance key and no aux loss is logged for the step.
 ROUTED_TOKENS = "moe/routed_tokens"
@@ -54,12 +58,15 @@ LAYER_STATS = (
     "dropped_fraction",
     "padding_fraction",
 )
+# Logged only where they apply (layers with zero-computation experts).
+OPTIONAL_LAYER_STATS = (ZERO_EXPERT_STAT,)
 
 
 def layer_stat_key(layer: int, stat: str) -> str:
     """``moe/layer_{i}/{stat}`` for one MoE layer (``i`` global, 0-based)."""
-    if stat not in LAYER_STATS:
-        raise KeyError(f"unknown per-layer statistic {stat!r}; known: {LAYER_STATS}")
+    if stat not in LAYER_STATS + OPTIONAL_LAYER_STATS:
+        known = LAYER_STATS + OPTIONAL_LAYER_STATS
+        raise KeyError(f"unknown per-layer statistic {stat!r}; known: {known}")
     return f"{MOE_PREFIX}layer_{layer}/{stat}"
 
 
@@ -152,8 +159,8 @@ def documented_key_patterns() -> list[str]:
     """Every key as written in the docs; per-layer keys with ``{i}`` and ``{name}`` placeholders."""
     keys = [aux_loss_key(n) for n in (*AUX_LOSS_TRACKER_NAMES.values(), Z_LOSS)]
     keys += [f"{MOE_PREFIX}{{name}}_layer_{{i}}"]
-    keys += list(BALANCE_SUMMARY_KEYS)
-    keys += [f"{MOE_PREFIX}layer_{{i}}/{stat}" for stat in LAYER_STATS]
+    keys += [*BALANCE_SUMMARY_KEYS, ZERO_EXPERT_FRACTION]
+    keys += [f"{MOE_PREFIX}layer_{{i}}/{stat}" for stat in LAYER_STATS + OPTIONAL_LAYER_STATS]
     keys += [ALERTS, EXPERT_LOADS, *THROUGHPUT_KEYS, *FLOPS_KEYS]
     keys += [*EXPERT_BIAS_KEYS, *(f"{MOE_PREFIX}layer_{{i}}/{s}" for s in BIAS_LAYER_STATS)]
     keys += [*ROUTING_KEYS, *(f"{MOE_PREFIX}layer_{{i}}/{s}" for s in ROUTING_LAYER_STATS)]

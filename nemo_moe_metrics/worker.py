@@ -57,9 +57,6 @@ class ModelFacts:
     expert_bias: bool = False  #: routers keep an aux-loss-free expert bias (moe/expert_bias.py)
 
 
-_HF_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
 def model_facts(config: Any) -> ModelFacts:
     """The adapter: a transformers ``PretrainedConfig`` or a megatron ``TransformerConfig``.
 
@@ -77,14 +74,15 @@ def model_facts(config: Any) -> ModelFacts:
         config = AutoConfig.for_model(config["model_type"], **data)
     transformers = sys.modules.get("transformers")  # a PretrainedConfig means it is imported
     if transformers is not None and isinstance(config, transformers.PretrainedConfig):
-        from nemo_moe_metrics.moe.hf_aux_loss import has_hf_load_balancing_loss
+        from nemo_moe_metrics.moe.hf_models import config_num_experts
 
         text = config.get_text_config()  # composite configs (qwen3_5_moe) keep it inside
-        experts = next((getattr(text, f) for f in _HF_EXPERT_FIELDS if getattr(text, f, None)), 0)
-        aux = "hf" if experts and has_hf_load_balancing_loss(text) else None
-        layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+        experts = config_num_experts(text)
+        # Whether the model computes a load-balancing loss is read from the model at attach.
+        aux = "hf" if experts else None
+        layers = int(getattr(text, "num_hidden_layers", None) or getattr(text, "n_layers", 0) or 0)
         model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None)
-        return ModelFacts(int(experts or 0), layers, 1, aux, "hf", model_type)
+        return ModelFacts(experts, layers, 1, aux, "hf", model_type)
     if not hasattr(config, "num_layers"):
         raise TypeError(
             f"PolicyMetrics.attach(model, config): config is a {type(config).__name__}; pass the "
@@ -106,13 +104,12 @@ def _no_router_message(facts: ModelFacts) -> str:
         "counts_fn) before attach()."
     )
     if facts.source == "hf":
-        from nemo_moe_metrics.moe.hooks import known_hf_router_types
-
         return (
             f"PolicyMetrics.attach: the config ({facts.model_type}) says {facts.num_experts} "
-            "experts but the model has no Hugging Face MoE router this library knows, so no "
-            "expert loads are counted. Known model types: "
-            f"{', '.join(known_hf_router_types())}. {register}"
+            "experts but the model has no module that follows transformers' experts interface "
+            "(experts(hidden_states, top_k_index, top_k_weights)) or a MoE block this library "
+            "knows, so no expert loads are counted (docs/en/models.md: adding a family). "
+            f"{register}"
         )
     return (
         f"PolicyMetrics.attach: the config says {facts.num_experts} experts but no known "
@@ -194,15 +191,19 @@ class PolicyMetrics:
         from nemo_moe_metrics.moe.hooks import ExpertLoadCollector
         from nemo_moe_metrics.moe.reduction import ExpertLoadReducer
 
-        # Decided from the config, not from this rank's modules: a pipeline stage without MoE
-        # layers must still join every collective the other stages make.
-        if not facts.num_experts:
+        # megatron decides from the config, not from this rank's modules: a pipeline stage
+        # without MoE layers must still join every collective the other stages make. Hugging
+        # Face and torchtitan models are whole on every rank: their modules decide.
+        collector = None
+        if facts.num_experts or facts.source != "megatron":
+            collector = ExpertLoadCollector.attach(chunks, num_layers=facts.num_layers or None)
+        if not facts.num_experts and collector is None:
             log.warning(
                 "track_moe_metrics is on but the model has no MoE layers: no moe/ metrics, no hooks"
             )
             return
         self._track_moe = True
-        self._collector = ExpertLoadCollector.attach(chunks)
+        self._collector = collector
         if self._collector is not None:
             self._collector.counting = False  # only inside step()
         self._reducer = ExpertLoadReducer(None)
@@ -217,11 +218,28 @@ class PolicyMetrics:
             self._bias = ExpertBiasTracker(sources)
         if self.cfg.track_routing_consistency:
             self._attach_routing(facts)
-        if facts.aux_loss == "hf" and self._collector is not None:
-            from nemo_moe_metrics.moe.hf_aux_loss import HFAuxLossAccumulator
+        if facts.source == "hf" and self._collector is not None:
+            self._attach_hf_aux_loss(chunks)
 
-            self._hf_aux = HFAuxLossAccumulator(facts.num_layers)
-            self._collector.add_observer(self._hf_aux.observe)
+    def _attach_hf_aux_loss(self, chunks: list[nn.Module]) -> None:
+        # The loss the model's own training computes (transformers' load_balancing_loss_func),
+        # per layer, from the router logits the model records as router_logits.
+        from nemo_moe_metrics.moe import hf_models
+        from nemo_moe_metrics.moe.hf_aux_loss import HFAuxLossAccumulator
+
+        kind = hf_models.aux_loss_kind(chunks)
+        collector = self._collector
+        sources = hf_models.router_logit_sources(chunks, collector.blocks) if kind else []
+        if not sources:
+            return
+        layers = collector.layer_ids
+        experts = dict(zip(layers, collector.num_experts, strict=True))
+        topks = dict(zip(layers, collector.topks, strict=True))
+        size = max(self._facts.num_layers, max(layers) + 1)
+        self._hf_aux = HFAuxLossAccumulator(size, [layer for layer, _, _ in sources], kind)
+        for layer, router, index in sources:
+            observe = self._hf_aux.observer(index, experts[layer], topks[layer])
+            collector.observe_module(router, layer, observe)
 
     def _attach_routing(self, facts: ModelFacts) -> None:
         from nemo_moe_metrics.moe.reduction import RoutingReducer
@@ -532,7 +550,7 @@ class PolicyMetrics:
 
             return enqueue_hf_aux_loss_metrics(
                 self._hf_aux,
-                self._collector.layer_ids,
+                self._hf_aux.layers,
                 num_microbatches=num_microbatches,
                 per_layer=self.cfg.moe_per_layer_logging,
             )

@@ -203,8 +203,9 @@ def tiny_kwargs(config_class: type) -> dict[str, Any]:
         kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", 4)  # MLA: one kv per q
     if "num_layers" in fields and "num_hidden_layers" not in fields:
         kwargs["num_layers"] = LAYERS
-    if "pad_token_id" in fields:
-        kwargs["pad_token_id"] = 0
+    for token, value in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
+        if token in fields:  # the defaults point into the full-size vocabulary
+            kwargs[token] = value
     for name in ("n_shared_experts", "num_shared_experts"):
         if name in fields and fields[name].default is None:
             kwargs[name] = 1

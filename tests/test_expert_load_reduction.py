@@ -12,6 +12,7 @@ from nemo_moe_metrics.moe.hooks import ExpertLoadCollector, register_router
 from nemo_moe_metrics.moe.reduction import (
     ExpertLoadReducer,
     ExpertLoadSignatureError,
+    LayerSignature,
     Signature,
     check_signatures,
     export_expert_loads,
@@ -214,16 +215,26 @@ def test_none_collector_without_reducer_is_a_clear_error():
         export_expert_loads(None)
 
 
+def _sig(stage, *layers):
+    return Signature(stage, tuple(LayerSignature(*layer) for layer in layers))
+
+
 def test_check_signatures_rejects_overlapping_stages():
-    sigs = [Signature(0, 2, ((0, 8), (1, 8))), Signature(1, 2, ((1, 8), (2, 8)))]
+    sigs = [_sig(0, (0, 8, 2), (1, 8, 2)), _sig(1, (1, 8, 2), (2, 8, 2))]
     with pytest.raises(ExpertLoadSignatureError, match=r"stages 0 and 1 both hold layers \[1\]"):
         check_signatures(sigs)
 
 
-def test_check_signatures_rejects_different_topk():
-    sigs = [Signature(0, 2, ((0, 8),)), Signature(0, 4, ((0, 8),))]
-    with pytest.raises(ExpertLoadSignatureError, match="top-k"):
+def test_check_signatures_rejects_a_layer_whose_topk_differs_between_ranks():
+    sigs = [_sig(0, (0, 8, 2)), _sig(0, (0, 8, 4))]
+    with pytest.raises(ExpertLoadSignatureError, match=r"8 experts, top-2 on ranks \[0\]; 8 experts, top-4"):
         check_signatures(sigs)
+
+
+def test_check_signatures_accepts_layers_that_differ_from_each_other():
+    layout = check_signatures([_sig(0, (0, 8, 2), (1, 4, 1, True)), _sig(0, (0, 8, 2), (1, 4, 1, True))])
+    assert (layout.layer_ids, layout.experts, layout.topks) == ([0, 1], [8, 4], [2, 1])
+    assert layout.zero_computation == [False, True]
 
 
 def test_duplicate_layer_ids_in_chunks_are_rejected():

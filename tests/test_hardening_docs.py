@@ -51,9 +51,9 @@ def _scale_sizes() -> tuple[int, int]:
     """Expert-load payload bytes and one rank's pickled signature at 94 layers x 256 experts."""
     import pickle
 
-    from nemo_moe_metrics.moe.reduction import ExpertLoadReducer, Signature
+    from nemo_moe_metrics.moe.reduction import ExpertLoadReducer, LayerSignature, Signature
 
-    sig = Signature(0, 8, tuple((layer, 256) for layer in range(94)))
+    sig = Signature(0, tuple(LayerSignature(layer, 256, 8) for layer in range(94)))
     reducer = ExpertLoadReducer()
     reducer._agree(sig, world=1)  # the layout a real first export agrees on
     return reducer._size * 8, len(pickle.dumps(sig))  # int64 slots; torch pickles likewise
@@ -62,8 +62,8 @@ def _scale_sizes() -> tuple[int, int]:
 @pytest.mark.parametrize("lang", ["en", "zh"])
 def test_scale_page_states_the_payload_sizes_the_code_makes(lang):
     payload, signature = _scale_sizes()
-    # routed counts, executed counts, routed tokens, two guard slots
-    assert payload == (2 * 94 * 256 + 94 + 2) * 8
+    # routed counts, executed counts, routed tokens, zero-computation picks, two guard slots
+    assert payload == (2 * 94 * 256 + 2 * 94 + 2) * 8
     text = (DOCS / lang / "scale.md").read_text(encoding="utf-8")
     assert f"{payload:,} bytes" in text or f"{payload:,} 字节" in text
     assert f"{signature} bytes" in text or f"{signature} 字节" in text

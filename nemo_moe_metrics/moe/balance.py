@@ -22,23 +22,35 @@ class ExpertLoads:
     ``counts[i, e]``: routed assignments of global layer ``layer_ids[i]`` to expert ``e``:
     non-padding tokens, after capacity dropping (a token routed to k experts counts k times).
     ``routed_tokens[i]``: non-padding tokens the router of that layer saw.
-    ``topk``: experts per token. Layers with fewer experts than ``counts.shape[1]`` are padded
-    with zeros on the right; ``num_experts[i]`` says how many columns are real.
+    ``topk``: experts per token, one number for the model or one per layer. Layers with fewer
+    experts than ``counts.shape[1]`` are padded with zeros on the right; ``num_experts[i]`` says
+    how many columns are real.
     ``executed[i, e]``: assignments the dispatcher handed to expert ``e``, padding tokens
     included (megatron-core routes padding too); None means equal to ``counts`` (routers that
     cannot see padding, such as Hugging Face's).
+    ``zero_picks[i]``: top-k picks of zero-computation experts (longcat_flash, zaya), which are
+    not in ``counts``; None for a model without such experts.
     """
 
     layer_ids: list[int]
     counts: np.ndarray
     routed_tokens: np.ndarray
-    topk: int
+    topk: int | list[int]
     num_experts: list[int] | None = None
     executed: np.ndarray | None = None
+    zero_picks: np.ndarray | None = None
 
     def experts_of(self, i: int) -> int:
         """Number of real experts of row ``i``."""
         return self.num_experts[i] if self.num_experts is not None else int(self.counts.shape[1])
+
+    def topk_of(self, i: int) -> int:
+        """Experts per token of row ``i``."""
+        return self.topk if isinstance(self.topk, int) else int(self.topk[i])
+
+    def zero_picks_of(self, i: int) -> int:
+        """Picks of zero-computation experts of row ``i`` (0 without such experts)."""
+        return 0 if self.zero_picks is None else int(self.zero_picks[i])
 
     @property
     def executed_counts(self) -> np.ndarray:
@@ -133,16 +145,28 @@ def padding_fraction(counts: np.ndarray, executed: np.ndarray) -> float:
     return float(1.0 - routed / total) if total > 0 else 0.0
 
 
-def dropped_fraction(counts: np.ndarray, routed_tokens: int, topk: int) -> float:
-    """``1 - assignments / (tokens * topk)``: share of top-k choices dropped by expert capacity.
+def dropped_fraction(
+    counts: np.ndarray, routed_tokens: int, topk: int, zero_picks: int = 0
+) -> float:
+    """``1 - assignments / (tokens * topk - zero_picks)``: share of top-k choices dropped by
+    expert capacity (picks of zero-computation experts are not dropped: they need no expert).
 
     Exactly 0 without a capacity factor (nothing is dropped); 0 for a layer that saw no tokens.
     """
     c = _check_counts(counts)
-    wanted = float(routed_tokens) * topk
-    if routed_tokens < 0 or topk < 1:
-        raise ValueError(f"routed_tokens must be >= 0 and topk >= 1, got {routed_tokens}, {topk}")
+    if routed_tokens < 0 or topk < 1 or zero_picks < 0:
+        raise ValueError(
+            f"routed_tokens and zero_picks must be >= 0 and topk >= 1, got {routed_tokens}, "
+            f"{zero_picks}, {topk}"
+        )
+    wanted = float(routed_tokens) * topk - zero_picks
     return float(1.0 - c.sum() / wanted) if wanted > 0 else 0.0
+
+
+def zero_expert_fraction(routed_tokens: int, topk: int, zero_picks: int) -> float:
+    """Share of the top-k picks that went to zero-computation experts; 0 if no token."""
+    wanted = float(routed_tokens) * topk
+    return float(zero_picks / wanted) if wanted > 0 else 0.0
 
 
 def load_percent(counts: np.ndarray) -> np.ndarray:
@@ -158,23 +182,28 @@ def layer_statistics(
     topk: int,
     ep_size: int = 1,
     executed: np.ndarray | None = None,
+    zero_picks: int | None = None,
 ) -> dict[str, float]:
-    """Every per-layer statistic of ``metric_names.LAYER_STATS`` for one layer.
+    """Every per-layer statistic of ``metric_names.LAYER_STATS`` for one layer, plus
+    ``zero_expert_fraction`` when ``zero_picks`` is given (a router with zero-computation experts).
 
     Routing statistics use the routed ``counts``; ``ep_imbalance`` and ``padding_fraction``
     describe the experts' work and use ``executed`` (default: equal to ``counts``).
     """
     work = counts if executed is None else executed
-    return {
+    stats = {
         "max_over_ideal": max_over_ideal(counts),
         "min_over_ideal": min_over_ideal(counts),
         "coefficient_of_variation": coefficient_of_variation(counts),
         "normalized_entropy": normalized_entropy(counts),
         "zero_token_experts": float(zero_token_experts(counts)),
         "ep_imbalance": ep_imbalance(work, ep_size),
-        "dropped_fraction": dropped_fraction(counts, routed_tokens, topk),
+        "dropped_fraction": dropped_fraction(counts, routed_tokens, topk, zero_picks or 0),
         "padding_fraction": padding_fraction(counts, work),
     }
+    if zero_picks is not None:
+        stats[mn.ZERO_EXPERT_STAT] = zero_expert_fraction(routed_tokens, topk, zero_picks)
+    return stats
 
 
 def expert_load_metrics(
@@ -185,7 +214,8 @@ def expert_load_metrics(
     Summaries: ``moe/max_over_ideal`` and ``moe/ep_imbalance`` are means over MoE layers that
     routed tokens this step, ``..._max`` the worst layer; ``moe/dead_experts`` counts
     (layer, expert) pairs with no token; ``moe/dropped_fraction`` and ``moe/padding_fraction``
-    are over all layers together. ``ep_imbalance`` and ``padding_fraction`` use the executed
+    are over all layers together, as is ``moe/zero_expert_fraction`` (only for a model with
+    zero-computation experts). ``ep_imbalance`` and ``padding_fraction`` use the executed
     counts (padding included), everything else and the table the routed ones.
     ``moe/routed_tokens`` is the busiest layer's routed tokens; a step in which no expert
     received a training token returns that key alone (0), no statistic of nothing.
@@ -208,7 +238,11 @@ def expert_load_metrics(
     if n == 0:
         return {}
     routed = float(np.asarray(loads.routed_tokens, dtype=np.float64).max())
+    picks = sum(float(loads.routed_tokens[i]) * loads.topk_of(i) for i in range(n))
+    zero = float(np.sum(loads.zero_picks)) if loads.zero_picks is not None else 0.0
     if counts.sum() == 0:
+        if zero:  # every pick went to a zero-computation expert: that much is true
+            return {mn.ROUTED_TOKENS: routed, mn.ZERO_EXPERT_FRACTION: zero / picks}
         return {mn.ROUTED_TOKENS: routed}
     out: dict[str, float | list] = {mn.ROUTED_TOKENS: routed}
     stats = []
@@ -216,7 +250,15 @@ def expert_load_metrics(
     for i, layer in enumerate(loads.layer_ids):
         c = counts[i, : loads.experts_of(i)]
         x = executed[i, : loads.experts_of(i)]
-        s = layer_statistics(c, int(loads.routed_tokens[i]), loads.topk, ep_size, executed=x)
+        layer_zero = None if loads.zero_picks is None else loads.zero_picks_of(i)
+        s = layer_statistics(
+            c,
+            int(loads.routed_tokens[i]),
+            loads.topk_of(i),
+            ep_size,
+            executed=x,
+            zero_picks=layer_zero,
+        )
         stats.append((c.sum() > 0, s))
         if per_layer:
             for name, value in s.items():
@@ -234,8 +276,10 @@ def expert_load_metrics(
     out[mn.EP_IMBALANCE] = float(np.mean([s["ep_imbalance"] for s in active])) if active else 0.0
     out[mn.EP_IMBALANCE_MAX] = max((s["ep_imbalance"] for s in active), default=0.0)
     out[mn.DEAD_EXPERTS] = float(sum(s["zero_token_experts"] for _, s in stats))
-    wanted = float(np.asarray(loads.routed_tokens, dtype=np.float64).sum()) * loads.topk
+    wanted = picks - zero
     out[mn.DROPPED_FRACTION] = float(1.0 - counts.sum() / wanted) if wanted > 0 else 0.0
+    if loads.zero_picks is not None:
+        out[mn.ZERO_EXPERT_FRACTION] = zero / picks if picks > 0 else 0.0
     work = float(executed.sum())
     out[mn.PADDING_FRACTION] = float(1.0 - counts.sum() / work) if work > 0 else 0.0
     if table:

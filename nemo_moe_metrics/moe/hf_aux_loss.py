@@ -2,8 +2,11 @@
 
 transformers computes its auxiliary loss in ``load_balancing_loss_func`` (the Switch Transformer
 loss) over the router logits of ALL layers concatenated, once per forward, and only with
-``output_router_logits=True``. This module computes the same function on ONE layer's router
-logits at a time, inside the router forward hook the expert-load collector already installs:
+``output_router_logits=True``; every family that trains with it shares one definition of that
+function, except doge (product-key experts, :func:`doge_layer_load_balancing_loss`). This module
+computes the same function on ONE layer's router logits at a time, in a forward hook on the
+router the model records as ``router_logits`` (``moe.hf_models.router_logit_sources``), gated
+like the expert counts:
 
     loss_layer = E * sum_e f_e * P_e,   f_e = (top-k picks of expert e) / T,
                                         P_e = mean over the T tokens of softmax(logits)[:, e]
@@ -38,15 +41,6 @@ from nemo_moe_metrics.metric_names import AUX_LOSS_TRACKER_NAMES
 HF_AUX_LOSS_NAMES: tuple[str, ...] = (AUX_LOSS_TRACKER_NAMES["aux_loss"],)
 
 
-def has_hf_load_balancing_loss(text_config: Any) -> bool:
-    """Whether the transformers family trains with ``load_balancing_loss_func``.
-
-    Those configs carry ``router_aux_loss_coef`` (qwen3_moe, mixtral, olmoe, gpt_oss,
-    qwen3_next, qwen3_5_moe); deepseek_v3 balances with a routing bias and has none.
-    """
-    return hasattr(text_config, "router_aux_loss_coef")
-
-
 def layer_load_balancing_loss(router_logits: torch.Tensor, num_experts: int, top_k: int):
     """transformers' ``load_balancing_loss_func`` on one layer's ``[T, E]`` logits (0-d tensor).
 
@@ -63,27 +57,62 @@ def layer_load_balancing_loss(router_logits: torch.Tensor, num_experts: int, top
     return (picks / tokens * (prob_sum / tokens)).sum() * num_experts
 
 
+def doge_layer_load_balancing_loss(
+    router_logits: torch.Tensor, num_experts: int, top_k: int
+) -> torch.Tensor:
+    """doge's ``load_balancing_loss_func`` on one layer's product-key logits ``[2, T, keys]``.
+
+    Experts are the ``keys x keys`` sums of a query's two key scores; ``f_e`` is expert ``e``'s
+    share of the ``T * top_k`` picks and ``P_e`` the mean softmax over all key pairs.
+    """
+    logits = router_logits.detach()
+    num_keys = logits.shape[-1]
+    (scores_x, scores_y), (indices_x, indices_y) = logits.topk(num_keys, dim=-1)
+    scores = (scores_x.unsqueeze(-1) + scores_y.unsqueeze(-2)).flatten(-2)
+    experts = (indices_x.unsqueeze(-1) * num_keys + indices_y.unsqueeze(-2)).flatten(-2)
+    picked = experts.gather(-1, scores.topk(top_k, dim=-1).indices).reshape(-1)
+    probs = torch.zeros_like(scores).scatter(-1, experts, torch.softmax(scores, dim=-1))
+    picks = torch.zeros(num_experts, dtype=scores.dtype, device=scores.device)
+    picks.scatter_add_(0, picked, torch.ones_like(picked, dtype=scores.dtype))
+    return (picks / picked.shape[0] * probs.mean(dim=0)).sum() * num_experts
+
+
+_LAYER_LOSS = {"switch": layer_load_balancing_loss, "doge": doge_layer_load_balancing_loss}
+
+
 class HFAuxLossAccumulator:
     """Per-layer sum of the load-balancing loss over a step's training forwards, on device.
 
     ``values`` is ``[len(HF_AUX_LOSS_NAMES), num_layers]`` float32 (zeros for dense layers),
-    the same shape megatron's tracker gives ``aux_loss.local_aux_loss_values``.
+    the same shape megatron's tracker gives ``aux_loss.local_aux_loss_values``; ``layers`` are
+    the layers whose routers feed it (every MoE layer with router logits).
     """
 
-    def __init__(self, num_layers: int) -> None:
-        """``num_layers``: decoder layers of the model (the global layer ids index into it)."""
+    def __init__(self, num_layers: int, layers: list[int], kind: str = "switch") -> None:
+        """``num_layers``: decoder layers (the global layer ids index into them); ``layers``:
+        the MoE layers with router logits; ``kind``: ``"switch"`` (transformers'
+        ``load_balancing_loss_func``) or ``"doge"``."""
         self.num_layers = num_layers
+        self.layers = sorted(layers)
+        self._loss = _LAYER_LOSS[kind]
         self.values = torch.zeros(len(HF_AUX_LOSS_NAMES), num_layers, dtype=torch.float32)
 
-    def observe(self, layer_id: int, module: nn.Module, output: Any) -> None:
-        """Router-hook callback: add this forward's loss of ``layer_id`` (device ops only)."""
-        logits = output[0]
-        if logits.shape[0] == 0:  # metadata, not a value: an empty microbatch adds nothing
+    def observer(self, logits_at: int, num_experts: int, top_k: int):
+        """A router-hook callback ``(layer_id, router, output)`` adding this forward's loss."""
+        from nemo_moe_metrics.moe.hf_models import logits_of
+
+        def observe(layer_id: int, module: nn.Module, output: Any) -> None:
+            self.add(layer_id, logits_of(output, logits_at), num_experts, top_k)
+
+        return observe
+
+    def add(self, layer_id: int, logits: torch.Tensor, num_experts: int, top_k: int) -> None:
+        """Add one forward's loss of ``layer_id`` from its router logits (device ops only)."""
+        if logits.numel() == 0:  # metadata, not a value: an empty microbatch adds nothing
             return
         if self.values.device != logits.device:  # first forward, or the model moved
             self.values = self.values.to(logits.device)
-        loss = layer_load_balancing_loss(logits, int(module.num_experts), int(module.top_k))
-        self.values[0, layer_id].add_(loss)
+        self.values[0, layer_id].add_(self._loss(logits, num_experts, top_k))
 
     def reset(self) -> None:
         """Zero the sums (start of a new step, or a step that raised)."""

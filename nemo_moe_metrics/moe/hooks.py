@@ -3,8 +3,10 @@
 How counting works (details and limits: docs/en/expert_load.md):
 
 - ``ExpertLoadCollector.attach(model_chunks)`` finds every known router (megatron-core
-  ``TopKRouter``, the Hugging Face MoE routers, or a class given to :func:`register_router`)
-  and adds one forward hook per router plus a pre/post hook pair on each model chunk.
+  ``TopKRouter``, torchtitan's ``TokenChoiceTopKRouter``, every Hugging Face experts module
+  through transformers' shared experts interface (``moe.hf_models``), or a class given to
+  :func:`register_router`) and adds one forward hook per MoE layer plus a pre/post hook pair on
+  each model chunk. Multi-token-prediction layers count as layers ``num_layers + j``.
 - The chunk hooks mark a *training forward*: the chunk is in ``train()`` mode, autograd is on at
   the chunk's entry and we are not inside a backward pass. Routers count only inside such a
   forward. This is what makes activation recomputation safe: megatron's ``full`` recompute runs
@@ -32,12 +34,13 @@ from torch import nn
 if TYPE_CHECKING:
     from nemo_moe_metrics.moe.balance import ExpertLoads
 
-# counts_fn(module, args, kwargs, output) -> (counts, tokens) or (counts, tokens, executed):
+# counts_fn(module, args, kwargs, output) -> (counts, tokens[, executed[, zero_picks]]):
 #   counts: routed assignments of non-padding tokens, per-expert integer counts [E] or a boolean
 #     assignment map [T, E] (summed over T);
 #   tokens: tokens the router saw (non-padding), a 0-d integer tensor or a Python int;
-#   executed (optional, same forms as counts): what the dispatcher hands to the experts,
-#     padding included; omitted when the router cannot see padding (then executed == counts).
+#   executed (optional, same forms as counts, None = counts): what the dispatcher hands to the
+#     experts, padding included; omitted when the router cannot see padding;
+#   zero_picks (optional, 0-d): top-k picks of zero-computation experts (not in counts).
 CountsFn = Callable[[nn.Module, tuple, dict, Any], tuple]
 
 
@@ -56,6 +59,10 @@ class RouterSpec:
     #   non-padding tokens [T] bool or None, replay active): for routing consistency.
     routes_fn: Callable[[nn.Module, tuple, dict, Any], tuple] | None = None
     sequence_major: bool = False  #: router token order [s, b] (megatron) or [b, s]
+    #: the submodule whose forward the hook reads (default: the matched module itself); the
+    #: count and route functions receive it, num_experts/topk/layer_id the matched module.
+    hooked: Callable[[nn.Module], nn.Module] | None = None
+    zero_computation: bool = False  #: counts_fn reports picks of zero-computation experts
 
 
 def _megatron_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
@@ -71,18 +78,6 @@ def _megatron_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
         return executed, routing_map.shape[0], executed
     valid = ~padding_mask.reshape(-1).bool()
     return (routing_map & valid.unsqueeze(-1)).sum(dim=0), valid.sum(), executed
-
-
-def _topk_index_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
-    # Hugging Face routers return (router_logits, topk_weights, topk_indices): count the indices
-    # (never topk(router_logits): DeepSeek-V3 adds a bias and a group mask first). These routers
-    # see no padding mask, so what they route is what the experts execute: no third item.
-    indices = output[2]
-    flat = indices.reshape(-1).to(torch.int64)
-    # scatter_add_ with a fixed size: bincount/one_hot would read max(indices) on the host.
-    counts = torch.zeros(module.num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    return counts, indices.shape[0]
 
 
 def _torchtitan_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
@@ -122,13 +117,6 @@ def _megatron_routes(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     return chosen, routing_map, valid, compat.router_replay_active(module)
 
 
-def _topk_index_routes(module: nn.Module, args: tuple, kwargs: dict, output: Any):
-    from nemo_moe_metrics.moe.routing import indices_to_map
-
-    chosen = indices_to_map(output[2], int(module.num_experts))
-    return chosen, chosen, None, False
-
-
 _MEGATRON = RouterSpec(
     counts_fn=_megatron_counts,
     num_experts=lambda m: int(m.config.num_moe_experts),
@@ -139,13 +127,6 @@ _MEGATRON = RouterSpec(
     routes_fn=_megatron_routes,
     sequence_major=True,
 )
-_HF = RouterSpec(
-    counts_fn=_topk_index_counts,
-    num_experts=lambda m: int(m.num_experts),
-    topk=lambda m: int(m.top_k),
-    routes_fn=_topk_index_routes,
-)
-
 _TORCHTITAN = RouterSpec(
     counts_fn=_torchtitan_counts,
     num_experts=lambda m: int(m.num_experts),
@@ -158,28 +139,8 @@ _TORCHTITAN = RouterSpec(
 _BUILTIN: dict[str, RouterSpec] = {
     "megatron.core.transformer.moe.router.TopKRouter": _MEGATRON,
     "torchtitan.models.common.moe.TokenChoiceTopKRouter": _TORCHTITAN,
-    **{
-        f"transformers.models.{mod}.modeling_{mod}.{cls}": _HF
-        for mod, cls in [
-            # qwen2_moe (Qwen1.5-MoE, Qwen2-57B-A14B): softmax top-k router; its shared expert
-            # (sigmoid-gated, every token) is not routed, so it is not counted.
-            ("qwen2_moe", "Qwen2MoeTopKRouter"),
-            ("qwen3_moe", "Qwen3MoeTopKRouter"),
-            ("qwen3_next", "Qwen3NextTopKRouter"),
-            ("qwen3_5_moe", "Qwen3_5MoeTopKRouter"),
-            ("mixtral", "MixtralTopKRouter"),
-            ("olmoe", "OlmoeTopKRouter"),
-            ("deepseek_v3", "DeepseekV3TopkRouter"),
-            ("gpt_oss", "GptOssTopKRouter"),
-        ]
-    },
 }
 _REGISTERED: dict[type, RouterSpec] = {}
-
-
-def known_hf_router_types() -> list[str]:
-    """The Hugging Face model types whose routers are counted without register_router."""
-    return sorted({key.split(".")[2] for key in _BUILTIN if key.startswith("transformers.models.")})
 
 
 def register_router(
@@ -217,13 +178,18 @@ def _spec_for(module: nn.Module) -> RouterSpec | None:
         spec = _BUILTIN.get(f"{cls.__module__}.{cls.__qualname__}")
         if spec is not None:
             return spec
-    return None
+    from nemo_moe_metrics.moe import hf_models
+
+    return hf_models.spec_for(module)
 
 
+# mtp_layers.j (torchtitan), mtp.layers.j (megatron): the j-th multi-token-prediction layer.
+_MTP_RE = re.compile(r"(?:^|\.)mtp(?:_layers|\.layers)\.(\d+)(?:\.|$)")
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)(?:\.|$)")
 
 
-def _name_layer_id(name: str) -> int:
+def layer_id_from_name(name: str) -> int:
+    """The decoder layer index in a module's qualified name (``model.layers.3.mlp`` -> 3)."""
     found = _LAYER_RE.findall(name)
     if not found:
         raise ValueError(
@@ -248,33 +214,54 @@ def _per_expert(counts: torch.Tensor) -> torch.Tensor:
 
 
 class _LayerAccumulator:
-    """Device int64 routed counts [E], executed counts [E] and routed tokens [] of one router."""
+    """Device int64 routed counts [E], executed counts [E], routed tokens [] and picks of
+    zero-computation experts [] of one MoE layer."""
 
-    def __init__(self, layer_id: int, num_experts: int, topk: int, device: torch.device):
+    def __init__(
+        self,
+        layer_id: int,
+        num_experts: int,
+        topk: int,
+        device: torch.device,
+        zero_computation: bool = False,
+    ):
         self.layer_id = layer_id
         self.num_experts = num_experts
         self.topk = topk
+        self.zero_computation = zero_computation
         self.counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
         self.executed = torch.zeros(num_experts, dtype=torch.int64, device=device)
         self.tokens = torch.zeros((), dtype=torch.int64, device=device)
+        self.zero_picks = torch.zeros((), dtype=torch.int64, device=device)
 
     def add(
-        self, counts: torch.Tensor, tokens: torch.Tensor | int, executed: torch.Tensor | None
+        self,
+        counts: torch.Tensor,
+        tokens: torch.Tensor | int,
+        executed: torch.Tensor | None = None,
+        zero_picks: torch.Tensor | None = None,
     ) -> None:
         counts = _per_expert(counts)
         if counts.device != self.counts.device:  # the model moved after attach
-            self.counts = self.counts.to(counts.device)
-            self.executed = self.executed.to(counts.device)
-            self.tokens = self.tokens.to(counts.device)
+            for name in ("counts", "executed", "tokens", "zero_picks"):
+                setattr(self, name, getattr(self, name).to(counts.device))
         self.counts.add_(counts)
         self.executed.add_(counts if executed is None else _per_expert(executed))
         self.tokens.add_(tokens)
+        if zero_picks is not None:
+            self.zero_picks.add_(zero_picks)
 
 
 class ExpertLoadCollector:
     """Per-layer expert assignment counts of the training forwards of one step, on device."""
 
-    def __init__(self, chunks: list[nn.Module], routers: list[tuple[str, nn.Module, RouterSpec]]):
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        routers: list[tuple[str, nn.Module, RouterSpec]],
+        *,
+        num_layers: int | None = None,
+    ):
         """Use :meth:`attach`; this hooks the given routers and chunks."""
         self._active_depth = 0  # > 0 inside a training forward of a chunk
         self.counting = True  # False: count nothing (PolicyMetrics: outside step())
@@ -286,24 +273,30 @@ class ExpertLoadCollector:
         self.sequence_parallel = False
         self.routing: Any = None  # moe.routing.RoutingTracker once enable_routing() ran
         self._routers = routers
+        self._num_layers = num_layers
+        #: module-name prefix of each layer's MoE block (the matched module's parent, or the
+        #: matched module itself when its spec hooks a submodule)
+        self.blocks: dict[int, str] = {}
         seen: dict[int, str] = {}
         for name, module, spec in routers:
-            layer = spec.layer_id(module, name) if spec.layer_id else _name_layer_id(name)
+            layer = self._layer_of(name, module, spec)
             if layer in seen:
                 raise ValueError(
                     f"routers {seen[layer]!r} and {name!r} both claim global layer {layer}; "
                     "pass each model chunk once, or give register_router a layer_id function"
                 )
             seen[layer] = name
+            self.blocks[layer] = name if spec.hooked else name.rpartition(".")[0]
             experts, topk = spec.num_experts(module), spec.topk(module)
             if experts < 1 or topk < 1:
                 raise ValueError(f"router {name!r}: num_experts={experts}, topk={topk}; need >= 1")
+            hooked = spec.hooked(module) if spec.hooked else module
             param = next(module.parameters(), None)
             device = param.device if param is not None else torch.device("cpu")
-            acc = _LayerAccumulator(layer, experts, topk, device)
+            acc = _LayerAccumulator(layer, experts, topk, device, spec.zero_computation)
             self._accs.append(acc)
             self._handles.append(
-                module.register_forward_hook(self._router_hook(acc, spec), with_kwargs=True)
+                hooked.register_forward_hook(self._router_hook(acc, spec), with_kwargs=True)
             )
             cfg = getattr(module, "config", None)
             self.sequence_parallel |= bool(getattr(cfg, "sequence_parallel", False))
@@ -313,12 +306,29 @@ class ExpertLoadCollector:
         self._accs.sort(key=lambda a: a.layer_id)
         self._bias_sources: list[tuple[int, Callable[[], torch.Tensor | None]]] = []
 
-    @classmethod
-    def attach(cls, model_chunks: nn.Module | Iterable[nn.Module]) -> ExpertLoadCollector | None:
-        """Hook every MoE router in the chunks; None (and no hooks at all) when there is none.
+    def _layer_of(self, name: str, module: nn.Module, spec: RouterSpec) -> int:
+        if spec.layer_id is not None:
+            return spec.layer_id(module, name)
+        mtp = _MTP_RE.search(name)
+        if mtp is None:
+            return layer_id_from_name(name)
+        if self._num_layers is None:
+            raise ValueError(
+                f"router {name!r} sits in a multi-token-prediction layer; attach with "
+                "num_layers=<decoder layers> so it is counted as layer num_layers + j"
+            )
+        return self._num_layers + int(mtp.group(1))
 
-        Multi-token-prediction routers (under a module named ``mtp`` or ``mtp_layers``) are
-        skipped.
+    @classmethod
+    def attach(
+        cls, model_chunks: nn.Module | Iterable[nn.Module], *, num_layers: int | None = None
+    ) -> ExpertLoadCollector | None:
+        """Hook every MoE layer in the chunks; None (and no hooks at all) when there is none.
+
+        Multi-token-prediction layers are counted as global layers ``num_layers + j`` (megatron
+        numbers its MTP routers so itself; for models numbered by module name, pass
+        ``num_layers``, the main decoder's layer count). A matched module nested inside another
+        (an experts module wrapping another experts module) is counted once, at the outer one.
         """
         chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
         if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
@@ -327,18 +337,22 @@ class ExpertLoadCollector:
         parents: dict[int, nn.Module | None] = {}
         for chunk in chunks:
             modules = dict(chunk.named_modules())
+            matched: list[str] = []
             for name, module in modules.items():
-                spec = _spec_for(module)
-                if spec is None or {"mtp", "mtp_layers"} & set(name.split(".")):
+                if any(name.startswith(outer + ".") for outer in matched):
                     continue
+                spec = _spec_for(module)
+                if spec is None:
+                    continue
+                matched.append(name)
                 routers.append((name, module, spec))
                 parents[id(module)] = modules.get(name.rpartition(".")[0]) if name else None
         if not routers:
             return None
-        collector = cls(chunks, routers)
+        collector = cls(chunks, routers, num_layers=num_layers)
         for name, module, spec in routers:
             if spec.expert_bias is not None:
-                layer = spec.layer_id(module, name) if spec.layer_id else _name_layer_id(name)
+                layer = collector._layer_of(name, module, spec)
                 get = spec.expert_bias
                 parent = parents[id(module)]
                 collector._bias_sources.append(
@@ -362,11 +376,13 @@ class ExpertLoadCollector:
         if self._entered and self._entered.pop():
             self._active_depth -= 1
 
+    def _counts_now(self, module: nn.Module) -> bool:
+        return self.counting and self._active_depth > 0 and module.training and not _in_backward()
+
     def _router_hook(self, acc: _LayerAccumulator, spec: RouterSpec):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            if self.counting and self._active_depth > 0 and module.training and not _in_backward():
-                counted = spec.counts_fn(module, args, kwargs, output)
-                acc.add(counted[0], counted[1], counted[2] if len(counted) > 2 else None)
+            if self._counts_now(module):
+                acc.add(*spec.counts_fn(module, args, kwargs, output))
                 for observe in self._observers:
                     observe(acc.layer_id, module, output)
                 if self.routing is not None:
@@ -384,6 +400,21 @@ class ExpertLoadCollector:
         ``observe`` must only launch device ops (e.g. ``moe.hf_aux_loss``).
         """
         self._observers.append(observe)
+
+    def observe_module(
+        self, module: nn.Module, layer_id: int, observe: Callable[[int, nn.Module, Any], None]
+    ) -> None:
+        """Call ``observe(layer_id, module, output)`` after each counted forward of ``module``.
+
+        For a module other than the one counted, such as a Hugging Face router whose logits feed
+        the aux loss; same gating as the counts, and ``observe`` must only launch device ops.
+        """
+
+        def hook(mod: nn.Module, args: tuple, output: Any) -> None:
+            if self._counts_now(mod):
+                observe(layer_id, mod, output)
+
+        self._handles.append(module.register_forward_hook(hook))
 
     def enable_routing(self, moe_layers: list[int]) -> Any:
         """Compare rollout routes with these routers' choices (``moe.routing.RoutingTracker``).
@@ -429,12 +460,26 @@ class ExpertLoadCollector:
         return [a.num_experts for a in self._accs]
 
     @property
+    def topks(self) -> list[int]:
+        """Experts per token of each hooked layer, in ``layer_ids`` order."""
+        return [a.topk for a in self._accs]
+
+    @property
     def topk(self) -> int:
-        """Experts per token (the same for every hooked layer; checked)."""
-        ks = {a.topk for a in self._accs}
+        """Experts per token, for callers that need one (routing consistency); an error when the
+        layers differ."""
+        ks = set(self.topks)
         if len(ks) != 1:
-            raise ValueError(f"routers disagree on top-k: {sorted(ks)}; one top-k per model")
+            raise ValueError(
+                f"the MoE layers route to different numbers of experts per token {sorted(ks)}; "
+                "routing consistency needs one top-k for the whole model"
+            )
         return ks.pop()
+
+    @property
+    def zero_computation(self) -> list[bool]:
+        """Per hooked layer: whether its router can pick zero-computation experts."""
+        return [a.zero_computation for a in self._accs]
 
     def local_counts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This rank's device accumulators (per-layer routed counts [E] and tokens []), not copied."""
@@ -444,12 +489,17 @@ class ExpertLoadCollector:
         """This rank's per-layer executed counts [E] (padding included), not copied."""
         return [a.executed for a in self._accs]
 
+    def local_zero_picks(self) -> list[torch.Tensor]:
+        """This rank's per-layer picks of zero-computation experts [], not copied."""
+        return [a.zero_picks for a in self._accs]
+
     def reset(self) -> None:
         """Zero the device accumulators (start of a new step)."""
         for a in self._accs:
             a.counts.zero_()
             a.executed.zero_()
             a.tokens.zero_()
+            a.zero_picks.zero_()
         if self.routing is not None:
             self.routing.reset()
 

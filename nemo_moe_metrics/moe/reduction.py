@@ -7,9 +7,10 @@ hold different layers and meet in the union.
 
 Every rank, with or without MoE layers, keeps one :class:`ExpertLoadReducer` per group and calls
 :meth:`ExpertLoadReducer.export` at the same points. The first export gathers each rank's
-signature (pipeline stage, top-k, layer ids, experts per layer) and validates it; a mismatch
-raises the same :class:`ExpertLoadSignatureError` on every rank. Later exports make exactly one
-``all_reduce`` of routed counts, executed counts and routed tokens together, and no host read of
+signature (pipeline stage, and per layer its id, experts, top-k and whether it has
+zero-computation experts) and validates it; a mismatch raises the same
+:class:`ExpertLoadSignatureError` on every rank. Later exports make exactly one ``all_reduce`` of
+routed counts, executed counts, routed tokens and zero-computation picks together, and no host read of
 their own (:meth:`ExpertLoadReducer.enqueue` hands the result to the export's one read), with
 guard slots that catch a rank whose layers changed since (re-attaching a collector to another
 model).
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -35,43 +36,75 @@ class ExpertLoadSignatureError(RuntimeError):
     """Ranks disagree on which MoE layers exist or how many experts they have."""
 
 
+class LayerSignature(NamedTuple):
+    """One MoE layer as a rank sees it."""
+
+    layer: int  #: global layer id
+    experts: int  #: routed experts
+    topk: int  #: experts per token
+    zero_computation: bool = False  #: its router can pick zero-computation experts
+
+
 @dataclass(frozen=True)
 class Signature:
-    """One rank's view: pipeline stage, top-k (None without MoE), ``(layer_id, experts)`` pairs."""
+    """One rank's view: its pipeline stage and its MoE layers (none on a stage without MoE)."""
 
     stage: int
-    topk: int | None
-    layers: tuple[tuple[int, int], ...]
+    layers: tuple[LayerSignature, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The agreed global MoE layers, in layer-id order (identical on every rank)."""
+
+    layer_ids: list[int]
+    experts: list[int]
+    topks: list[int]
+    zero_computation: list[bool]
 
 
 def local_signature(collector: Any, stage: int) -> Signature:
     """The signature of a collector (or of a rank without MoE layers when it is None)."""
     if collector is None:
-        return Signature(stage, None, ())
-    return Signature(
-        stage, collector.topk, tuple(zip(collector.layer_ids, collector.num_experts, strict=True))
+        return Signature(stage, ())
+    layers = zip(
+        collector.layer_ids,
+        collector.num_experts,
+        collector.topks,
+        collector.zero_computation,
+        strict=True,
     )
+    return Signature(stage, tuple(LayerSignature(*layer) for layer in layers))
 
 
-def check_signatures(signatures: list[Signature]) -> tuple[list[int], list[int], int]:
-    """Validate all ranks' signatures; returns the global ``(layer_ids, experts, topk)``.
+def check_signatures(signatures: list[Signature]) -> Layout:
+    """Validate all ranks' signatures; returns the global layout.
 
-    Rules: a layer id has one expert count everywhere; ranks in the same pipeline stage hold the
-    same layers; ranks in different stages hold disjoint layers; one top-k. Pure: every rank
-    runs it on the same gathered list, so every rank raises the same error.
+    Rules: a layer id has one (experts, top-k, zero-computation) everywhere; ranks in the same
+    pipeline stage hold the same layers; ranks in different stages hold disjoint layers. Layers
+    may differ from each other in experts and top-k. Pure: every rank runs it on the same
+    gathered list, so every rank raises the same error.
     """
-    experts: dict[int, dict[int, list[int]]] = {}
+    shapes: dict[int, dict[tuple, list[int]]] = {}
     for rank, sig in enumerate(signatures):
-        for layer, e in sig.layers:
-            experts.setdefault(layer, {}).setdefault(e, []).append(rank)
+        for entry in sig.layers:
+            shapes.setdefault(entry.layer, {}).setdefault(tuple(entry[1:]), []).append(rank)
     problems = []
-    for layer in sorted(experts):
-        if len(experts[layer]) > 1:
-            seen = "; ".join(f"{e} experts on ranks {r}" for e, r in sorted(experts[layer].items()))
+    for layer in sorted(shapes):
+        if len(shapes[layer]) > 1:
+            variants = sorted(shapes[layer].items())
+            same_k = len({k for (_, k, _), _ in variants}) == 1
+            same_z = len({z for (_, _, z), _ in variants}) == 1
+            seen = "; ".join(
+                f"{e} experts{'' if same_k else f', top-{k}'}"
+                f"{'' if same_z else (', zero-computation experts' if z else ', none zero-computation')}"
+                f" on ranks {r}"
+                for (e, k, z), r in variants
+            )
             problems.append(f"layer {layer} has {seen}")
     by_stage: dict[int, dict[frozenset, list[int]]] = {}
     for rank, sig in enumerate(signatures):
-        ids = frozenset(layer for layer, _ in sig.layers)
+        ids = frozenset(entry.layer for entry in sig.layers)
         by_stage.setdefault(sig.stage, {}).setdefault(ids, []).append(rank)
     for stage, groups in sorted(by_stage.items()):
         if len(groups) > 1:
@@ -84,17 +117,20 @@ def check_signatures(signatures: list[Signature]) -> tuple[list[int], list[int],
             common = stage_layers[a] & stage_layers[b]
             if common:
                 problems.append(f"pipeline stages {a} and {b} both hold layers {sorted(common)}")
-    topks = {sig.topk for sig in signatures if sig.topk is not None}
-    if len(topks) > 1:
-        problems.append(f"ranks disagree on top-k: {sorted(topks)}")
     if problems:
         raise ExpertLoadSignatureError(
             "expert-load export: ranks disagree on the MoE layer signature, refusing to sum "
             "unrelated layers: " + " | ".join(problems) + ". Every rank must attach the "
             "collector to the same model (its own pipeline stage's chunks) before the first export."
         )
-    layer_ids = sorted(experts)
-    return layer_ids, [next(iter(experts[k])) for k in layer_ids], (topks.pop() if topks else 0)
+    layer_ids = sorted(shapes)
+    agreed = [next(iter(shapes[layer])) for layer in layer_ids]
+    return Layout(
+        layer_ids,
+        [e for e, _, _ in agreed],
+        [k for _, k, _ in agreed],
+        [z for _, _, z in agreed],
+    )
 
 
 def _megatron_parallel_state():
@@ -140,7 +176,7 @@ class ExpertLoadReducer:
         """``group``: ranks to sum over (default world); ``stage``: pipeline stage override."""
         self.group = group
         self.stage = stage
-        self._layout: tuple[list[int], list[int], int] | None = None
+        self._layout: Layout | None = None
         self._signature: Signature | None = None
         self._index: torch.Tensor | None = None
         self._index_on: dict[torch.device, torch.Tensor] = {}  # a host-to-device copy syncs
@@ -149,7 +185,7 @@ class ExpertLoadReducer:
     @property
     def layer_ids(self) -> list[int]:
         """Global MoE layer ids agreed at the first export (empty before it)."""
-        return list(self._layout[0]) if self._layout is not None else []
+        return list(self._layout.layer_ids) if self._layout is not None else []
 
     def _agree(self, sig: Signature, world: int) -> None:
         if world > 1:
@@ -157,19 +193,22 @@ class ExpertLoadReducer:
             dist.all_gather_object(gathered, sig, group=self.group)
         else:
             gathered = [sig]
-        layer_ids, experts, topk = check_signatures(gathered)
-        self._layout, self._signature = (layer_ids, experts, topk), sig
-        offsets = np.concatenate([[0], np.cumsum(experts)]).astype(np.int64)
+        layout = check_signatures(gathered)
+        self._layout, self._signature = layout, sig
+        offsets = np.concatenate([[0], np.cumsum(layout.experts)]).astype(np.int64)
         n_counts = int(offsets[-1])
-        pos = {layer: i for i, layer in enumerate(layer_ids)}
+        n_layers = len(layout.layer_ids)
+        pos = {layer: i for i, layer in enumerate(layout.layer_ids)}
         # Where this rank's flat [routed counts of each local layer..., executed counts of each
-        # local layer..., tokens of each local layer...] land in the global payload
-        # [all routed counts..., all executed counts..., all tokens..., guard].
-        local = [int(offsets[pos[layer]]) + j for layer, e in sig.layers for j in range(e)]
+        # local layer..., tokens of each local layer..., zero-computation picks of each local
+        # layer...] land in the global payload [all routed counts..., all executed counts...,
+        # all tokens..., all zero-computation picks..., guard].
+        local = [int(offsets[pos[e.layer]]) + j for e in sig.layers for j in range(e.experts)]
         index = local + [n_counts + i for i in local]
-        index += [2 * n_counts + pos[layer] for layer, _ in sig.layers]
+        index += [2 * n_counts + pos[e.layer] for e in sig.layers]
+        index += [2 * n_counts + n_layers + pos[e.layer] for e in sig.layers]
         self._index = torch.tensor(index, dtype=torch.int64)
-        self._size = 2 * n_counts + len(layer_ids) + _GUARD
+        self._size = 2 * n_counts + 2 * n_layers + _GUARD
 
     def export(self, collector: Any, *, contribute: bool | None = None) -> ExpertLoads:
         """Sum this step's counts over the group, reset the collector, return the global loads."""
@@ -199,6 +238,7 @@ class ExpertLoadReducer:
                     *(c.to(device) for c in counts),
                     *(c.to(device) for c in collector.local_executed()),
                     *(t.reshape(1).to(device) for t in tokens),
+                    *(z.reshape(1).to(device) for z in collector.local_zero_picks()),
                 ]
             )
             if device not in self._index_on:
@@ -212,7 +252,7 @@ class ExpertLoadReducer:
 
     def _finish(self, collector: Any, world: int, values: np.ndarray) -> ExpertLoads:
         assert self._layout is not None
-        layer_ids, experts, topk = self._layout
+        layout = self._layout
         if collector is not None:
             collector.reset()
         if values[-2] != world or values[-1] != 0:
@@ -221,23 +261,26 @@ class ExpertLoadReducer:
                 f"the first export ({int(values[-2])} of {world} ranks took part); keep one "
                 "collector per model for the whole run, or create new reducers on every rank"
             )
+        experts, n_layers = layout.experts, len(layout.layer_ids)
         n_counts = int(sum(experts))
         width = max(experts, default=0)
-        counts = np.zeros((len(layer_ids), width), dtype=np.int64)
-        executed = np.zeros((len(layer_ids), width), dtype=np.int64)
+        counts = np.zeros((n_layers, width), dtype=np.int64)
+        executed = np.zeros((n_layers, width), dtype=np.int64)
         start = 0
         for i, e in enumerate(experts):
             counts[i, :e] = values[start : start + e]
             executed[i, :e] = values[n_counts + start : n_counts + start + e]
             start += e
-        routed = values[2 * n_counts : 2 * n_counts + len(layer_ids)].astype(np.int64)
+        tail = values[2 * n_counts : 2 * n_counts + 2 * n_layers].astype(np.int64)
+        uniform = len(set(layout.topks)) <= 1
         return ExpertLoads(
-            layer_ids=list(layer_ids),
+            layer_ids=list(layout.layer_ids),
             counts=counts,
-            routed_tokens=routed,
-            topk=topk,
+            routed_tokens=tail[:n_layers],
+            topk=(layout.topks[0] if layout.topks else 0) if uniform else list(layout.topks),
             num_experts=list(experts),
             executed=executed,
+            zero_picks=tail[n_layers:] if any(layout.zero_computation) else None,
         )
 
 

@@ -1,0 +1,336 @@
+"""Hugging Face transformers MoE models: which module to count, and where the router logits are.
+
+transformers 5 gives nearly all of its MoE families two shared interfaces, and this adapter reads
+those instead of keeping one entry per model:
+
+- **the experts call** ``experts(hidden_states, top_k_index, top_k_weights)``: classes wrapped by
+  transformers' ``use_experts_implementation``, or with that forward signature. A forward hook
+  on the experts module sees exactly the assignments the experts execute (after any bias, group
+  limit or hash routing), so the counts come from there;
+- **the router-logit recorder** ``PreTrainedModel._can_record_outputs["router_logits"]``: the
+  router class and the output index of its logits, which is what ``output_router_logits``
+  collects for transformers' own load-balancing loss. The per-layer aux losses come from there.
+
+A few families route differently and get a small named adapter (:data:`_NAMED`): dbrx (its FFN
+calls the experts interface but has no config on the experts module), llama4 (the router is a
+Linear returning ``(scores, logits)`` and the experts see every token), jetmoe (its gating
+returns expert-sorted indices; only the MLP mixture of experts is counted, not the mixture of
+attention heads) and doge (product-key expert retrieval: the chosen expert ids are the input
+of its ``down_embed`` lookup). Two families have zero-computation experts: a pick of one reaches
+the experts remapped to a real id with weight 0 (longcat_flash's ``zero_expert_num`` experts,
+zaya's skip class); there the counts keep the picks with a non-zero weight and the others are
+reported as ``moe/zero_expert_fraction``.
+
+Nothing here imports transformers: classes are recognised by their attributes and names.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from nemo_moe_metrics.moe.hooks import RouterSpec, layer_id_from_name
+
+#: Config fields that hold the number of routed experts / experts per token, by family.
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+TOPK_FIELDS = (
+    "num_experts_per_tok",
+    "moe_topk",
+    "moe_k",
+    "num_experts_per_token",
+    "top_k_experts",
+    "experts_per_token",
+    "moe_top_k",
+)
+#: Configs whose MoE blocks a flag switches off (a dense model keeps its expert-count default).
+_MOE_SWITCHES = ("is_moe", "enable_moe_block")
+
+
+def _first_field(config: Any, fields: Iterable[str]) -> int | None:
+    for source in (config, getattr(config, "ffn_config", None)):  # dbrx nests its MoE fields
+        if source is None:
+            continue
+        for field in fields:
+            value = getattr(source, field, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def config_num_experts(config: Any) -> int:
+    """Routed experts per MoE layer a transformers (text) config describes; 0 for a dense model."""
+    if any(getattr(config, switch, True) is False for switch in _MOE_SWITCHES):
+        return 0
+    return _first_field(config, EXPERT_COUNT_FIELDS) or 0
+
+
+def config_topk(config: Any) -> int | None:
+    """Experts per token a transformers (text) config describes, or None when it names none."""
+    return _first_field(config, TOPK_FIELDS)
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """Whether ``module`` follows transformers' experts interface (decorator or call signature)."""
+    forward = getattr(type(module), "forward", None)
+    code = getattr(forward, "__code__", None)
+    if code is not None and code.co_filename.replace("\\", "/").endswith("integrations/moe.py"):
+        return True
+    return _call_signature(type(module)) == ("top_k_index", "top_k_weights")
+
+
+_SIGNATURES: dict[type, tuple[str, ...]] = {}
+
+
+def _call_signature(cls: type) -> tuple[str, ...]:
+    if cls not in _SIGNATURES:
+        try:
+            params = list(inspect.signature(cls.forward).parameters)[2:4]
+        except (TypeError, ValueError, AttributeError):
+            params = []
+        _SIGNATURES[cls] = tuple(params)
+    return _SIGNATURES[cls]
+
+
+def _routing_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # experts(hidden_states, top_k_index, top_k_weights); gpt_oss names them router_indices,
+    # routing_weights. Positional in every family; by name for a caller that passes keywords.
+    index = args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))
+    weights = (
+        args[2] if len(args) > 2 else kwargs.get("top_k_weights", kwargs.get("routing_weights"))
+    )
+    return index, weights
+
+
+def _count(index: torch.Tensor, num_experts: int, keep: torch.Tensor | None = None):
+    # scatter_add_ into a fixed size: bincount/one_hot would read max(index) on the host.
+    flat = index.reshape(-1).to(torch.int64)
+    ones = torch.ones_like(flat) if keep is None else keep.reshape(-1).to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, ones)
+
+
+def _experts_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    index, _ = _routing_args(args, kwargs)
+    return _count(index, int(module.num_experts)), index.shape[0]
+
+
+def _zero_computation_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    # A pick of a zero-computation expert arrives remapped to a real id with weight exactly 0
+    # (longcat_flash, zaya): the real experts' load is the picks with a non-zero weight.
+    index, weights = _routing_args(args, kwargs)
+    real = weights != 0
+    skipped = (~real).sum()
+    return _count(index, int(module.num_experts), real), index.shape[0], None, skipped
+
+
+def _experts_routes(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    from nemo_moe_metrics.moe.routing import indices_to_map
+
+    index, _ = _routing_args(args, kwargs)
+    chosen = indices_to_map(index.reshape(index.shape[0], -1), int(module.num_experts))
+    return chosen, chosen, None, False
+
+
+def _experts_topk(module: nn.Module) -> int:
+    topk = config_topk(getattr(module, "config", None))
+    if topk is None:
+        raise ValueError(
+            f"{type(module).__name__}: cannot tell its experts per token (no num_experts_per_tok "
+            "or similar field on module.config); pass topk=... to nemo_moe_metrics.register_router"
+        )
+    return topk
+
+
+def _experts_num(module: nn.Module) -> int:
+    experts = getattr(module, "num_experts", None)
+    if experts is None:  # the stacked weights [experts, ...] say it too
+        experts = next(p for p in module.parameters(recurse=False) if p.dim() == 3).shape[0]
+    return int(experts)
+
+
+EXPERTS = RouterSpec(
+    counts_fn=_experts_counts,
+    num_experts=_experts_num,
+    topk=_experts_topk,
+    routes_fn=_experts_routes,
+)
+ZERO_COMPUTATION_EXPERTS = RouterSpec(
+    counts_fn=_zero_computation_counts,
+    num_experts=_experts_num,
+    topk=_experts_topk,
+    routes_fn=_experts_routes,
+    zero_computation=True,
+)
+
+
+# -- named adapters ----------------------------------------------------------------------------
+def _dbrx_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    # hooked: DbrxFFN.experts, called as experts(hidden, top_k_index, top_k_weights)
+    index, _ = _routing_args(args, kwargs)
+    return _count(index, int(module.num_experts)), index.shape[0]
+
+
+def _logits_topk_counts(logits_at: int) -> Callable:
+    # llama4 (Llama4Router -> (scores, logits)) and jetmoe (gating -> (..., logits)): both pick
+    # topk(logits, k) and route exactly those experts; recomputing the topk is a device op.
+    def counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        logits = output[logits_at]
+        index = torch.topk(logits, int(module.top_k), dim=-1).indices
+        return _count(index, logits.shape[-1]), logits.shape[0]
+
+    return counts
+
+
+def _logits_topk_routes(logits_at: int) -> Callable:
+    def routes(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        from nemo_moe_metrics.moe.routing import indices_to_map
+
+        logits = output[logits_at]
+        chosen = indices_to_map(
+            torch.topk(logits, int(module.top_k), dim=-1).indices, logits.shape[-1]
+        )
+        return chosen, chosen, None, False
+
+    return routes
+
+
+def _doge_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    # hooked: DogeCDMoE.down_embed, looked up with the chosen expert ids [tokens, top_k]
+    index = args[0]
+    return _count(index, int(module.num_embeddings)), index.reshape(-1, index.shape[-1]).shape[0]
+
+
+def _doge_routes(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    from nemo_moe_metrics.moe.routing import indices_to_map
+
+    index = args[0].reshape(-1, args[0].shape[-1])
+    chosen = indices_to_map(index, int(module.num_embeddings))
+    return chosen, chosen, None, False
+
+
+_NAMED: dict[str, RouterSpec] = {
+    "transformers.models.dbrx.modeling_dbrx.DbrxFFN": RouterSpec(
+        counts_fn=_dbrx_counts,
+        num_experts=lambda m: int(m.experts.num_experts),
+        topk=lambda m: int(m.top_k),
+        routes_fn=_experts_routes,
+        hooked=lambda m: m.experts,
+    ),
+    "transformers.models.llama4.modeling_llama4.Llama4TextMoe": RouterSpec(
+        counts_fn=_logits_topk_counts(1),
+        num_experts=lambda m: int(m.num_experts),
+        topk=lambda m: int(m.top_k),
+        routes_fn=_logits_topk_routes(1),
+        hooked=lambda m: m.router,
+    ),
+    "transformers.models.jetmoe.modeling_jetmoe.JetMoeMoE": RouterSpec(
+        counts_fn=_logits_topk_counts(4),
+        num_experts=lambda m: int(m.router.num_experts),
+        topk=lambda m: int(m.router.top_k),
+        routes_fn=_logits_topk_routes(4),
+        hooked=lambda m: m.router,
+    ),
+    "transformers.models.doge.modeling_doge.DogeCDMoE": RouterSpec(
+        counts_fn=_doge_counts,
+        num_experts=lambda m: int(m.num_experts),
+        topk=lambda m: int(m.top_k),
+        routes_fn=_doge_routes,
+        hooked=lambda m: m.down_embed,
+    ),
+}
+#: Families whose experts include zero-computation experts (by modeling module).
+_ZERO_COMPUTATION_MODULES = ("longcat_flash", "zaya")
+#: Router logits the recorder does not declare (``_can_record_outputs`` lacks them), by class.
+_NAMED_LOGITS: dict[str, int] = {"transformers.models.llama4.modeling_llama4.Llama4Router": 1}
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def spec_for(module: nn.Module) -> RouterSpec | None:
+    """The spec that counts ``module`` when it is a transformers MoE module, else None."""
+    cls = type(module)
+    named = _NAMED.get(_qualname(cls))
+    if named is not None:
+        return named
+    if not is_experts_module(module):
+        return None
+    family = cls.__module__.split(".")[2] if cls.__module__.startswith("transformers.") else ""
+    return ZERO_COMPUTATION_EXPERTS if family in _ZERO_COMPUTATION_MODULES else EXPERTS
+
+
+# -- router logits -----------------------------------------------------------------------------
+def _recorded_routers(chunks: list[nn.Module]) -> list[tuple[type, int, str | None]]:
+    found = []
+    for chunk in chunks:
+        for module in chunk.modules():
+            recorders = getattr(type(module), "_can_record_outputs", None)
+            recorder = recorders.get("router_logits") if isinstance(recorders, dict) else None
+            target = getattr(recorder, "target_class", None)
+            if target is not None:
+                entry = (target, int(getattr(recorder, "index", 0) or 0), recorder.layer_name)
+                if entry not in found:
+                    found.append(entry)
+    return found
+
+
+def router_logit_sources(
+    chunks: list[nn.Module], blocks: dict[int, str]
+) -> list[tuple[int, nn.Module, int]]:
+    """``(layer id, router module, index of its logits in the output)`` per counted MoE layer.
+
+    ``blocks``: the module-name prefix of each counted layer's MoE block; a router counts for a
+    layer only inside that block (jetmoe's attention-head router is left out that way). The
+    routers are the class the model records as ``router_logits`` (what transformers' own
+    load-balancing loss reads), plus the named ones it does not declare (llama4).
+    """
+    recorded = _recorded_routers(chunks)
+    out: dict[int, tuple[int, nn.Module, int]] = {}
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            index = _NAMED_LOGITS.get(_qualname(type(module)))
+            if index is None:
+                index = next(
+                    (
+                        i
+                        for cls, i, layer_name in recorded
+                        if isinstance(module, cls)
+                        and (layer_name is None or name.endswith(layer_name))
+                    ),
+                    None,
+                )
+            if index is None or not re.search(r"(^|\.)(layers|h|blocks)\.\d+(\.|$)", name):
+                continue
+            layer = layer_id_from_name(name)
+            block = blocks.get(layer)
+            if block is not None and (name == block or name.startswith(block + ".")):
+                out.setdefault(layer, (layer, module, index))
+    return [out[k] for k in sorted(out)]
+
+
+def logits_of(output: Any, index: int) -> torch.Tensor:
+    """The router logits in a router's output (a tensor output is the logits itself)."""
+    return output[index] if isinstance(output, tuple | list) else output
+
+
+def aux_loss_kind(chunks: list[nn.Module]) -> str | None:
+    """Which load-balancing loss the model's own training computes: ``"switch"`` (transformers'
+    ``load_balancing_loss_func``), ``"doge"`` (its product-key variant) or None (none)."""
+    import sys
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            recorders = getattr(type(module), "_can_record_outputs", None)
+            if not (isinstance(recorders, dict) and "router_logits" in recorders):
+                continue
+            modeling = sys.modules.get(type(module).__module__)
+            if getattr(modeling, "load_balancing_loss_func", None) is None:
+                return None
+            return "doge" if type(module).__module__.endswith(".modeling_doge") else "switch"
+    return None
