@@ -227,12 +227,16 @@ def test_check_signatures_rejects_overlapping_stages():
 
 def test_check_signatures_rejects_a_layer_whose_topk_differs_between_ranks():
     sigs = [_sig(0, (0, 8, 2)), _sig(0, (0, 8, 4))]
-    with pytest.raises(ExpertLoadSignatureError, match=r"8 experts, top-2 on ranks \[0\]; 8 experts, top-4"):
+    with pytest.raises(
+        ExpertLoadSignatureError, match=r"8 experts, top-2 on ranks \[0\]; 8 experts, top-4"
+    ):
         check_signatures(sigs)
 
 
 def test_check_signatures_accepts_layers_that_differ_from_each_other():
-    layout = check_signatures([_sig(0, (0, 8, 2), (1, 4, 1, True)), _sig(0, (0, 8, 2), (1, 4, 1, True))])
+    layout = check_signatures(
+        [_sig(0, (0, 8, 2), (1, 4, 1, True)), _sig(0, (0, 8, 2), (1, 4, 1, True))]
+    )
     assert (layout.layer_ids, layout.experts, layout.topks) == ([0, 1], [8, 4], [2, 1])
     assert layout.zero_computation == [False, True]
 
