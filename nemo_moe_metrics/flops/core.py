@@ -8,7 +8,9 @@ Conventions (stated once, used everywhere in this package):
 - Counted: every matmul with a weight (projections, MLPs, experts actually routed to, routers,
   gates, the lm_head), the attention score and value products, the Gated DeltaNet and Mamba-2
   short convolutions and their recurrences (recurrent-equivalent, see ``linear_attention_core``
-  and ``mamba_core`` below).
+  and ``mamba_core`` below). Multi-token-prediction layers (``ModelShape.mtp_layers``) count as
+  Megatron-LM counts them: per layer its transformer layer, its ``2h -> h`` projection
+  (``mtp_projection``) and one more lm_head.
 - Not counted: embedding lookups, norms, activations, softmax, rotary embeddings, residual
   adds, biases, the loss. They are memory-bound and together well under 1% of the total for
   the models this package targets.
@@ -38,6 +40,7 @@ DENSE_MLP = "dense_mlp"
 ROUTER = "router"
 ROUTED_EXPERTS = "routed_experts"
 SHARED_EXPERTS = "shared_experts"
+MTP_PROJECTION = "mtp_projection"
 LM_HEAD = "lm_head"
 COMPONENTS: tuple[str, ...] = (
     ATTENTION_PROJECTIONS,
@@ -52,6 +55,7 @@ COMPONENTS: tuple[str, ...] = (
     ROUTER,
     ROUTED_EXPERTS,
     SHARED_EXPERTS,
+    MTP_PROJECTION,
     LM_HEAD,
 )
 
@@ -144,13 +148,19 @@ class Layer:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Everything the FLOP and parameter arithmetic needs about a decoder-only model."""
+    """Everything the FLOP and parameter arithmetic needs about a decoder-only model.
+
+    ``mtp_layers``: the multi-token-prediction layers after the decoder (DeepSeek-V3 style: each
+    projects ``[embedding; hidden]`` from ``2h`` to ``h``, runs one transformer layer and the
+    shared lm_head once more).
+    """
 
     model_type: str
     hidden_size: int
     layers: tuple[Layer, ...]
     vocab_size: int
     tied_embeddings: bool = False
+    mtp_layers: tuple[Layer, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -266,7 +276,7 @@ class FlopsEstimator:
         # Attention core per (heads x (qk + v) dims), grouped by window so each distinct
         # window costs one vectorised reduction per call.
         self._attention_groups: dict[int | None, float] = {}
-        for layer in shape.layers:
+        for layer in shape.layers + shape.mtp_layers:
             mixer, ffn = layer.mixer, layer.ffn
             if mixer is None:
                 pass
@@ -307,8 +317,11 @@ class FlopsEstimator:
                 _add(per_token, ROUTED_EXPERTS, ffn.top_k * ffn.expert_params)
                 if ffn.shared_params:
                     _add(per_token, SHARED_EXPERTS, ffn.shared_params)
+        mtp = len(shape.mtp_layers)
+        if mtp:
+            _add(per_token, MTP_PROJECTION, mtp * 2 * shape.hidden_size * shape.hidden_size)
         if shape.vocab_size:
-            _add(per_token, LM_HEAD, shape.hidden_size * shape.vocab_size)
+            _add(per_token, LM_HEAD, (1 + mtp) * shape.hidden_size * shape.vocab_size)
         # Per-token multiply-adds -> training FLOPs per token.
         scale = TRAINING_MULTIPLIER * FLOPS_PER_MAC
         self._per_token = {k: v * scale for k, v in per_token.items()}
@@ -368,8 +381,8 @@ class FlopsEstimator:
         """Total and per-token active parameters implied by the shape (embeddings included)."""
         shape = self.shape
         embedding = shape.hidden_size * shape.vocab_size * (1 if shape.tied_embeddings else 2)
-        total = active = embedding
-        for layer in shape.layers:
+        total = active = embedding + len(shape.mtp_layers) * 2 * shape.hidden_size**2
+        for layer in shape.layers + shape.mtp_layers:
             mixer, ffn = layer.mixer, layer.ffn
             mixer_params = 0 if mixer is None else mixer.projection_params
             if isinstance(mixer, (LinearAttentionLayer, MambaLayer)):

@@ -5,7 +5,10 @@ sliding windows (``window_size``, ``window_attn_skip_freq``), Gated DeltaNet
 (``experimental_attention_variant="gated_delta_net"``, ``linear_attention_freq``), SwiGLU
 (``gated_linear_unit``), MoE (``moe_layer_freq``, ``moe_ffn_hidden_size``,
 ``moe_shared_expert_intermediate_size``, ``moe_shared_expert_gate``). Multi-token prediction
-layers (``mtp_num_layers``) are not counted.
+(``mtp_num_layers``): each MTP layer is the last decoder layer's kind (megatron builds its
+transformer layer from the last layer's spec) plus its ``2h -> h`` projection and one more
+lm_head, as Megatron-LM's ``num_floating_point_operations`` counts it (its two norms, ``3h``
+per token, are not: norms are never counted here).
 
 Hybrid models (megatron-core ``HybridModel``, ``MambaModel``): when the config carries a layer
 pattern (``hybrid_layer_pattern`` or ``hybrid_override_pattern``), each symbol is one layer costed
@@ -16,7 +19,6 @@ fields), ``M`` Mamba-2 (``mamba_*`` fields), ``-`` dense MLP, ``E`` MoE block.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -85,12 +87,6 @@ def megatron_gpt(config: Mapping[str, Any]) -> FlopsEstimator:
     n = int(cfg.require("num_layers"))
     heads = int(cfg.require("num_attention_heads"))
     gated = bool(cfg.get("gated_linear_unit", False))
-    if cfg.get("mtp_num_layers"):
-        warnings.warn(
-            "mtp_num_layers is set: multi-token-prediction layers are not counted in the "
-            "FLOP estimate",
-            stacklevel=3,
-        )
 
     from nemo_moe_metrics.megatron.compat import config_hybrid_symbols
 
@@ -129,6 +125,12 @@ def megatron_gpt(config: Mapping[str, Any]) -> FlopsEstimator:
                 )
             )
     if symbols is not None:
+        if cfg.get("mtp_num_layers"):
+            raise ValueError(
+                "mtp_num_layers with a hybrid layer pattern has no FLOP formula here (the "
+                "pattern's MTP blocks are their own layer patterns); register your own factory "
+                "with register_flops_estimator('megatron_gpt', ...)"
+            )
         return _hybrid_estimator(cfg, symbols, attention, hidden, heads, gated)
     variant = cfg.get("experimental_attention_variant")
     if variant == "gated_delta_net":
@@ -161,10 +163,13 @@ def megatron_gpt(config: Mapping[str, Any]) -> FlopsEstimator:
         is_moe = [0] * n
     dense = dense_mlp(hidden, int(cfg.require("ffn_hidden_size")), gated=gated)
     layers = tuple(Layer(mixers[i], moe if is_moe[i] else dense) for i in range(n))
-    return _estimator(cfg, hidden, layers)
+    mtp = (layers[-1],) * int(cfg.get("mtp_num_layers") or 0)
+    return _estimator(cfg, hidden, layers, mtp)
 
 
-def _estimator(cfg: ConfigReader, hidden: int, layers: tuple[Layer, ...]) -> FlopsEstimator:
+def _estimator(
+    cfg: ConfigReader, hidden: int, layers: tuple[Layer, ...], mtp: tuple[Layer, ...] = ()
+) -> FlopsEstimator:
     return FlopsEstimator(
         ModelShape(
             MEGATRON_MODEL_TYPE,
@@ -172,6 +177,7 @@ def _estimator(cfg: ConfigReader, hidden: int, layers: tuple[Layer, ...]) -> Flo
             layers,
             cfg.vocab_size(),
             tied_embeddings=bool(cfg.get("share_embeddings_and_output_weights", False)),
+            mtp_layers=mtp,
         )
     )
 

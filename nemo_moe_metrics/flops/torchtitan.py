@@ -55,7 +55,11 @@ def torchtitan_flops_estimator(config: Any, *, vocab_size: int | None = None) ->
     """The estimator of a torchtitan ``Decoder.Config`` (``DeepSeekV3Model.Config``, ...)."""
     hidden = int(config.dim)
     layers = tuple(Layer(_attention(b.attention, hidden), _ffn(b, hidden)) for b in config.layers)
+    mtp = tuple(
+        Layer(_attention(b.attention, hidden), _ffn(b, hidden))
+        for b in getattr(config, "mtp_layers", None) or ()
+    )
     vocab = int(config.vocab_size if vocab_size is None else vocab_size)
     family = "torchtitan_" + type(config).__qualname__.split(".")[0].lower().replace("model", "")
     tied = bool(getattr(config, "enable_weight_tying", False))
-    return FlopsEstimator(ModelShape(family, hidden, layers, vocab, tied))
+    return FlopsEstimator(ModelShape(family, hidden, layers, vocab, tied, mtp_layers=mtp))

@@ -272,6 +272,7 @@ class ExpertLoadCollector:
         self._observers: list[Callable[[int, nn.Module, Any], None]] = []
         self.sequence_parallel = False
         self.routing: Any = None  # moe.routing.RoutingTracker once enable_routing() ran
+        self._compared: set[int] = set()  # the layers routing consistency compares
         self._routers = routers
         self._num_layers = num_layers
         #: module-name prefix of each layer's MoE block (the matched module's parent, or the
@@ -385,7 +386,7 @@ class ExpertLoadCollector:
                 acc.add(*spec.counts_fn(module, args, kwargs, output))
                 for observe in self._observers:
                     observe(acc.layer_id, module, output)
-                if self.routing is not None:
+                if self.routing is not None and acc.layer_id in self._compared:
                     assert spec.routes_fn is not None
                     self.routing.observe(
                         acc.layer_id, *spec.routes_fn(module, args, kwargs, output)
@@ -433,16 +434,26 @@ class ExpertLoadCollector:
                 "routes function; routing consistency supports megatron-core and Hugging Face "
                 "routers"
             )
-        for _, module, spec in self._routers:
-            if spec is _MEGATRON:
+        # Rollout engines return routes for the decoder's MoE layers only: MTP layers (and any
+        # other layer outside moe_layers) are counted but not compared.
+        compared = [a for a in self._accs if a.layer_id in set(moe_layers)]
+        topks = {a.topk for a in compared}
+        if len(topks) > 1:
+            raise ValueError(
+                f"track_routing_consistency: the MoE layers route to different numbers of "
+                f"experts per token {sorted(topks)}; rollout routes need one top-k"
+            )
+        for name, module, spec in self._routers:
+            if spec is _MEGATRON and not _MTP_RE.search(name):
                 from nemo_moe_metrics.megatron import compat
 
                 compat.capture_router_choice(module)
+        self._compared = {a.layer_id for a in compared}
         self.routing = RoutingTracker(
-            self.layer_ids,
+            [a.layer_id for a in compared],
             moe_layers,
-            self.topk,
-            self.num_experts,
+            topks.pop(),
+            [a.num_experts for a in compared],
             self._accs[0].counts.device,
             sequence_major=any(spec.sequence_major for spec in specs),
         )
