@@ -394,6 +394,23 @@ def model_hybrid_pattern(model: Any) -> str | None:
     return stack_layers
 
 
+def router_tracker_index(router: Any) -> int | None:
+    """The 0-based index a router records its aux losses at: its global layer id.
+
+    Decoder routers: ``layer_number - 1``. Multi-token-prediction routers record after the
+    decoder layers, at ``num_layers + j``: 0.16 numbers their layers on from the decoder
+    (``layer_number = num_layers + 1 + j``), 0.19 numbers them from 1 and marks them
+    ``is_mtp_layer`` (the router adds ``num_layers`` when it records). None before the router
+    knows its layer.
+    """
+    number = getattr(router, "layer_number", None)
+    if number is None:
+        return None
+    if getattr(router, "is_mtp_layer", False):
+        number += int(router.config.num_layers)
+    return int(number) - 1
+
+
 def is_megatron_router(module: Any) -> bool:
     """True for megatron-core's ``TopKRouter`` (or a subclass), without importing megatron."""
     return any(

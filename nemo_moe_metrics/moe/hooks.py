@@ -93,13 +93,15 @@ def _torchtitan_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any
 
 
 def _megatron_layer_id(module: nn.Module, name: str) -> int:
-    number = getattr(module, "layer_number", None)
-    if number is None:
+    from nemo_moe_metrics.megatron.compat import router_tracker_index
+
+    index = router_tracker_index(module)
+    if index is None:
         raise ValueError(
             f"megatron router {name!r} has no layer_number; build it inside a TransformerLayer "
             "(MoELayer.set_layer_number) so its global layer index is known"
         )
-    return int(number) - 1
+    return index
 
 
 def _megatron_routes(module: nn.Module, args: tuple, kwargs: dict, output: Any):
