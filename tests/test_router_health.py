@@ -13,7 +13,7 @@ import pytest
 import torch
 from dist import ok_values, run_ranks
 from health_oracle import NEAR_TIE_GAP, Layer, Router, assert_matches, expected_keys
-from hf_tiny import FAMILIES, K, VOCAB, tiny_model
+from hf_tiny import FAMILIES, VOCAB, K, tiny_model
 
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.moe.router_health import (
@@ -204,10 +204,7 @@ def _random_case(seed, r: Router, bias_scale=0.0, tokens=64):
 def _chosen(z, bias, r: Router):
     """The router's choice, computed the way the router code does (torch, as a router would)."""
     zt = torch.from_numpy(z)
-    if r.score == "softmax":
-        base = zt.softmax(-1)
-    else:
-        base = zt.sigmoid()
+    base = zt.softmax(-1) if r.score == "softmax" else zt.sigmoid()
     s = base if bias is None else base + torch.from_numpy(bias)
     rank = zt if (r.rank_on_logits and bias is None) else s
     if r.groups:
