@@ -122,6 +122,20 @@ def test_hf_router_hook_path_makes_no_host_sync(build):
     np.testing.assert_array_equal(collector.export().counts[0], expected)
 
 
+@pytest.mark.parametrize("build", [_qwen3_router, _deepseek_router])
+def test_router_health_hook_path_makes_no_host_sync(build):
+    router = build()
+    chunk = Chunk(router)
+    collector = ExpertLoadCollector.attach(chunk)
+    tracker = collector.enable_health(near_tie_gap=0.01)
+    x = torch.randn(10, 16)
+    with no_host_sync():
+        for _ in range(3):
+            chunk(x)
+    sums, _ = tracker.local_stats()
+    assert sums[0, 0].item() == 30  # every token of the three forwards was judged
+
+
 class ThresholdRouter(nn.Module):
     """A custom router: expert e takes token t when score > 0 (a boolean [T, E] map)."""
 
