@@ -476,6 +476,8 @@ class PolicyMetrics:
                     self._health_reducer.enqueue(
                         self._health,
                         self._reducer.layer_ids,
+                        self._reducer.num_experts,
+                        self._reducer.topk,
                         per_layer=self.cfg.moe_per_layer_logging,
                         contribute=default_contribute(self._collector),
                     )

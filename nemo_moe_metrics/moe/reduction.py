@@ -151,6 +151,16 @@ class ExpertLoadReducer:
         """Global MoE layer ids agreed at the first export (empty before it)."""
         return list(self._layout[0]) if self._layout is not None else []
 
+    @property
+    def num_experts(self) -> list[int]:
+        """Experts of each agreed layer, in ``layer_ids`` order (empty before the first export)."""
+        return list(self._layout[1]) if self._layout is not None else []
+
+    @property
+    def topk(self) -> int:
+        """The agreed top-k (0 before the first export or without MoE layers)."""
+        return self._layout[2] if self._layout is not None else 0
+
     def _agree(self, sig: Signature, world: int) -> None:
         if world > 1:
             gathered: list[Any] = [None] * world
@@ -365,11 +375,16 @@ class RouterHealthReducer:
         self,
         tracker: Any,
         layer_ids: list[int],
+        num_experts: list[int],
+        topk: int,
         *,
         per_layer: bool,
         contribute: bool = True,
     ) -> Pending[dict[str, Any]]:
-        """Launch both reductions; the Pending turns the sums into the ``moe/...router_*`` keys."""
+        """Launch both reductions; the Pending turns the sums into the ``moe/...router_*`` keys.
+
+        ``layer_ids``, ``num_experts`` and ``topk``: the layout agreed by the expert-load export
+        (``ExpertLoadReducer``), the same on every rank."""
         from nemo_moe_metrics.moe import router_health
 
         world, _ = _world(self.group)
@@ -399,7 +414,12 @@ class RouterHealthReducer:
                     "rank must call finish_step with track_router_health on"
                 )
             return router_health.router_health_metrics(
-                layer_ids, values[:-1], maxima, per_layer=per_layer
+                layer_ids,
+                values[:-1],
+                maxima,
+                num_experts=num_experts,
+                topk=topk,
+                per_layer=per_layer,
             )
 
         return Pending((payload, peaks), finish)

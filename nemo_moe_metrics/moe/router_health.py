@@ -148,20 +148,19 @@ def decision_sums(
 
     ``logits`` ``[..., E]`` (any leading token shape), ``bias`` ``[E]`` (the expert bias the
     router adds to its selection scores) or None, ``valid`` (``[tokens]`` bool, False =
-    padding) or None. Device ops only; no value is read on the host.
+    padding) or None. Device ops only, as few as the definitions allow (each is a kernel launch
+    per layer and microbatch); no value is read on the host. The entropy slot holds
+    ``sum(p log p)`` and the overlap slot ``|S & unbiased top-k|``: :func:`router_health_metrics`
+    negates and divides by ``ln(E)``, and divides by ``top_k``, on the host.
     """
     experts, k = scoring.num_experts, scoring.topk
     with torch.no_grad():
-        z = logits.detach().reshape(-1, experts).float()
-        weight = (
-            torch.ones(z.shape[0], dtype=z.dtype, device=z.device)
-            if valid is None
-            else valid.reshape(-1).to(device=z.device, dtype=z.dtype)
-        )
+        z = logits.detach().reshape(-1, experts)
+        z = z if z.dtype == torch.float32 else z.float()
         if scoring.score_function == "softmax":
             log_p = torch.log_softmax(z, dim=-1)
             p = log_p.exp()
-            entropy = -(p * log_p).sum(dim=-1)
+            p_log_p = p * log_p
             base = p
         else:
             base = (
@@ -170,39 +169,45 @@ def decision_sums(
                 else torch.nn.functional.softplus(z).sqrt()
             )
             p = base / base.sum(dim=-1, keepdim=True)
-            entropy = -torch.special.xlogy(p, p).sum(dim=-1)
+            p_log_p = torch.special.xlogy(p, p)
         selection = base if bias is None else base + bias.detach().to(z.device, z.dtype)
         # Softmax is monotone: ranking logits picks the same experts (and is what the router's
         # group scores are computed on); the gap itself is always measured on `selection`.
         ranked = z if scoring.rank_on_logits and bias is None else selection
         order = _top(ranked, scoring, k + 1 if scoring.gap_defined else k)
         chosen = order[:, :k]
+        weight = (
+            valid.reshape(-1).to(device=z.device, dtype=z.dtype)
+            if valid is not None
+            else torch.ones(z.shape[0], dtype=z.dtype, device=z.device)
+        )
         zeros = torch.zeros_like(weight)
-        columns = [
-            weight,
-            p.gather(1, chosen).sum(dim=-1),
-            entropy / math.log(experts) if experts > 1 else zeros,
-        ]
+        columns = [weight, p.gather(1, chosen).sum(dim=-1), p_log_p.sum(dim=-1)]
         if scoring.gap_defined:
             edge = selection.gather(1, order[:, k - 1 : k + 1])
-            last_in, first_out = edge[:, 0], edge[:, 1]
-            gap = (last_in - first_out) / last_in.abs().clamp_min(torch.finfo(z.dtype).tiny)
-            columns += [gap, (gap < near_tie_gap).to(z.dtype), torch.ones_like(weight)]
+            last_in = edge[:, 0]
+            gap = (last_in - edge[:, 1]) / last_in.abs().clamp_min(torch.finfo(z.dtype).tiny)
+            columns += [gap, (gap < near_tie_gap).to(z.dtype), weight]
         else:
             columns += [zeros, zeros, zeros]
         columns.append(z.square().mean(dim=-1))
         if bias is not None:
             unbiased = _top(z if scoring.rank_on_logits else base, scoring, k)
             shared = (chosen.unsqueeze(2) == unbiased.unsqueeze(1)).any(dim=2).sum(dim=1)
-            columns += [torch.ones_like(weight), shared.to(z.dtype) / k]
+            columns += [weight, shared.to(z.dtype)]
         else:
             columns += [zeros, zeros]
-        # Per token [T, slots] weighted by validity, summed in float64: one reduction.
-        sums = (torch.stack(columns, dim=1) * weight.unsqueeze(1)).sum(dim=0, dtype=torch.float64)
-        if z.shape[0]:
-            max_abs = (z.abs().amax(dim=-1) * weight).amax().to(torch.float64)
+        # Per token [T, slots], padding zeroed, summed in float64: one reduction.
+        table = torch.stack(columns, dim=1)
+        if valid is not None:
+            table = table * weight.unsqueeze(1)
+        sums = table.sum(dim=0, dtype=torch.float64)
+        if not z.shape[0]:
+            max_abs = torch.zeros((), dtype=z.dtype, device=z.device)
+        elif valid is None:
+            max_abs = z.abs().amax()
         else:
-            max_abs = torch.zeros((), dtype=torch.float64, device=z.device)
+            max_abs = (z.abs() * weight.unsqueeze(1)).amax()
     return sums, max_abs
 
 
@@ -210,9 +215,9 @@ def microbatch_balance(counts: torch.Tensor) -> torch.Tensor:
     """``[max(c) * E / sum(c), 1]`` of one forward's routed counts ``[E]``; zeros if empty."""
     c = counts.to(torch.float64)
     total = c.sum()
-    routed = (total > 0).to(torch.float64)
-    ratio = c.amax() * c.numel() / total.clamp_min(1.0)
-    return torch.stack([ratio * routed, routed])
+    routed = total > 0
+    ratio = torch.where(routed, c.amax() * c.numel() / total, 0.0)
+    return torch.stack([ratio, routed.to(torch.float64)])
 
 
 class RouterHealthTracker:
@@ -256,13 +261,13 @@ class RouterHealthTracker:
         micro = microbatch_balance(counts)
         scoring = self._scoring[layer_id]
         if scoring is None or logits is None:
-            self.sums[row, MICRO_RATIO:] += micro
+            self.sums[row, MICRO_RATIO:].add_(micro)
             return
         sums, max_abs = decision_sums(
             logits, scoring, near_tie_gap=self.near_tie_gap, bias=bias, valid=valid
         )
-        self.sums[row] += torch.cat([sums.to(counts.device), micro])
-        self.max_abs[row] = torch.maximum(self.max_abs[row], max_abs.to(counts.device))
+        self.sums[row].add_(torch.cat([sums.to(counts.device), micro]))
+        self.max_abs[row].clamp_min_(max_abs.to(counts.device))
 
     # -- step boundary ---------------------------------------------------------------------
     def local_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,9 +289,13 @@ def router_health_metrics(
     sums: np.ndarray,
     max_abs: np.ndarray,
     *,
+    num_experts: Sequence[int],
+    topk: int,
     per_layer: bool,
 ) -> dict[str, Any]:
     """The router-health keys from sums reduced over ranks (``sums`` ``[layers, SLOTS]``).
+
+    ``num_experts`` (per layer) and ``topk`` finish the entropy and overlap normalisations.
 
     A layer contributes to a summary only when it measured that quantity this step (a router
     whose score function is unknown, a layer without an expert bias, a top-k without a gap);
@@ -294,18 +303,21 @@ def router_health_metrics(
     """
     sums = np.asarray(sums, dtype=np.float64).reshape(len(layer_ids), SLOTS)
     values: dict[str, dict[int, float]] = {stat: {} for stat in mn.ROUTER_HEALTH_LAYER_STATS}
-    for layer, row, peak in zip(layer_ids, sums, np.asarray(max_abs).reshape(-1), strict=True):
+    peaks = np.asarray(max_abs).reshape(-1)
+    for layer, row, peak, experts in zip(layer_ids, sums, peaks, num_experts, strict=True):
         tokens = row[TOKENS]
         if tokens > 0:
             values["router_confidence"][layer] = row[CONFIDENCE] / tokens
-            values["router_entropy"][layer] = row[ENTROPY] / tokens
+            scale = math.log(experts) if experts > 1 else math.inf
+            values["router_entropy"][layer] = -row[ENTROPY] / tokens / scale
             values["router_logit_max_abs"][layer] = float(peak)
             values["router_logit_rms"][layer] = math.sqrt(row[LOGIT_SQUARES] / tokens)
         if row[GAP_TOKENS] > 0:
             values["router_topk_relative_gap"][layer] = row[GAP] / row[GAP_TOKENS]
             values["router_near_tie_fraction"][layer] = row[NEAR_TIE] / row[GAP_TOKENS]
         if row[BIASED_TOKENS] > 0:
-            values["expert_bias_topk_overlap"][layer] = row[BIAS_OVERLAP] / row[BIASED_TOKENS]
+            overlap = row[BIAS_OVERLAP] / row[BIASED_TOKENS] / topk
+            values["expert_bias_topk_overlap"][layer] = overlap
         if row[MICRO_FORWARDS] > 0:
             values["max_over_ideal_microbatch"][layer] = row[MICRO_RATIO] / row[MICRO_FORWARDS]
     out: dict[str, Any] = {}
