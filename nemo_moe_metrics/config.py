@@ -355,7 +355,7 @@ class AlertsConfig(StrictModel):
         "(moe/routing_disagreement, track_routing_consistency).",
     )
     router_near_tie_fraction: float | None = Field(
-        0.2,
+        0.5,
         gt=0,
         le=1,
         description="A layer (or, without per-layer keys, the worst layer) whose router decides "

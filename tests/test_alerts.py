@@ -190,7 +190,7 @@ def test_router_health_alerts_name_the_layer_then_fall_back_to_the_summary(
         mn.router_health_layer_key(2, "router_logit_max_abs"): 61.0,
     }
     summary_only = {mn.ROUTER_NEAR_TIE_FRACTION_MAX: 0.4, mn.ROUTER_LOGIT_MAX_ABS: 12.0}
-    off = dict(max_over_ideal=None, drift=None, dead_steps=None)
+    off = dict(max_over_ideal=None, drift=None, dead_steps=None, router_near_tie_fraction=0.2)
     counts = _log(tmp_path, [calm, hot, hot, summary_only], **off)
     # Each fires when it starts to hold; the summary-only step is another (unnamed) layer.
     assert counts == [0, 2, 0, 1]
