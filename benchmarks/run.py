@@ -420,23 +420,21 @@ def _format(result: dict[str, Any]) -> str:
         f"{rd['every_step']['cpu_seconds']:.1f} s CPU with a table every step "
         f"({rd['every_step']['store_mb']:.0f} MB store)"
     )
-    rt = result["details"].get("routing")
-    if rt is not None:
-        lines.append(
-            f"  routing: off {rt['step_ms_off_median']:.0f} ms, on {rt['step_ms_on_median']:.0f} "
-            f"ms over {rt['pairs']} pairs; CPU-time ratio {rt['cpu_time_ratio_median']:.4f}; "
-            f"routing code {rt['direct_ms_per_step']:.1f} ms/step (ratio "
-            f"{rt['direct_overhead_ratio']:.4f}); routes of one microbatch at 94 layers x top-8 x 32k "
-            f"tokens: {rt['route_bytes_94x8x32k']:,} bytes ({rt['route_memory_mib']:.0f} MiB, int64)"
+    for family, label in (("routing", "routing"), ("router_health", "router-health")):
+        d = result["details"].get(family)
+        if d is None:
+            continue
+        line = (
+            f"  {label}: off {d['step_ms_off_median']:.0f} ms, on {d['step_ms_on_median']:.0f} ms "
+            f"over {d['pairs']} pairs; CPU-time ratio {d['cpu_time_ratio_median']:.4f}; {label} "
+            f"code {d['direct_ms_per_step']:.1f} ms/step (ratio {d['direct_overhead_ratio']:.4f})"
         )
-    rh = result["details"].get("router_health")
-    if rh is not None:
-        lines.append(
-            f"  router health: off {rh['step_ms_off_median']:.0f} ms, on "
-            f"{rh['step_ms_on_median']:.0f} ms over {rh['pairs']} pairs; CPU-time ratio "
-            f"{rh['cpu_time_ratio_median']:.4f}; router-health code {rh['direct_ms_per_step']:.1f} "
-            f"ms/step (ratio {rh['direct_overhead_ratio']:.4f})"
-        )
+        if family == "routing":
+            line += (
+                "; routes of one microbatch at 94 layers x top-8 x 32k tokens: "
+                f"{d['route_bytes_94x8x32k']:,} bytes ({d['route_memory_mib']:.0f} MiB, int64)"
+            )
+        lines.append(line)
     sites = result["details"]["host_reads"]["export_sites_on"]
     lines.append("  host reads added per step: " + (json.dumps(sites) if sites else "none"))
     failed = [k for k, ok in result["checks"].items() if not ok]
