@@ -352,3 +352,29 @@ def test_health_warning_names_nothing_for_known_routers():
         warnings.simplefilter("error", RuntimeWarning)
         metrics.attach(model, model.config)
     metrics.detach()
+
+
+def test_a_router_naming_its_score_function_is_read_and_bad_groups_are_skipped():
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    from nemo_moe_metrics.moe import router_health as rh
+    from nemo_moe_metrics.moe.hooks import ExpertLoadCollector
+    from nemo_moe_metrics.moe.router_scoring import hf_health
+
+    class NamedSigmoid(Qwen3MoeTopKRouter):  # a generic family telling its score function
+        score_function = "sigmoid"
+
+    class OddGroups(NamedSigmoid):
+        n_group, topk_group = 3, 1  # 8 experts do not split into 3 groups
+
+    cfg = Qwen3MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=2)
+    assert hf_health(NamedSigmoid(cfg), None).scoring.score_function == "sigmoid"
+    chunk = _Chunk(OddGroups(cfg))
+    collector = ExpertLoadCollector.attach(chunk)
+    with pytest.warns(RuntimeWarning, match="the groups must divide the experts"):
+        tracker = collector.enable_health(NEAR_TIE_GAP)
+    chunk(torch.randn(5, 16))
+    sums, _ = tracker.local_stats()
+    # No decision judged (never a guess), the microbatch balance still measured.
+    assert sums[0, rh.TOKENS] == 0 and sums[0, rh.MICRO_FORWARDS] == 1

@@ -461,11 +461,14 @@ class ExpertLoadCollector:
         skipped: list[str] = []
         for name, module, spec in self._routers:
             layer = spec.layer_id(module, name) if spec.layer_id else _name_layer_id(name)
-            found = (
-                spec.health(module, self._parents.get(id(module)))
-                if spec.health is not None
-                else "registered without a health reader"
-            )
+            try:
+                found = (
+                    spec.health(module, self._parents.get(id(module)))
+                    if spec.health is not None
+                    else "registered without a health reader"
+                )
+            except ValueError as err:  # a scoring the arithmetic cannot follow (RouterScoring)
+                found = str(err)
             if isinstance(found, str):
                 skipped.append(f"{name} ({found})")
                 continue
