@@ -73,9 +73,12 @@ def megatron_health(router: nn.Module, parent: nn.Module | None) -> HealthSource
         group_score_topk=topk // group_topk if group_topk else 2,
     )
     compat.capture_router_logits(router)
+    # megatron-core adds expert_bias to sigmoid / sqrt-softplus scores only; its softmax path
+    # routes without it even when the buffer exists.
+    biased = score != "softmax"
 
     def read(args: tuple, kwargs: dict, output: Any):
-        bias = getattr(router, "expert_bias", None)
+        bias = getattr(router, "expert_bias", None) if biased else None
         return compat.pop_router_logits(router), bias, _padding_valid(args, kwargs)
 
     return HealthSource(scoring, read, lambda: compat.release_router_logits(router))
