@@ -141,10 +141,17 @@ class _PackageHooks:
     """Removes and restores the forward hooks nemo_moe_metrics put on a model.
 
     Off-steps run the model exactly as an unhooked one (no hooks: ``nn.Module`` takes its fast
-    path), on-steps with the hooks ``PolicyMetrics.attach`` registered, in their order.
+    path), on-steps with the hooks ``PolicyMetrics.attach`` registered, in their order. Methods
+    wrapped on an instance (router health's capture of megatron's ``gating``) come and go too.
     """
 
     def __init__(self, model: nn.Module) -> None:
+        self._wrapped = [
+            (module, name, fn)
+            for module in model.modules()
+            for name, fn in list(vars(module).items())
+            if callable(fn) and not isinstance(fn, nn.Module) and _is_package_hook(fn)
+        ]
         self._saved = []
         for module in model.modules():
             for hooks in (module._forward_hooks, module._forward_pre_hooks):
@@ -159,6 +166,11 @@ class _PackageHooks:
         if on == self.enabled:
             return  # keeps whatever wraps the hooks meanwhile (the direct-cost timers)
         self.enabled = on
+        for module, name, fn in self._wrapped:
+            if on:
+                setattr(module, name, fn)
+            else:
+                module.__dict__.pop(name, None)
         for hooks, items, ours in self._saved:
             if on:
                 hooks.clear()
@@ -215,6 +227,7 @@ class _StepBench:
             moe_per_layer_logging=moe,
             track_throughput=throughput,
             track_flops=throughput,
+            track_router_health=moe,
             log_expert_table=True,
             # No accelerator to look up on CPU; any positive peak exercises the MFU path.
             peak_flops_per_gpu=1e12 if throughput else None,

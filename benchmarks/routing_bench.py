@@ -1,14 +1,18 @@
-"""The cost of routing consistency: step time with ``track_routing_consistency`` on / off.
+"""The cost of one metric family: step time with its flag on / off.
 
-One gloo rank, one thread, the step benchmark's megatron-core MoE GPTModel trained by megatron's
-own schedule. Both variants keep every MoE metric on (expert loads, aux losses, per-layer keys);
-the "on" steps add the routing comparison (rollout routes passed to ``microbatch()``, compared in
-the router hooks, one more ``all_reduce`` at the export), the "off" steps run the same
-``PolicyMetrics`` with the routing tracker detached, which is what the flag off builds. Steps are
-interleaved in pairs on the same batches and routes; the ratio is the median of per-pair ratios.
+Two families: routing consistency (``track_routing_consistency``, :func:`routing_bench`) and
+router decision health (``track_router_health``, :func:`router_health_bench`). One gloo rank,
+one thread, the step benchmark's megatron-core MoE GPTModel trained by megatron's own schedule.
+Both variants keep every other MoE metric on (expert loads, aux losses, per-layer keys); the
+"on" steps add the family (routing: rollout routes passed to ``microbatch()``, compared in the
+router hooks, one more ``all_reduce`` at the export; health: the router's logits captured from
+its ``gating`` and judged in the router hooks, two more ``all_reduce`` at the export), the "off"
+steps run the same ``PolicyMetrics`` with the family's tracker detached (and, for health, the
+logits capture undone), which is what the flag off builds. Steps are interleaved in pairs on
+the same batches and routes; the ratio is the median of per-pair ratios.
 
-Also counted: host reads the routing path adds per microbatch (must be 0) and per export, and
-the device memory of one microbatch's routes at a 94-layer x top-8 x 32k-token shape (computed:
+Also counted: host reads the family adds per microbatch (must be 0) and per export, and the
+device memory of one microbatch's routes at a 94-layer x top-8 x 32k-token shape (computed:
 ``moe.routing.route_memory_bytes``).
 """
 
@@ -26,12 +30,15 @@ from nemo_moe_metrics.testing import ok_values, run_ranks
 MEMORY_SHAPE = dict(tokens=32 * 1024, moe_layers=94, topk=8)
 
 
-def _rank(rank: int, world_size: int, step_cfg: Any, pairs: int, warmup: int) -> dict[str, Any]:
+def _rank(
+    rank: int, world_size: int, step_cfg: Any, pairs: int, warmup: int, family: str = "routing"
+) -> dict[str, Any]:
     torch.set_num_threads(1)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from benchmarks.host_reads import HostReadCounter
     from nemo_moe_metrics.config import MegatronConfig, MetricsConfig, ModelConfig
+    from nemo_moe_metrics.megatron import compat
     from nemo_moe_metrics.megatron.cpu_shims import cpu_device_mode
     from nemo_moe_metrics.megatron.model import (
         build_gpt_model,
@@ -56,16 +63,20 @@ def _rank(rank: int, world_size: int, step_cfg: Any, pairs: int, warmup: int) ->
     torch.manual_seed(1234)
     model = build_gpt_model(model_cfg, MegatronConfig())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    routing_family = family == "routing"
     metrics = PolicyMetrics(
         MetricsConfig(
             track_moe_metrics=True,
             moe_per_layer_logging=True,
-            track_routing_consistency=True,
+            track_routing_consistency=routing_family,
+            track_router_health=not routing_family,
         )
     )
     metrics.attach(model, model.config)
     collector = metrics._collector
     tracker, reducer = metrics._routing, metrics._routing_reducer
+    health, health_reducer = metrics._health, metrics._health_reducer
+    routers = compat.megatron_routers(model)
     mask = causal_attention_mask(s.seq_length)
     pos = torch.arange(s.seq_length).expand(s.micro_batch_size, s.seq_length)
     gen = torch.Generator().manual_seed(rank)
@@ -84,6 +95,13 @@ def _rank(rank: int, world_size: int, step_cfg: Any, pairs: int, warmup: int) ->
         return out
 
     def routing(on: bool) -> None:
+        if not routing_family:  # what track_router_health off builds: no capture, no tracker
+            collector.health = health if on else None
+            metrics._health = health if on else None
+            metrics._health_reducer = health_reducer if on else None
+            for router in routers:
+                (compat.capture_router_logits if on else compat.release_router_logits)(router)
+            return
         collector.routing = tracker if on else None
         metrics._routing = tracker if on else None
         metrics._routing_reducer = reducer if on else None
@@ -98,7 +116,7 @@ def _rank(rank: int, world_size: int, step_cfg: Any, pairs: int, warmup: int) ->
                 counter.mark()
             tokens, routes = next(data_iterator)
             lengths = torch.full((s.micro_batch_size,), s.seq_length)
-            if on:
+            if on and routing_family:
                 metrics.microbatch(seq_lens=lengths, rollout_routes=routes)
             else:
                 metrics.microbatch(seq_lens=lengths)
@@ -126,7 +144,7 @@ def _rank(rank: int, world_size: int, step_cfg: Any, pairs: int, warmup: int) ->
         out = metrics.finish_step(num_microbatches=s.num_microbatches)
         elapsed = time.perf_counter() - t0
         cpu[on].append(time.process_time() - c0)
-        keys.update(k for k in out if "routing" in k)
+        keys.update(k for k in out if ("routing" if routing_family else "router_") in k)
         return elapsed
 
     keys: set[str] = set()
@@ -140,7 +158,9 @@ def _rank(rank: int, world_size: int, step_cfg: Any, pairs: int, warmup: int) ->
     cpu_ratios = [a / b for a, b in zip(cpu[True][-pairs:], cpu[False][-pairs:], strict=True)]
     # The routing code itself, timed from inside: what the flag adds to a step, without noise.
     direct: list[float] = []
-    originals = (tracker.observe, tracker.set_routes, reducer.enqueue)
+    owner = (tracker, tracker, reducer) if routing_family else (health, compat, health_reducer)
+    names = ("observe", "set_routes" if routing_family else "pop_router_logits", "enqueue")
+    originals = tuple(getattr(o, n) for o, n in zip(owner, names, strict=True))
 
     def timed(fn):
         def wrapper(*args, **kwargs):
@@ -152,11 +172,13 @@ def _rank(rank: int, world_size: int, step_cfg: Any, pairs: int, warmup: int) ->
 
         return wrapper
 
-    tracker.observe, tracker.set_routes, reducer.enqueue = (timed(f) for f in originals)
+    for o, n, f in zip(owner, names, originals, strict=True):
+        setattr(o, n, timed(f))
     direct_steps = 3
     for _ in range(direct_steps):
         step(True, batches())
-    tracker.observe, tracker.set_routes, reducer.enqueue = originals
+    for o, n, f in zip(owner, names, originals, strict=True):
+        setattr(o, n, f)
     reads = {}
     for on in (False, True):
         with HostReadCounter() as counter:
@@ -174,7 +196,22 @@ def _rank(rank: int, world_size: int, step_cfg: Any, pairs: int, warmup: int) ->
             a - b for a, b in zip(reads[True][1 : n + 1], reads[False][1 : n + 1], strict=True)
         ],
         "reads_per_export_on_minus_off": reads[True][-1] - reads[False][-1],
-        "routing_keys": sorted(keys),
+        "keys": sorted(keys),
+    }
+
+
+def _details(r: dict[str, Any], ratios: list[float]) -> dict[str, Any]:
+    return {
+        "pairs": len(ratios),
+        "step_ms_off_median": r["off_ms_median"],
+        "step_ms_on_median": r["on_ms_median"],
+        "ratio_p25": ratios[len(ratios) // 4],
+        "ratio_p75": ratios[(3 * len(ratios)) // 4],
+        "cpu_time_ratio_median": statistics.median(r["cpu_ratios"]),
+        # The family's own code time per step, over the off step's median time.
+        "direct_ms_per_step": r["direct_ms_per_step"],
+        "direct_overhead_ratio": 1.0 + r["direct_ms_per_step"] / r["off_ms_median"],
+        "host_reads_per_export_on_minus_off": r["reads_per_export_on_minus_off"],
     }
 
 
@@ -192,22 +229,31 @@ def routing_bench(step_cfg: Any, pairs: int, warmup: int = 1, timeout: float = 6
             "routing_no_host_read_per_microbatch": all(
                 v == 0 for v in r["reads_per_microbatch_on_minus_off"]
             ),
-            "routing_keys_logged": "moe/routing_disagreement" in r["routing_keys"],
+            "routing_keys_logged": "moe/routing_disagreement" in r["keys"],
         },
         "details": {
-            "pairs": len(ratios),
-            "step_ms_off_median": r["off_ms_median"],
-            "step_ms_on_median": r["on_ms_median"],
-            "ratio_p25": ratios[len(ratios) // 4],
-            "ratio_p75": ratios[(3 * len(ratios)) // 4],
-            "cpu_time_ratio_median": statistics.median(r["cpu_ratios"]),
-            # The routing code's own time per step, over the off step's median time.
-            "direct_ms_per_step": r["direct_ms_per_step"],
-            "direct_overhead_ratio": 1.0 + r["direct_ms_per_step"] / r["off_ms_median"],
-            "host_reads_per_export_on_minus_off": r["reads_per_export_on_minus_off"],
+            **_details(r, ratios),
             "route_memory_shape": MEMORY_SHAPE,
             "route_memory_mib": memory / 2**20,
         },
+    }
+
+
+def router_health_bench(
+    step_cfg: Any, pairs: int, warmup: int = 1, timeout: float = 600.0
+) -> dict[str, Any]:
+    """``router_health_overhead_ratio``, its host reads per microbatch, and details."""
+    (r,) = ok_values(run_ranks(_rank, 1, step_cfg, pairs, warmup, "health", timeout=timeout))
+    ratios = sorted(r["ratios"])
+    per_microbatch = r["reads_per_microbatch_on_minus_off"]
+    return {
+        "router_health_overhead_ratio": statistics.median(ratios),
+        "router_health_syncs_per_microbatch": int(max(per_microbatch, default=0)),
+        "checks": {
+            "router_health_no_host_read_per_microbatch": all(v == 0 for v in per_microbatch),
+            "router_health_keys_logged": "moe/router_near_tie_fraction" in r["keys"],
+        },
+        "details": _details(r, ratios),
     }
 
 
@@ -219,9 +265,6 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from benchmarks.harness import StepModel
 
-    print(
-        json.dumps(
-            routing_bench(StepModel(), pairs=int(sys.argv[1]) if len(sys.argv) > 1 else 10),
-            indent=2,
-        )
-    )
+    bench = router_health_bench if "--health" in sys.argv else routing_bench
+    numbers = [a for a in sys.argv[1:] if a.isdigit()]
+    print(json.dumps(bench(StepModel(), pairs=int(numbers[0]) if numbers else 10), indent=2))

@@ -34,6 +34,10 @@ Measures (JSON keys, targets):
   ``track_routing_consistency`` and rollout routes) / (the same step, every other MoE metric
   on, without it) (``benchmarks/routing_bench.py``); ``details.routing`` also holds the device
   memory of one microbatch's routes at 94 MoE layers x top-8 x 32k tokens (computed: 188 MiB).
+- ``router_health_overhead_ratio`` (<= 1.01): the same interleaved pairs for
+  ``track_router_health`` on / off (every other MoE metric on in both), and
+  ``router_health_syncs_per_microbatch`` (0): host reads it adds per microbatch. The step
+  benchmark's "every metric on" includes it, so ``step_overhead_ratio`` covers it too.
 
 Exits 1 if a correctness check of the measured path fails (the numbers would mean nothing);
 missed targets are reported, not fatal. Method and results: docs/en/performance.md.
@@ -70,7 +74,7 @@ from benchmarks.harness import (  # noqa: E402
     step_rank,
 )
 from benchmarks.long_run import report_bench  # noqa: E402
-from benchmarks.routing_bench import routing_bench  # noqa: E402
+from benchmarks.routing_bench import router_health_bench, routing_bench  # noqa: E402
 from benchmarks.store_bench import store_bench  # noqa: E402
 from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, LoggerConfig  # noqa: E402
 
@@ -90,6 +94,8 @@ RESULT_KEYS = (
     "wandb_table_ms_94x256",
     "wandb_table_ms_94x256_loaded",
     "routing_overhead_ratio",
+    "router_health_overhead_ratio",
+    "router_health_syncs_per_microbatch",
 )
 TARGETS: dict[str, tuple[str, float]] = {
     "step_overhead_ratio": ("<=", 1.02),
@@ -107,6 +113,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "wandb_table_ms_94x256": ("<=", 100.0),
     "wandb_table_ms_94x256_loaded": ("<=", 100.0),
     "routing_overhead_ratio": ("<=", 1.02),
+    "router_health_overhead_ratio": ("<=", 1.01),
+    "router_health_syncs_per_microbatch": ("==", 0),
 }
 FLOPS_FIXTURES = {"qwen3_moe": "qwen3-30b-a3b", "qwen3_5_moe": "qwen3.5-35b-a3b"}
 STEP_WORLD_SIZE = 1  # one rank, one thread: the other core absorbs the machine's other load
@@ -124,6 +132,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         store_repeats=100,
         wandb_repeats=5,
         routing_pairs=40,
+        health_pairs=40,
     ),
     "quick": dict(
         bench=BenchConfig(warmup_pairs=1, pairs=40, export_repeats=30),
@@ -133,6 +142,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         store_repeats=30,
         wandb_repeats=3,
         routing_pairs=20,
+        health_pairs=20,
     ),
     # Tiny model and few repeats: exercises every path in seconds; the numbers mean little.
     "smoke": dict(
@@ -158,6 +168,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         store_repeats=3,
         wandb_repeats=1,
         routing_pairs=2,
+        health_pairs=2,
     ),
 }
 
@@ -205,6 +216,7 @@ def summarise(
     store: dict[str, Any],
     report: dict[str, Any],
     routing: dict[str, Any] | None = None,
+    health: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON result: the keys of ``RESULT_KEYS``, then the details they were computed from.
 
@@ -253,6 +265,8 @@ def summarise(
     checks.update(store["checks"])
     if routing is not None:
         checks.update(routing["checks"])
+    if health is not None:
+        checks.update(health["checks"])
 
     result: dict[str, Any] = {
         "step_overhead_ratio": _median(ratios),
@@ -269,6 +283,9 @@ def summarise(
     }
     if routing is not None:
         result["routing_overhead_ratio"] = routing["routing_overhead_ratio"]
+    if health is not None:
+        result["router_health_overhead_ratio"] = health["router_health_overhead_ratio"]
+        result["router_health_syncs_per_microbatch"] = health["router_health_syncs_per_microbatch"]
     result["met"] = {k: _meets(result[k], *TARGETS[k]) for k in RESULT_KEYS if k in result}
     result["targets"] = {k: f"{op} {v}" for k, (op, v) in TARGETS.items()}
     result["checks"] = checks
@@ -318,6 +335,7 @@ def summarise(
                 "route_bytes_94x8x32k": routing["routing_route_bytes_94x8x32k"],
             }
         ),
+        "router_health": None if health is None else health["details"],
         "host_reads": {
             "per_microbatch_on_minus_off": per_mb,
             "per_step_boundary_on_minus_off": max(per_boundary),
@@ -402,15 +420,21 @@ def _format(result: dict[str, Any]) -> str:
         f"{rd['every_step']['cpu_seconds']:.1f} s CPU with a table every step "
         f"({rd['every_step']['store_mb']:.0f} MB store)"
     )
-    rt = result["details"].get("routing")
-    if rt is not None:
-        lines.append(
-            f"  routing: off {rt['step_ms_off_median']:.0f} ms, on {rt['step_ms_on_median']:.0f} "
-            f"ms over {rt['pairs']} pairs; CPU-time ratio {rt['cpu_time_ratio_median']:.4f}; "
-            f"routing code {rt['direct_ms_per_step']:.1f} ms/step (ratio "
-            f"{rt['direct_overhead_ratio']:.4f}); routes of one microbatch at 94 layers x top-8 x 32k "
-            f"tokens: {rt['route_bytes_94x8x32k']:,} bytes ({rt['route_memory_mib']:.0f} MiB, int64)"
+    for family, label in (("routing", "routing"), ("router_health", "router-health")):
+        d = result["details"].get(family)
+        if d is None:
+            continue
+        line = (
+            f"  {label}: off {d['step_ms_off_median']:.0f} ms, on {d['step_ms_on_median']:.0f} ms "
+            f"over {d['pairs']} pairs; CPU-time ratio {d['cpu_time_ratio_median']:.4f}; {label} "
+            f"code {d['direct_ms_per_step']:.1f} ms/step (ratio {d['direct_overhead_ratio']:.4f})"
         )
+        if family == "routing":
+            line += (
+                "; routes of one microbatch at 94 layers x top-8 x 32k tokens: "
+                f"{d['route_bytes_94x8x32k']:,} bytes ({d['route_memory_mib']:.0f} MiB, int64)"
+            )
+        lines.append(line)
     sites = result["details"]["host_reads"]["export_sites_on"]
     lines.append("  host reads added per step: " + (json.dumps(sites) if sites else "none"))
     failed = [k for k, ok in result["checks"].items() if not ok]
@@ -469,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="nmm_report_") as work:
         report = report_bench(Path(work), **preset["report"])
     routing = routing_bench(bench.step, preset["routing_pairs"], timeout=args.timeout)
-    result = summarise(ranks, exports, flops, store, report, routing)
+    health = router_health_bench(bench.step, preset["health_pairs"], timeout=args.timeout)
+    result = summarise(ranks, exports, flops, store, report, routing, health)
     result["machine"] = {
         **machine(),
         "load_average_1m_before": load_before[0],

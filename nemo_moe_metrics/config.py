@@ -86,6 +86,19 @@ class MetricsConfig(StrictModel):
         description="Compare the rollout engine's routes (microbatch(rollout_routes=...)) with "
         "the training routers' choices: moe/routing_* (needs track_moe_metrics).",
     )
+    track_router_health: bool = Field(
+        False,
+        description="Router decision health from the routers' own logits: confidence, entropy, "
+        "top-k gap, near ties, logit size, expert-bias overlap, micro-batch balance "
+        "(moe/router_*, needs track_moe_metrics; docs/en/router_health.md).",
+    )
+    router_near_tie_gap: float = Field(
+        0.01,
+        gt=0,
+        lt=1,
+        description="A decision whose top-k relative gap (s_k - s_k+1) / |s_k| is below this is "
+        "a near tie (moe/router_near_tie_fraction); 0.01 is inside bf16 rounding.",
+    )
 
     @model_validator(mode="after")
     def _check_contradictions(self) -> MetricsConfig:
@@ -98,6 +111,11 @@ class MetricsConfig(StrictModel):
             raise ValueError(
                 "track_routing_consistency: true needs track_moe_metrics: true (the routing "
                 "comparison runs in the MoE router hooks); turn track_moe_metrics on"
+            )
+        if self.track_router_health and not self.track_moe_metrics:
+            raise ValueError(
+                "track_router_health: true needs track_moe_metrics: true (router health is "
+                "measured in the MoE router hooks); turn track_moe_metrics on"
             )
         if self.track_flops and not self.track_throughput:
             raise ValueError(
@@ -335,6 +353,21 @@ class AlertsConfig(StrictModel):
         description="A layer (or, without per-layer keys, all layers) whose training router "
         "disagrees with the rollout's routes on more than this share of (token, layer) pairs "
         "(moe/routing_disagreement, track_routing_consistency).",
+    )
+    router_near_tie_fraction: float | None = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="A layer (or, without per-layer keys, the worst layer) whose router decides "
+        "more than this share of tokens by a near tie (moe/router_near_tie_fraction, "
+        "track_router_health).",
+    )
+    router_logit_max_abs: float | None = Field(
+        50.0,
+        gt=0,
+        description="A layer (or, without per-layer keys, any layer) whose largest router logit "
+        "exceeds this in absolute value: growing logits precede divergence "
+        "(moe/router_logit_max_abs, track_router_health).",
     )
     max_lines_per_step: int = Field(
         10, ge=1, description="Warning lines printed per step; the rest are counted in one line."

@@ -44,6 +44,11 @@ ZERO_EXPERT_STAT = "zero_expert_fraction"
 # Training tokens the MoE routers saw this step (the busiest MoE layer's count); 0 means no expert
 # received a training token: then no other balance key and no aux loss is logged for the step.
 ROUTED_TOKENS = "moe/routed_tokens"
+# Percentiles over the MoE layers' global max/ideal (numpy's default linear percentile) and the
+# global id of the layer with the highest one: a fixed set whatever the model size.
+MAX_OVER_IDEAL_P50 = "moe/max_over_ideal_p50"
+MAX_OVER_IDEAL_P90 = "moe/max_over_ideal_p90"
+WORST_LAYER = "moe/worst_layer"
 # Threshold crossings of this step (logger.alerts); logged every step while alerts are enabled.
 ALERTS = "moe/alerts"
 
@@ -82,6 +87,54 @@ def expert_bias_layer_key(layer: int, stat: str) -> str:
     """``moe/layer_{i}/expert_bias_range`` or ``.../expert_bias_update`` (``i`` global, 0-based)."""
     if stat not in BIAS_LAYER_STATS:
         raise KeyError(f"unknown expert-bias statistic {stat!r}; known: {BIAS_LAYER_STATS}")
+    return f"{MOE_PREFIX}layer_{layer}/{stat}"
+
+
+# Router decision health (track_router_health, moe/router_health.py): summaries over the MoE
+# layers, always the same small set; per layer moe/layer_{i}/{stat} with moe_per_layer_logging.
+ROUTER_CONFIDENCE = "moe/router_confidence"
+ROUTER_CONFIDENCE_MIN = "moe/router_confidence_min"
+ROUTER_ENTROPY = "moe/router_entropy"
+ROUTER_TOPK_RELATIVE_GAP = "moe/router_topk_relative_gap"
+ROUTER_NEAR_TIE_FRACTION = "moe/router_near_tie_fraction"
+ROUTER_NEAR_TIE_FRACTION_MAX = "moe/router_near_tie_fraction_max"
+ROUTER_LOGIT_MAX_ABS = "moe/router_logit_max_abs"
+ROUTER_LOGIT_RMS = "moe/router_logit_rms"
+EXPERT_BIAS_TOPK_OVERLAP = "moe/expert_bias_topk_overlap"  # routers with an expert bias
+MAX_OVER_IDEAL_MICROBATCH = "moe/max_over_ideal_microbatch"
+ROLLOUT_MAX_OVER_IDEAL = "moe/rollout_max_over_ideal"  # with rollout routes
+ROUTER_HEALTH_KEYS = (
+    ROUTER_CONFIDENCE,
+    ROUTER_CONFIDENCE_MIN,
+    ROUTER_ENTROPY,
+    ROUTER_TOPK_RELATIVE_GAP,
+    ROUTER_NEAR_TIE_FRACTION,
+    ROUTER_NEAR_TIE_FRACTION_MAX,
+    ROUTER_LOGIT_MAX_ABS,
+    ROUTER_LOGIT_RMS,
+    EXPERT_BIAS_TOPK_OVERLAP,
+    MAX_OVER_IDEAL_MICROBATCH,
+    ROLLOUT_MAX_OVER_IDEAL,
+)
+ROUTER_HEALTH_LAYER_STATS = (
+    "router_confidence",
+    "router_entropy",
+    "router_topk_relative_gap",
+    "router_near_tie_fraction",
+    "router_logit_max_abs",
+    "router_logit_rms",
+    "expert_bias_topk_overlap",
+    "max_over_ideal_microbatch",
+    "rollout_max_over_ideal",
+)
+
+
+def router_health_layer_key(layer: int, stat: str) -> str:
+    """``moe/layer_{i}/router_confidence`` and the other router-health statistics of one layer."""
+    if stat not in ROUTER_HEALTH_LAYER_STATS:
+        raise KeyError(
+            f"unknown router-health statistic {stat!r}; known: {ROUTER_HEALTH_LAYER_STATS}"
+        )
     return f"{MOE_PREFIX}layer_{layer}/{stat}"
 
 
@@ -152,6 +205,9 @@ BALANCE_SUMMARY_KEYS = (
     DROPPED_FRACTION,
     PADDING_FRACTION,
     ROUTED_TOKENS,
+    MAX_OVER_IDEAL_P50,
+    MAX_OVER_IDEAL_P90,
+    WORST_LAYER,
 )
 
 
@@ -164,6 +220,8 @@ def documented_key_patterns() -> list[str]:
     keys += [ALERTS, EXPERT_LOADS, *THROUGHPUT_KEYS, *FLOPS_KEYS]
     keys += [*EXPERT_BIAS_KEYS, *(f"{MOE_PREFIX}layer_{{i}}/{s}" for s in BIAS_LAYER_STATS)]
     keys += [*ROUTING_KEYS, *(f"{MOE_PREFIX}layer_{{i}}/{s}" for s in ROUTING_LAYER_STATS)]
+    keys += [*ROUTER_HEALTH_KEYS]
+    keys += [f"{MOE_PREFIX}layer_{{i}}/{s}" for s in ROUTER_HEALTH_LAYER_STATS]
     return keys
 
 

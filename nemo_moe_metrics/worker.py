@@ -144,6 +144,8 @@ class PolicyMetrics:
         self._bias: Any = None  # moe.expert_bias.ExpertBiasTracker when routers keep a bias
         self._routing: Any = None  # moe.routing.RoutingTracker (this rank's routers) or None
         self._routing_reducer: Any = None  # moe.reduction.RoutingReducer, every rank
+        self._health: Any = None  # moe.router_health.RouterHealthTracker (this rank's routers)
+        self._health_reducer: Any = None  # moe.reduction.RouterHealthReducer, every rank
         self._routes_ignored = False  # warned once that routes came with the flag off
         self._steps_since_export = 0
         self._microbatches_since_export = 0  # a host counter: no device read per microbatch
@@ -216,6 +218,12 @@ class PolicyMetrics:
             # Every rank joins the bias reduce, also a pipeline stage without MoE layers.
             sources = self._collector.expert_bias_sources() if self._collector else []
             self._bias = ExpertBiasTracker(sources)
+        if self.cfg.track_router_health:
+            from nemo_moe_metrics.moe.reduction import RouterHealthReducer
+
+            if self._collector is not None:
+                self._health = self._collector.enable_health(self.cfg.router_near_tie_gap)
+            self._health_reducer = RouterHealthReducer(None)
         if self.cfg.track_routing_consistency:
             self._attach_routing(facts)
         if facts.source == "hf" and self._collector is not None:
@@ -255,9 +263,13 @@ class PolicyMetrics:
             if self._collector is None:
                 return
             moe_layers, topk = self._collector.layer_ids, self._collector.topk
+        # With router health, the rollout engine's own load too (moe/rollout_max_over_ideal).
+        rollout_experts = facts.num_experts if self.cfg.track_router_health else 0
         if self._collector is not None:
-            self._routing = self._collector.enable_routing(moe_layers)
-        self._routing_reducer = RoutingReducer(moe_layers, topk)
+            self._routing = self._collector.enable_routing(
+                moe_layers, rollout_experts=rollout_experts
+            )
+        self._routing_reducer = RoutingReducer(moe_layers, topk, rollout_experts=rollout_experts)
 
     def _build_meter(self, transformer_config: Any) -> Any:
         from nemo_moe_metrics.throughput import StepMeter
@@ -473,6 +485,19 @@ class PolicyMetrics:
                 pending.append(
                     self._bias.enqueue(self._reducer.layer_ids).then(
                         lambda bias: split_layer_keys(bias, per_layer)
+                    )
+                )
+            if self._health_reducer is not None:  # after the loads, like the bias
+                from nemo_moe_metrics.moe.reduction import default_contribute
+
+                pending.append(
+                    self._health_reducer.enqueue(
+                        self._health,
+                        self._reducer.layer_ids,
+                        self._reducer.num_experts,
+                        self._reducer.topks,
+                        per_layer=self.cfg.moe_per_layer_logging,
+                        contribute=default_contribute(self._collector),
                     )
                 )
         if self._routing_reducer is not None:

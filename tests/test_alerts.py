@@ -176,3 +176,31 @@ def test_drift_compares_the_steps_that_logged_a_table(tmp_path, warnings_seen):
     (line,) = warnings_seen()
     assert line.startswith("moe alert step 2: layer 0 routing drift JS ")
     assert " bits since step 0 > logger.alerts.drift=0.05" in line
+
+
+def test_router_health_alerts_name_the_layer_then_fall_back_to_the_summary(tmp_path, warnings_seen):
+    calm = {
+        mn.router_health_layer_key(2, "router_near_tie_fraction"): 0.05,
+        mn.router_health_layer_key(2, "router_logit_max_abs"): 3.0,
+    }
+    hot = {
+        mn.router_health_layer_key(2, "router_near_tie_fraction"): 0.35,
+        mn.router_health_layer_key(2, "router_logit_max_abs"): 61.0,
+    }
+    summary_only = {mn.ROUTER_NEAR_TIE_FRACTION_MAX: 0.4, mn.ROUTER_LOGIT_MAX_ABS: 12.0}
+    off = dict(max_over_ideal=None, drift=None, dead_steps=None, router_near_tie_fraction=0.2)
+    counts = _log(tmp_path, [calm, hot, hot, summary_only], **off)
+    # Each fires when it starts to hold; the summary-only step is another (unnamed) layer.
+    assert counts == [0, 2, 0, 1]
+    seen = warnings_seen()
+    assert seen[0].startswith(
+        "moe alert step 1: layer 2 decides 35.0% of its tokens by a near tie "
+        "> logger.alerts.router_near_tie_fraction=0.2"
+    )
+    assert seen[1].startswith(
+        "moe alert step 1: layer 2 router logit |z| reached 61 > logger.alerts.router_logit_max_abs=50"
+    )
+    assert seen[2].startswith(
+        "moe alert step 3: the worst MoE layer decides 40.0% of its tokens by a near tie"
+    )
+    assert len(seen) == 3

@@ -84,14 +84,40 @@ class Chunk(nn.Module):
         return self.layers[0](x, **kwargs)
 
 
+class CountOnlyExperts(nn.Module):
+    """transformers' experts interface with a forward free of host syncs (the eager experts of
+    transformers look up the hit experts on the host): what is left is our hook path."""
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return hidden_states * top_k_weights.sum(-1, keepdim=True)
+
+
+class MoEBlock(nn.Module):
+    """A real transformers router (as ``gate``) feeding the experts, as the MoE blocks do."""
+
+    def __init__(self, router: nn.Module):
+        super().__init__()
+        self.gate = router
+        self.experts = CountOnlyExperts(router.num_experts)
+        self.experts.config = router.config
+
+    def forward(self, x):
+        _, weights, index = self.gate(x)
+        return self.experts(x, index, weights)
+
+
 def _qwen3_router():
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
     torch.manual_seed(0)
-    router = Qwen3MoeTopKRouter(
-        Qwen3MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=2)
-    )
+    config = Qwen3MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=2)
+    router = Qwen3MoeTopKRouter(config)
+    router.config = config
     nn.init.normal_(router.weight)
     return router
 
@@ -105,6 +131,7 @@ def _deepseek_router():
         hidden_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1
     )
     router = DeepseekV3TopkRouter(cfg)
+    router.config = cfg
     nn.init.normal_(router.weight)
     return router
 
@@ -112,7 +139,7 @@ def _deepseek_router():
 @pytest.mark.parametrize("build", [_qwen3_router, _deepseek_router])
 def test_hf_router_hook_path_makes_no_host_sync(build):
     router = build()
-    chunk = Chunk(router)
+    chunk = Chunk(MoEBlock(router))
     collector = ExpertLoadCollector.attach(chunk)
     x = torch.randn(10, 16)
     with no_host_sync():
@@ -120,6 +147,20 @@ def test_hf_router_hook_path_makes_no_host_sync(build):
             chunk(x)
     expected = np.bincount(router(x)[2].reshape(-1).numpy(), minlength=8) * 3
     np.testing.assert_array_equal(collector.export().counts[0], expected)
+
+
+@pytest.mark.parametrize("build", [_qwen3_router, _deepseek_router])
+def test_router_health_hook_path_makes_no_host_sync(build):
+    router = build()
+    chunk = Chunk(MoEBlock(router))
+    collector = ExpertLoadCollector.attach(chunk)
+    tracker = collector.enable_health(near_tie_gap=0.01)
+    x = torch.randn(10, 16)
+    with no_host_sync():
+        for _ in range(3):
+            chunk(x)
+    sums, _ = tracker.local_stats()
+    assert sums[0, 0].item() == 30  # every token of the three forwards was judged
 
 
 class ThresholdRouter(nn.Module):
@@ -206,7 +247,7 @@ class _CountSyncs(TorchFunctionMode):
 
 
 def test_steady_state_export_reads_the_device_once():
-    chunk = Chunk(_qwen3_router())
+    chunk = Chunk(MoEBlock(_qwen3_router()))
     collector = ExpertLoadCollector.attach(chunk)
     collector.export()  # the first export agrees on the layout
     chunk(torch.randn(4, 16))

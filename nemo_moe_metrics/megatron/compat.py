@@ -712,3 +712,48 @@ def clear_router_replay(routers: Sequence[Any]) -> None:
         if replay is not None:
             replay.clear_indices()
             replay.clear_router_replay_action()
+
+
+# ------------------------------------------------------------------- router logits (health)
+# Both lines compute `logits = self.gating(input)` in TopKRouter.forward (0.19 then may replace
+# them with random logits for benchmarks, which router health refuses), so wrapping `gating` on
+# the instance sees exactly the logits the router routes, without a second matmul.
+
+_LOGITS = "_nemo_moe_metrics_logits"
+_GATING = "_nemo_moe_metrics_gating"
+
+
+def capture_router_logits(router: Any) -> None:
+    """Keep the logits ``router.gating`` returns in each forward, for :func:`pop_router_logits`.
+
+    Wraps this instance's ``gating`` (not the class); idempotent; undone by
+    :func:`release_router_logits`.
+    """
+    if getattr(router, _GATING, None) is not None:
+        return
+    original = router.gating
+
+    def gating(input: Any) -> Any:
+        logits = original(input)
+        setattr(router, _LOGITS, logits)
+        return logits
+
+    setattr(router, _GATING, original)
+    router.gating = gating
+
+
+def pop_router_logits(router: Any) -> torch.Tensor | None:
+    """The logits ``[s, b, E]`` of the router's last forward (once), or None."""
+    logits = getattr(router, _LOGITS, None)
+    if logits is not None:
+        setattr(router, _LOGITS, None)
+    return logits
+
+
+def release_router_logits(router: Any) -> None:
+    """Undo :func:`capture_router_logits`: the class's ``gating`` again, nothing kept."""
+    if getattr(router, _GATING, None) is None:
+        return
+    router.__dict__.pop("gating", None)
+    setattr(router, _GATING, None)
+    setattr(router, _LOGITS, None)

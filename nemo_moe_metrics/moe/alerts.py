@@ -16,6 +16,10 @@ that stays overloaded for 1,000 steps warns once, not 1,000 times. What each che
   expert, the one at capacity), else ``moe/dropped_fraction`` (all layers together).
 - ``routing_disagreement``: ``moe/layer_{i}/routing_disagreement`` (layer), else
   ``moe/routing_disagreement`` (all layers); only steps that log routing consistency.
+- ``router_near_tie_fraction``: ``moe/layer_{i}/router_near_tie_fraction`` (layer), else
+  ``moe/router_near_tie_fraction_max`` (the worst layer, unnamed); ``router_logit_max_abs``:
+  ``moe/layer_{i}/router_logit_max_abs``, else ``moe/router_logit_max_abs``; only steps that
+  log router health (``track_router_health``).
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ from nemo_moe_metrics.moe.timeline import DeadStreaks, Drift
 
 log = logging.getLogger("nemo_moe_metrics.alerts")
 
-_LAYER_KEY = re.compile(r"^moe/layer_(\d+)/(max_over_ideal|dropped_fraction|routing_disagreement)$")
+_LAYER_KEY = re.compile(
+    r"^moe/layer_(\d+)/(max_over_ideal|dropped_fraction|routing_disagreement"
+    r"|router_near_tie_fraction|router_logit_max_abs)$"
+)
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,8 @@ class AlertMonitor:
             "max_over_ideal": {},
             "dropped_fraction": {},
             "routing_disagreement": {},
+            "router_near_tie_fraction": {},
+            "router_logit_max_abs": {},
         }
         for key, value in metrics.items():
             m = _LAYER_KEY.match(key)
@@ -93,6 +102,7 @@ class AlertMonitor:
         self._check_max_over_ideal(metrics, step, layers, counts, per_layer, holding)
         self._check_dropped(metrics, step, layers, counts, per_layer, holding)
         self._check_routing(metrics, step, per_layer, holding)
+        self._check_router_health(metrics, step, per_layer, holding)
         if counts is not None:
             self._check_drift(step, layers, counts, holding)
         else:
@@ -228,6 +238,51 @@ class AlertMonitor:
                 f"moe alert step {step}: routing disagreement {frac:.1%} over all MoE layers "
                 f"{text}{hint}",
             )
+
+    def _check_router_health(self, metrics, step, per_layer, holding) -> None:
+        checks = (
+            (
+                "router_near_tie_fraction",
+                self.cfg.router_near_tie_fraction,
+                mn.ROUTER_NEAR_TIE_FRACTION_MAX,
+                lambda v: f"decides {v:.1%} of its tokens by a near tie",
+                " (top-k decisions inside the near-tie gap flip under bf16 rounding: expect "
+                "rollout/training routing disagreement; see docs/en/router_health.md)",
+            ),
+            (
+                "router_logit_max_abs",
+                self.cfg.router_logit_max_abs,
+                mn.ROUTER_LOGIT_MAX_ABS,
+                lambda v: f"router logit |z| reached {v:.3g}",
+                " (growing router logits precede divergence; consider a z-loss, "
+                "moe_z_loss_coeff, or a lower learning rate; see docs/en/router_health.md)",
+            ),
+        )
+        for kind, limit, summary_key, says, hint in checks:
+            if limit is None:
+                continue
+            text = f"> logger.alerts.{kind}={limit:g}"
+            if per_layer[kind]:
+                for layer, value in sorted(per_layer[kind].items()):
+                    if value > limit:
+                        holding[kind, layer] = Alert(
+                            kind,
+                            step,
+                            layer,
+                            None,
+                            f"moe alert step {step}: layer {layer} {says(value)} {text}{hint}",
+                        )
+                continue
+            value = metrics.get(summary_key)
+            if isinstance(value, int | float) and value > limit:
+                holding[kind, None] = Alert(
+                    kind,
+                    step,
+                    None,
+                    None,
+                    f"moe alert step {step}: the worst MoE layer {says(value)} {text}{hint} "
+                    "(layer unknown: log policy.megatron_cfg.moe_per_layer_logging=true)",
+                )
 
     def _check_drift(self, step, layers, counts, holding) -> None:
         prev, self._prev = self._prev, (step, layers, counts)

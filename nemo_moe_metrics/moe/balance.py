@@ -206,13 +206,34 @@ def layer_statistics(
     return stats
 
 
+def max_over_ideal_spread(
+    layer_ids: list[int], stats: list[tuple[bool, dict[str, float]]]
+) -> dict[str, float]:
+    """``moe/max_over_ideal_p50`` and ``_p90`` (numpy's default, linear, percentile over the MoE
+    layers that routed tokens) and ``moe/worst_layer`` (global id of the highest; the lowest
+    id on a tie). Empty when no layer routed a token."""
+    ratios = [
+        (s["max_over_ideal"], layer) for layer, (ok, s) in zip(layer_ids, stats, strict=True) if ok
+    ]
+    if not ratios:
+        return {}
+    values = np.array([r for r, _ in ratios], dtype=np.float64)
+    worst = max(ratios, key=lambda pair: (pair[0], -pair[1]))[1]
+    return {
+        mn.MAX_OVER_IDEAL_P50: float(np.percentile(values, 50)),
+        mn.MAX_OVER_IDEAL_P90: float(np.percentile(values, 90)),
+        mn.WORST_LAYER: float(worst),
+    }
+
+
 def expert_load_metrics(
     loads: ExpertLoads, *, per_layer: bool, table: bool, ep_size: int = 1
 ) -> dict[str, float | list]:
     """Balance summaries (and optionally per-layer values and the expert table) of one step.
 
     Summaries: ``moe/max_over_ideal`` and ``moe/ep_imbalance`` are means over MoE layers that
-    routed tokens this step, ``..._max`` the worst layer; ``moe/dead_experts`` counts
+    routed tokens this step, ``..._max`` the worst layer, ``moe/max_over_ideal_p50`` / ``_p90``
+    and ``moe/worst_layer`` their spread (:func:`max_over_ideal_spread`); ``moe/dead_experts`` counts
     (layer, expert) pairs with no token; ``moe/dropped_fraction`` and ``moe/padding_fraction``
     are over all layers together, as is ``moe/zero_expert_fraction`` (only for a model with
     zero-computation experts). ``ep_imbalance`` and ``padding_fraction`` use the executed
@@ -273,6 +294,7 @@ def expert_load_metrics(
         float(np.mean([s["max_over_ideal"] for s in active])) if active else 0.0
     )
     out[mn.MAX_OVER_IDEAL_MAX] = max((s["max_over_ideal"] for s in active), default=0.0)
+    out.update(max_over_ideal_spread(loads.layer_ids, stats))
     out[mn.EP_IMBALANCE] = float(np.mean([s["ep_imbalance"] for s in active])) if active else 0.0
     out[mn.EP_IMBALANCE_MAX] = max((s["ep_imbalance"] for s in active), default=0.0)
     out[mn.DEAD_EXPERTS] = float(sum(s["zero_token_experts"] for _, s in stats))

@@ -153,11 +153,18 @@ def _experts_num(module: nn.Module) -> int:
     return int(experts)
 
 
+def _experts_health(experts: nn.Module, block: nn.Module | None) -> Any:
+    from nemo_moe_metrics.moe.router_scoring import hf_experts_health
+
+    return hf_experts_health(experts, block)
+
+
 EXPERTS = RouterSpec(
     counts_fn=_experts_counts,
     num_experts=_experts_num,
     topk=_experts_topk,
     routes_fn=_experts_routes,
+    health=_experts_health,
 )
 ZERO_COMPUTATION_EXPERTS = RouterSpec(
     counts_fn=_zero_computation_counts,
@@ -165,6 +172,7 @@ ZERO_COMPUTATION_EXPERTS = RouterSpec(
     topk=_experts_topk,
     routes_fn=_experts_routes,
     zero_computation=True,
+    health=_experts_health,
 )
 
 

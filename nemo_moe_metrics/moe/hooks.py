@@ -24,6 +24,7 @@ How counting works (details and limits: docs/en/expert_load.md):
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -63,6 +64,10 @@ class RouterSpec:
     #: count and route functions receive it, num_experts/topk/layer_id the matched module.
     hooked: Callable[[nn.Module], nn.Module] | None = None
     zero_computation: bool = False  #: counts_fn reports picks of zero-computation experts
+    # health(router, parent) -> moe.router_scoring.HealthSource (the router's scoring and a
+    #   reader of one forward's logits, bias and padding) or a string saying why its decisions
+    #   cannot be judged; called once per router when track_router_health is on.
+    health: Callable[[nn.Module, nn.Module | None], Any] | None = None
 
 
 def _megatron_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
@@ -90,6 +95,16 @@ def _torchtitan_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any
     counts = torch.zeros(module.num_experts, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     return counts, flat.numel() // ids.shape[-1]
+
+
+def _health(family: str) -> Callable[[nn.Module, nn.Module | None], Any]:
+    # Imported on use: router health (and megatron's compat) only when the flag is on.
+    def health(router: nn.Module, parent: nn.Module | None) -> Any:
+        from nemo_moe_metrics.moe import router_scoring
+
+        return getattr(router_scoring, f"{family}_health")(router, parent)
+
+    return health
 
 
 def _megatron_layer_id(module: nn.Module, name: str) -> int:
@@ -128,6 +143,7 @@ _MEGATRON = RouterSpec(
     expert_bias=lambda router, parent: getattr(router, "expert_bias", None),
     routes_fn=_megatron_routes,
     sequence_major=True,
+    health=_health("megatron"),
 )
 _TORCHTITAN = RouterSpec(
     counts_fn=_torchtitan_counts,
@@ -135,6 +151,7 @@ _TORCHTITAN = RouterSpec(
     topk=lambda m: int(m.top_k),
     # load_balance_coeff set: the parent MoE keeps expert_bias_E (None otherwise).
     expert_bias=lambda router, parent: getattr(parent, "expert_bias_E", None),
+    health=_health("torchtitan"),
 )
 
 # Built-in routers by "module.Class" so nothing is imported to recognise them.
@@ -280,6 +297,9 @@ class ExpertLoadCollector:
         #: module-name prefix of each layer's MoE block (the matched module's parent, or the
         #: matched module itself when its spec hooks a submodule)
         self.blocks: dict[int, str] = {}
+        self.health: Any = None  # moe.router_health.RouterHealthTracker once enable_health() ran
+        self._health_sources: dict[int, Any] = {}  # id(matched module) -> HealthSource
+        self._parents: dict[int, nn.Module | None] = {}
         seen: dict[int, str] = {}
         for name, module, spec in routers:
             layer = self._layer_of(name, module, spec)
@@ -299,7 +319,7 @@ class ExpertLoadCollector:
             acc = _LayerAccumulator(layer, experts, topk, device, spec.zero_computation)
             self._accs.append(acc)
             self._handles.append(
-                hooked.register_forward_hook(self._router_hook(acc, spec), with_kwargs=True)
+                hooked.register_forward_hook(self._router_hook(acc, spec, module), with_kwargs=True)
             )
             cfg = getattr(module, "config", None)
             self.sequence_parallel |= bool(getattr(cfg, "sequence_parallel", False))
@@ -353,6 +373,7 @@ class ExpertLoadCollector:
         if not routers:
             return None
         collector = cls(chunks, routers, num_layers=num_layers)
+        collector._parents = parents
         for name, module, spec in routers:
             if spec.expert_bias is not None:
                 layer = collector._layer_of(name, module, spec)
@@ -382,10 +403,18 @@ class ExpertLoadCollector:
     def _counts_now(self, module: nn.Module) -> bool:
         return self.counting and self._active_depth > 0 and module.training and not _in_backward()
 
-    def _router_hook(self, acc: _LayerAccumulator, spec: RouterSpec):
+    def _router_hook(self, acc: _LayerAccumulator, spec: RouterSpec, matched: nn.Module):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            source = self._health_sources.get(id(matched)) if self.health is not None else None
+            # Read on every forward: a captured logits tensor never outlives its forward.
+            decision = source.read(args, kwargs, output) if source is not None else None
             if self._counts_now(module):
-                acc.add(*spec.counts_fn(module, args, kwargs, output))
+                counted = spec.counts_fn(module, args, kwargs, output)
+                counts = _per_expert(counted[0])
+                acc.add(counts, *counted[1:])
+                if self.health is not None:
+                    logits, bias, valid = decision if decision is not None else (None, None, None)
+                    self.health.observe(acc.layer_id, counts, logits, bias=bias, valid=valid)
                 for observe in self._observers:
                     observe(acc.layer_id, module, output)
                 if self.routing is not None and acc.layer_id in self._compared:
@@ -419,12 +448,13 @@ class ExpertLoadCollector:
 
         self._handles.append(module.register_forward_hook(hook))
 
-    def enable_routing(self, moe_layers: list[int]) -> Any:
+    def enable_routing(self, moe_layers: list[int], *, rollout_experts: int = 0) -> Any:
         """Compare rollout routes with these routers' choices (``moe.routing.RoutingTracker``).
 
         ``moe_layers``: every MoE layer of the model (global ids, model order), the layer axis
         of the rollout routes. Megatron routers with router replay configured also report their
-        own top-k under replay (``megatron.compat.capture_router_choice``).
+        own top-k under replay (``megatron.compat.capture_router_choice``). ``rollout_experts``
+        > 0 also counts the rollout's own expert load (``RoutingTracker``).
         """
         from nemo_moe_metrics.moe.routing import RoutingTracker
 
@@ -458,8 +488,49 @@ class ExpertLoadCollector:
             [a.num_experts for a in compared],
             self._accs[0].counts.device,
             sequence_major=any(spec.sequence_major for spec in specs),
+            rollout_experts=rollout_experts,
         )
         return self.routing
+
+    def enable_health(self, near_tie_gap: float) -> Any:
+        """Judge these routers' decisions from their own logits (``moe.router_health``).
+
+        Routers whose class knows no health reader, or whose score function cannot be
+        determined, get no router-health keys (one warning names them); every router still
+        reports ``max_over_ideal_microbatch``.
+        """
+        from nemo_moe_metrics.moe.router_health import RouterHealthTracker
+
+        scorings: dict[int, Any] = {acc.layer_id: None for acc in self._accs}
+        skipped: list[str] = []
+        for name, module, spec in self._routers:
+            layer = self._layer_of(name, module, spec)
+            try:
+                found = (
+                    spec.health(module, self._parents.get(id(module)))
+                    if spec.health is not None
+                    else "registered without a health reader"
+                )
+            except ValueError as err:  # a scoring the arithmetic cannot follow (RouterScoring)
+                found = str(err)
+            if isinstance(found, str):
+                skipped.append(f"{name} ({found})")
+                continue
+            self._health_sources[id(module)] = found
+            scorings[layer] = found.scoring
+        if skipped:
+            warnings.warn(
+                "track_router_health: no moe/...router_* keys for the layers of "
+                f"{len(skipped)} router(s): {'; '.join(skipped[:3])}"
+                f"{' ...' if len(skipped) > 3 else ''}. Their max_over_ideal_microbatch is "
+                "still logged.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self.health = RouterHealthTracker(
+            scorings, near_tie_gap=near_tie_gap, device=self._accs[0].counts.device
+        )
+        return self.health
 
     # -- step boundary -----------------------------------------------------------------------
     @property
@@ -515,6 +586,8 @@ class ExpertLoadCollector:
             a.zero_picks.zero_()
         if self.routing is not None:
             self.routing.reset()
+        if self.health is not None:
+            self.health.reset()
 
     def export(self, group: Any = None, *, contribute: bool | None = None) -> ExpertLoads:
         """Reduce over ``group`` (default: world), reset, return loads identical on every rank.
@@ -532,3 +605,7 @@ class ExpertLoadCollector:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for source in self._health_sources.values():
+            if source.release is not None:
+                source.release()
+        self._health_sources.clear()

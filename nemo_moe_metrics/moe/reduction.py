@@ -187,6 +187,16 @@ class ExpertLoadReducer:
         """Global MoE layer ids agreed at the first export (empty before it)."""
         return list(self._layout.layer_ids) if self._layout is not None else []
 
+    @property
+    def num_experts(self) -> list[int]:
+        """Experts of each agreed layer, in ``layer_ids`` order (empty before the first export)."""
+        return list(self._layout.experts) if self._layout is not None else []
+
+    @property
+    def topks(self) -> list[int]:
+        """Top-k of each agreed layer, in ``layer_ids`` order (empty before the first export)."""
+        return list(self._layout.topks) if self._layout is not None else []
+
     def _agree(self, sig: Signature, world: int) -> None:
         if world > 1:
             gathered: list[Any] = [None] * world
@@ -316,11 +326,16 @@ class RoutingReducer:
     every rank, so the payload layout needs no agreement round.
     """
 
-    def __init__(self, moe_layers: list[int], topk: int, group: Any = None) -> None:
-        """``topk``: experts per token; ``group``: ranks to sum over (default world)."""
+    def __init__(
+        self, moe_layers: list[int], topk: int, group: Any = None, *, rollout_experts: int = 0
+    ) -> None:
+        """``topk``: experts per token; ``group``: ranks to sum over (default world);
+        ``rollout_experts`` > 0: also sum the rollout's own expert counts (that many columns,
+        the trackers' ``rollout_experts``) into ``moe/rollout_max_over_ideal``."""
         self.moe_layers = list(moe_layers)
         self.topk = topk
         self.group = group
+        self.rollout_experts = rollout_experts
         self._pos = {layer: i for i, layer in enumerate(self.moe_layers)}
         self._rows: dict[torch.device, torch.Tensor] = {}  # a host-to-device copy syncs
 
@@ -335,6 +350,8 @@ class RoutingReducer:
         n_layers = len(self.moe_layers)
         stats = torch.zeros(n_layers, routing.LAYER_SLOTS, dtype=torch.int64, device=device)
         tokens = torch.zeros(routing.GLOBAL_SLOTS, dtype=torch.int64, device=device)
+        experts = self.rollout_experts
+        rollout = torch.zeros(n_layers, experts, dtype=torch.int64, device=device)
         if tracker is not None and contribute:
             local, local_tokens = tracker.local_stats()
             if device not in self._rows:
@@ -343,8 +360,15 @@ class RoutingReducer:
             rows = self._rows[device]
             stats.index_copy_(0, rows, local.to(device))
             tokens.add_(local_tokens.to(device))
+            if experts and tracker.rollout_counts is not None:
+                rollout.index_copy_(0, rows, tracker.rollout_counts.to(device))
         payload = torch.cat(
-            [stats.reshape(-1), tokens, torch.ones(1, dtype=torch.int64, device=device)]
+            [
+                stats.reshape(-1),
+                tokens,
+                rollout.reshape(-1),
+                torch.ones(1, dtype=torch.int64, device=device),
+            ]
         )
         if world > 1:
             dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=self.group)
@@ -356,10 +380,89 @@ class RoutingReducer:
                     f"routing export: {int(values[-1])} of {world} ranks took part; every rank "
                     "must call finish_step with track_routing_consistency on"
                 )
-            body = values[: n_layers * routing.LAYER_SLOTS]
-            tail = values[n_layers * routing.LAYER_SLOTS : -1]
-            return routing.routing_metrics(
-                self.moe_layers, body, tail, self.topk, per_layer=per_layer
+            body_end = n_layers * routing.LAYER_SLOTS
+            tail_end = body_end + routing.GLOBAL_SLOTS
+            out = routing.routing_metrics(
+                self.moe_layers,
+                values[:body_end],
+                values[body_end:tail_end],
+                self.topk,
+                per_layer=per_layer,
             )
+            if experts:
+                from nemo_moe_metrics.moe.router_health import rollout_balance_metrics
+
+                counts = values[tail_end:-1].reshape(n_layers, experts)
+                out.update(rollout_balance_metrics(self.moe_layers, counts, per_layer=per_layer))
+            return out
 
         return Pending((payload,), finish)
+
+
+class RouterHealthReducer:
+    """Reduces the router-health sums (``moe.router_health``) over one process group.
+
+    Two collectives per export, joined by every rank of the group whether or not it holds MoE
+    layers: one ``all_reduce(SUM)`` of the float64 per-layer sums (data, expert and pipeline
+    parallel ranks hold different tokens or layers; tensor-parallel replicas send zeros) and
+    one ``all_reduce(MAX)`` of the per-layer largest ``|logit|``. Their result joins the
+    export's one host read. The rows are the MoE layers agreed by the expert-load export.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        """``group``: ranks to reduce over (default world)."""
+        self.group = group
+        self._rows: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+    def enqueue(
+        self,
+        tracker: Any,
+        layer_ids: list[int],
+        num_experts: list[int],
+        topks: list[int],
+        *,
+        per_layer: bool,
+        contribute: bool = True,
+    ) -> Pending[dict[str, Any]]:
+        """Launch both reductions; the Pending turns the sums into the ``moe/...router_*`` keys.
+
+        ``layer_ids``, ``num_experts`` and ``topks``: the layout agreed by the expert-load export
+        (``ExpertLoadReducer``), the same on every rank."""
+        from nemo_moe_metrics.moe import router_health
+
+        world, _ = _world(self.group)
+        device = _collective_device(self.group, None)
+        n_layers = len(layer_ids)
+        sums = torch.zeros(n_layers, router_health.SLOTS, dtype=torch.float64, device=device)
+        peaks = torch.zeros(n_layers, dtype=torch.float64, device=device)
+        if tracker is not None and contribute:
+            local_sums, local_peaks = tracker.local_stats()
+            key = (tuple(tracker.layer_ids), device)
+            if key not in self._rows:  # built once: a host-to-device copy would sync
+                pos = {layer: i for i, layer in enumerate(layer_ids)}
+                rows = [pos[layer] for layer in tracker.layer_ids]
+                self._rows[key] = torch.tensor(rows, dtype=torch.int64).to(device)
+            sums.index_copy_(0, self._rows[key], local_sums.to(device))
+            peaks.index_copy_(0, self._rows[key], local_peaks.to(device))
+        payload = torch.cat([sums.reshape(-1), torch.ones(1, dtype=torch.float64, device=device)])
+        if world > 1:
+            dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=self.group)
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=self.group)
+
+        def finish(host: list[np.ndarray]) -> dict[str, Any]:
+            values, maxima = host
+            if values[-1] != world:
+                raise RuntimeError(
+                    f"router-health export: {int(values[-1])} of {world} ranks took part; every "
+                    "rank must call finish_step with track_router_health on"
+                )
+            return router_health.router_health_metrics(
+                layer_ids,
+                values[:-1],
+                maxima,
+                num_experts=num_experts,
+                topks=topks,
+                per_layer=per_layer,
+            )
+
+        return Pending((payload, peaks), finish)

@@ -135,8 +135,11 @@ class RoutingTracker:
         device: torch.device,
         *,
         sequence_major: bool,
+        rollout_experts: int = 0,
     ) -> None:
-        """See the class docstring; ``sequence_major``: megatron-core token order."""
+        """See the class docstring; ``sequence_major``: megatron-core token order;
+        ``rollout_experts`` > 0 also counts the rollout's own expert choices per layer in that
+        many columns (``moe/rollout_max_over_ideal``, with ``track_router_health``)."""
         missing = sorted(set(layer_ids) - set(moe_layers))
         if missing:
             raise ValueError(f"router layers {missing} are not among the MoE layers {moe_layers}")
@@ -149,6 +152,11 @@ class RoutingTracker:
         self._experts = dict(zip(self.layer_ids, num_experts, strict=True))
         self.stats = torch.zeros(len(self.layer_ids), LAYER_SLOTS, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(GLOBAL_SLOTS, dtype=torch.int64, device=device)
+        self.rollout_counts = (
+            torch.zeros(len(self.layer_ids), rollout_experts, dtype=torch.int64, device=device)
+            if rollout_experts
+            else None
+        )
         self._routes: torch.Tensor | None = None
         # Per token of the current forward: layers with a route, layers that differ.
         self._routed_layers: torch.Tensor | None = None
@@ -222,6 +230,12 @@ class RoutingTracker:
         stats[ROUTED] += has_route.sum()
         stats[DIFFER] += differ.sum()
         stats[OVERLAP] += torch.where(has_route, overlap, 0).sum()
+        if self.rollout_counts is not None:
+            # The engine's own load: rows without a full route (-1, e.g. the last generated
+            # token) and padding are left out; fixed-size scatter, no host read.
+            ids = torch.where((rollout >= 0) & (rollout < experts), rollout, 0)
+            taken = has_route.unsqueeze(1).expand_as(ids).to(torch.int64)
+            self.rollout_counts[row].scatter_add_(0, ids.reshape(-1), taken.reshape(-1))
         if replay:
             _, executed_overlap = compare(rollout, executed_map, experts)
             exact = executed_overlap == self.topk
@@ -240,6 +254,8 @@ class RoutingTracker:
     def _move(self, device: torch.device) -> None:
         self.stats = self.stats.to(device)
         self.tokens = self.tokens.to(device)
+        if self.rollout_counts is not None:
+            self.rollout_counts = self.rollout_counts.to(device)
         if self._routes is not None:
             self._routes = self._routes.to(device)
 
@@ -253,6 +269,8 @@ class RoutingTracker:
         """Zero the step's accumulators and forget any routes (start of a new step)."""
         self.stats.zero_()
         self.tokens.zero_()
+        if self.rollout_counts is not None:
+            self.rollout_counts.zero_()
         self._routes = None
         self._routed_layers = self._differ_layers = None
 

@@ -231,6 +231,9 @@ def render_report(
 
     bias = bias_report_lines(run, path, lines_, out_dir)  # [] without an expert bias
     out += bias
+    from nemo_moe_metrics.report.router_health import router_health_report_lines
+
+    out += router_health_report_lines(run, path, lines_, out_dir, draw)  # [] without the flag
     if aux:
         out.append("aux losses (last step): " + ", ".join(aux))
     elif routed == 0:

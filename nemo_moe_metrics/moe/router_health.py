@@ -1,0 +1,368 @@
+"""Router decision health: how confident and how fragile each MoE layer's routing decisions are.
+
+Pure tensor arithmetic, free of ``torch.distributed``: the router hooks (``moe.hooks``) call
+:meth:`RouterHealthTracker.observe` with a router forward's own logits (captured where the
+router computes them, ``moe.router_scoring``), the reduction (``moe.reduction``) sums the
+per-layer sums over ranks inside the export's one host read, and :func:`router_health_metrics`
+turns them into the ``moe/...router_*`` keys on the host.
+
+Definitions, per MoE layer and per token the router saw in a training forward (padding it knows
+of excluded). ``z`` the router's logits (the gating output, before the score function and any
+expert bias); ``p`` the routing probabilities: ``softmax(z)``, or ``f(z) / sum(f(z))`` for
+sigmoid (``f = sigmoid``) and sqrt-softplus routers; ``s`` the selection scores the router ranks:
+``p`` for softmax routers, ``f(z)`` for the others, plus the expert bias where the router has
+one, restricted to the chosen groups for group-limited routers (chosen as the router does).
+``S`` is the top-k of ``s``: the router's own decision (under router replay or capacity
+dropping the executed experts can differ; ``moe/routing_replay_mismatch`` and
+``moe/dropped_fraction`` say by how much). ``s_k`` is the lowest selection score in ``S``,
+``s_k+1`` the highest outside it.
+
+- ``router_confidence``: mean of ``sum(p[e] for e in S)``;
+- ``router_entropy``: mean of ``H(p) / ln(num_experts)``;
+- ``router_topk_relative_gap``: mean of ``(s_k - s_k+1) / |s_k|``;
+- ``router_near_tie_fraction``: share of tokens whose relative gap is below the
+  ``router_near_tie_gap`` threshold;
+- ``router_logit_max_abs`` (max of ``|z|``) and ``router_logit_rms`` (``sqrt(mean z^2)``);
+- ``expert_bias_topk_overlap`` (routers with an expert bias): mean of
+  ``|S & topk(scores without the bias)| / top_k``;
+- ``max_over_ideal_microbatch``: mean over router forwards (microbatches, ranks) of each
+  forward's own ``max(c) * E / sum(c)`` over its routed counts ``c``.
+
+Every accumulator lives on the router's device; nothing here reads a value on the host.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from nemo_moe_metrics import metric_names as mn
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+
+#: Per-layer float64 slots of :attr:`RouterHealthTracker.sums` (sums over tokens or forwards).
+(
+    TOKENS,
+    CONFIDENCE,
+    ENTROPY,
+    GAP,
+    NEAR_TIE,
+    GAP_TOKENS,
+    LOGIT_SQUARES,
+    BIASED_TOKENS,
+    BIAS_OVERLAP,
+    MICRO_RATIO,
+    MICRO_FORWARDS,
+) = range(11)
+SLOTS = 11
+DECISION_SLOTS = 9  # TOKENS .. BIAS_OVERLAP: what a router forward with logits adds
+
+
+@dataclass(frozen=True)
+class RouterScoring:
+    """How one router turns logits into its decision (static per layer).
+
+    ``rank_on_logits``: a softmax router that ranks its logits (megatron-core without
+    ``moe_router_pre_softmax``); the same top-k as ranking ``p``, but group scores differ.
+    ``num_groups`` / ``group_topk``: group-limited routing (``group_topk`` of ``num_groups``
+    equal groups kept per token); a group's score is the sum of its best
+    ``group_score_topk`` selection scores (megatron-core: ``topk // group_topk``;
+    DeepSeek-V3 in transformers and torchtitan: 2).
+    """
+
+    score_function: str
+    num_experts: int
+    topk: int
+    rank_on_logits: bool = False
+    num_groups: int | None = None
+    group_topk: int | None = None
+    group_score_topk: int = 2
+
+    def __post_init__(self) -> None:
+        if self.score_function not in SCORE_FUNCTIONS:
+            raise ValueError(
+                f"router score function {self.score_function!r} is not one of {SCORE_FUNCTIONS}"
+            )
+        if not 1 <= self.topk <= self.num_experts:
+            raise ValueError(f"top-k {self.topk} must be in [1, num_experts={self.num_experts}]")
+        if self.grouped:
+            assert self.num_groups is not None and self.group_topk is not None
+            if self.num_experts % self.num_groups or not 1 <= self.group_topk <= self.num_groups:
+                raise ValueError(
+                    f"group-limited routing: {self.num_experts} experts in {self.num_groups} "
+                    f"groups keeping {self.group_topk}; the groups must divide the experts"
+                )
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the router restricts each token to some groups of experts."""
+        return bool(self.num_groups) and bool(self.group_topk)
+
+    @property
+    def choosable_experts(self) -> int:
+        """Experts a token can be routed to (those of its chosen groups)."""
+        if not self.grouped:
+            return self.num_experts
+        assert self.num_groups is not None and self.group_topk is not None
+        return self.group_topk * (self.num_experts // self.num_groups)
+
+    @property
+    def gap_defined(self) -> bool:
+        """A top-k gap needs an expert the router could have chosen but did not."""
+        return self.choosable_experts > self.topk
+
+
+def _group_limited(scores: torch.Tensor, scoring: RouterScoring) -> torch.Tensor:
+    """``scores`` with the experts outside each token's chosen groups set to ``-inf``."""
+    assert scoring.num_groups is not None and scoring.group_topk is not None
+    tokens, experts = scores.shape
+    grouped = scores.reshape(tokens, scoring.num_groups, experts // scoring.num_groups)
+    per_group = min(scoring.group_score_topk, grouped.shape[-1])
+    group_scores = grouped.topk(per_group, dim=-1).values.sum(dim=-1)
+    chosen = group_scores.topk(scoring.group_topk, dim=-1, sorted=False).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).reshape(tokens, experts)
+
+
+def _top(scores: torch.Tensor, scoring: RouterScoring, k: int) -> torch.Tensor:
+    """Indices ``[T, k]`` of the ``k`` best experts the router could choose, best first."""
+    if scoring.grouped:
+        scores = _group_limited(scores, scoring)
+    return scores.topk(k, dim=-1).indices
+
+
+def decision_sums(
+    logits: torch.Tensor,
+    scoring: RouterScoring,
+    *,
+    near_tie_gap: float,
+    bias: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One router forward's sums over its tokens: ``([DECISION_SLOTS] float64, max |z|)``.
+
+    ``logits`` ``[..., E]`` (any leading token shape), ``bias`` ``[E]`` (the expert bias the
+    router adds to its selection scores) or None, ``valid`` (``[tokens]`` bool, False =
+    padding) or None. Device ops only, as few as the definitions allow (each is a kernel launch
+    per layer and microbatch); no value is read on the host. The entropy slot holds
+    ``sum(p log p)`` and the overlap slot ``|S & unbiased top-k|``: :func:`router_health_metrics`
+    negates and divides by ``ln(E)``, and divides by ``top_k``, on the host.
+    """
+    experts, k = scoring.num_experts, scoring.topk
+    with torch.no_grad():
+        z = logits.detach().reshape(-1, experts)
+        z = z if z.dtype == torch.float32 else z.float()
+        if scoring.score_function == "softmax":
+            log_p = torch.log_softmax(z, dim=-1)
+            p = log_p.exp()
+            p_log_p = p * log_p
+            base = p
+        else:
+            base = (
+                torch.sigmoid(z)
+                if scoring.score_function == "sigmoid"
+                else torch.nn.functional.softplus(z).sqrt()
+            )
+            p = base / base.sum(dim=-1, keepdim=True)
+            p_log_p = torch.special.xlogy(p, p)
+        selection = base if bias is None else base + bias.detach().to(z.device, z.dtype)
+        # Softmax is monotone: ranking logits picks the same experts (and is what the router's
+        # group scores are computed on); the gap itself is always measured on `selection`.
+        ranked = z if scoring.rank_on_logits and bias is None else selection
+        order = _top(ranked, scoring, k + 1 if scoring.gap_defined else k)
+        chosen = order[:, :k]
+        weight = (
+            valid.reshape(-1).to(device=z.device, dtype=z.dtype)
+            if valid is not None
+            else torch.ones(z.shape[0], dtype=z.dtype, device=z.device)
+        )
+        zeros = torch.zeros_like(weight)
+        columns = [weight, p.gather(1, chosen).sum(dim=-1), p_log_p.sum(dim=-1)]
+        if scoring.gap_defined:
+            edge = selection.gather(1, order[:, k - 1 : k + 1])
+            last_in = edge[:, 0]
+            gap = (last_in - edge[:, 1]) / last_in.abs().clamp_min(torch.finfo(z.dtype).tiny)
+            columns += [gap, (gap < near_tie_gap).to(z.dtype), weight]
+        else:
+            columns += [zeros, zeros, zeros]
+        columns.append(z.square().mean(dim=-1))
+        if bias is not None:
+            unbiased = _top(z if scoring.rank_on_logits else base, scoring, k)
+            shared = (chosen.unsqueeze(2) == unbiased.unsqueeze(1)).any(dim=2).sum(dim=1)
+            columns += [weight, shared.to(z.dtype)]
+        else:
+            columns += [zeros, zeros]
+        # Per token [T, slots], padding zeroed, summed in float64: one reduction.
+        table = torch.stack(columns, dim=1)
+        if valid is not None:
+            table = table * weight.unsqueeze(1)
+        sums = table.sum(dim=0, dtype=torch.float64)
+        if not z.shape[0]:
+            max_abs = torch.zeros((), dtype=z.dtype, device=z.device)
+        elif valid is None:
+            max_abs = z.abs().amax()
+        else:
+            max_abs = (z.abs() * weight.unsqueeze(1)).amax()
+    return sums, max_abs
+
+
+def microbatch_balance(counts: torch.Tensor) -> torch.Tensor:
+    """``[max(c) * E / sum(c), 1]`` of one forward's routed counts ``[E]``; zeros if empty."""
+    c = counts.to(torch.float64)
+    total = c.sum()
+    routed = total > 0
+    ratio = torch.where(routed, c.amax() * c.numel() / total, 0.0)
+    return torch.stack([ratio, routed.to(torch.float64)])
+
+
+class RouterHealthTracker:
+    """Device accumulators of one rank's router decision health for one step.
+
+    ``scorings``: per hooked layer (global id), how its router decides, or None when its score
+    function is unknown (then only ``max_over_ideal_microbatch`` is measured for it).
+    """
+
+    def __init__(
+        self,
+        scorings: dict[int, RouterScoring | None],
+        *,
+        near_tie_gap: float,
+        device: torch.device,
+    ) -> None:
+        """See the class docstring; ``near_tie_gap``: the relative gap below which a decision
+        counts as a near tie (``router_near_tie_gap``)."""
+        self.layer_ids = sorted(scorings)
+        self.near_tie_gap = float(near_tie_gap)
+        self._scoring = dict(scorings)
+        self._row = {layer: i for i, layer in enumerate(self.layer_ids)}
+        self.sums = torch.zeros(len(self.layer_ids), SLOTS, dtype=torch.float64, device=device)
+        self.max_abs = torch.zeros(len(self.layer_ids), dtype=torch.float64, device=device)
+
+    # -- per router forward (hot path: device ops only) -------------------------------------
+    def observe(
+        self,
+        layer_id: int,
+        counts: torch.Tensor,
+        logits: torch.Tensor | None = None,
+        *,
+        bias: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+    ) -> None:
+        """One counted router forward: its routed counts ``[E]`` and, where known, its logits."""
+        row = self._row[layer_id]
+        if self.sums.device != counts.device:  # the model moved after attach
+            self.sums = self.sums.to(counts.device)
+            self.max_abs = self.max_abs.to(counts.device)
+        micro = microbatch_balance(counts)
+        scoring = self._scoring[layer_id]
+        if scoring is None or logits is None:
+            self.sums[row, MICRO_RATIO:].add_(micro)
+            return
+        sums, max_abs = decision_sums(
+            logits, scoring, near_tie_gap=self.near_tie_gap, bias=bias, valid=valid
+        )
+        self.sums[row].add_(torch.cat([sums.to(counts.device), micro]))
+        self.max_abs[row].clamp_min_(max_abs.to(counts.device))
+
+    # -- step boundary ---------------------------------------------------------------------
+    def local_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([local layers, SLOTS] sums, [local layers] max |z|)`` float64 device tensors."""
+        return self.sums, self.max_abs
+
+    def reset(self) -> None:
+        """Zero the step's accumulators (start of a new step)."""
+        self.sums.zero_()
+        self.max_abs.zero_()
+
+
+def _mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else 0.0
+
+
+def router_health_metrics(
+    layer_ids: Sequence[int],
+    sums: np.ndarray,
+    max_abs: np.ndarray,
+    *,
+    num_experts: Sequence[int],
+    topks: Sequence[int],
+    per_layer: bool,
+) -> dict[str, Any]:
+    """The router-health keys from sums reduced over ranks (``sums`` ``[layers, SLOTS]``).
+
+    ``num_experts`` and ``topks`` (per layer) finish the entropy and overlap normalisations.
+
+    A layer contributes to a summary only when it measured that quantity this step (a router
+    whose score function is unknown, a layer without an expert bias, a top-k without a gap);
+    a summary no layer measured is left out, never reported as 0.
+    """
+    sums = np.asarray(sums, dtype=np.float64).reshape(len(layer_ids), SLOTS)
+    values: dict[str, dict[int, float]] = {stat: {} for stat in mn.ROUTER_HEALTH_LAYER_STATS}
+    peaks = np.asarray(max_abs).reshape(-1)
+    for layer, row, peak, experts, topk in zip(
+        layer_ids, sums, peaks, num_experts, topks, strict=True
+    ):
+        tokens = row[TOKENS]
+        if tokens > 0:
+            values["router_confidence"][layer] = row[CONFIDENCE] / tokens
+            scale = math.log(experts) if experts > 1 else math.inf
+            values["router_entropy"][layer] = -row[ENTROPY] / tokens / scale
+            values["router_logit_max_abs"][layer] = float(peak)
+            values["router_logit_rms"][layer] = math.sqrt(row[LOGIT_SQUARES] / tokens)
+        if row[GAP_TOKENS] > 0:
+            values["router_topk_relative_gap"][layer] = row[GAP] / row[GAP_TOKENS]
+            values["router_near_tie_fraction"][layer] = row[NEAR_TIE] / row[GAP_TOKENS]
+        if row[BIASED_TOKENS] > 0:
+            overlap = row[BIAS_OVERLAP] / row[BIASED_TOKENS] / topk
+            values["expert_bias_topk_overlap"][layer] = overlap
+        if row[MICRO_FORWARDS] > 0:
+            values["max_over_ideal_microbatch"][layer] = row[MICRO_RATIO] / row[MICRO_FORWARDS]
+    out: dict[str, Any] = {}
+    summaries = {
+        mn.ROUTER_CONFIDENCE: ("router_confidence", _mean),
+        mn.ROUTER_CONFIDENCE_MIN: ("router_confidence", min),
+        mn.ROUTER_ENTROPY: ("router_entropy", _mean),
+        mn.ROUTER_TOPK_RELATIVE_GAP: ("router_topk_relative_gap", _mean),
+        mn.ROUTER_NEAR_TIE_FRACTION: ("router_near_tie_fraction", _mean),
+        mn.ROUTER_NEAR_TIE_FRACTION_MAX: ("router_near_tie_fraction", max),
+        mn.ROUTER_LOGIT_MAX_ABS: ("router_logit_max_abs", max),
+        mn.ROUTER_LOGIT_RMS: ("router_logit_rms", _mean),
+        mn.EXPERT_BIAS_TOPK_OVERLAP: ("expert_bias_topk_overlap", _mean),
+        mn.MAX_OVER_IDEAL_MICROBATCH: ("max_over_ideal_microbatch", _mean),
+    }
+    for key, (stat, reduce) in summaries.items():
+        if values[stat]:
+            out[key] = float(reduce(list(values[stat].values())))
+    if per_layer:
+        for stat, by_layer in values.items():
+            for layer, value in by_layer.items():
+                out[mn.router_health_layer_key(layer, stat)] = float(value)
+    return out
+
+
+def rollout_balance_metrics(
+    layer_ids: Sequence[int], counts: np.ndarray, *, per_layer: bool
+) -> dict[str, Any]:
+    """``moe/rollout_max_over_ideal`` from the rollout engine's own routes, summed over ranks.
+
+    ``counts`` ``[layers, E]``: per MoE layer, the experts the rollout chose for the step's
+    training tokens (rows holding a ``-1`` left out). A layer without any route is left out.
+    """
+    counts = np.asarray(counts, dtype=np.float64).reshape(len(layer_ids), -1)
+    ratios: dict[int, float] = {}
+    for layer, c in zip(layer_ids, counts, strict=True):
+        total = c.sum()
+        if total > 0:
+            ratios[layer] = float(c.max() * c.size / total)
+    out: dict[str, Any] = {}
+    if ratios:
+        out[mn.ROLLOUT_MAX_OVER_IDEAL] = _mean(list(ratios.values()))
+    if per_layer:
+        for layer, ratio in ratios.items():
+            out[mn.router_health_layer_key(layer, "rollout_max_over_ideal")] = ratio
+    return out
