@@ -333,15 +333,40 @@ def test_check_ends_with_the_layout_and_ok(tmp_path):
     proc = _cli(tmp_path, "check", GRPO, "--nproc", "4", "policy.train_micro_batch_size=4")
     assert proc.returncode == 0, proc.stderr
     # 4 ranks, no pipeline/context split: data-parallel 4; 8 experts over expert-parallel 2;
-    # 8 sequences per rank in microbatches of 4.
-    assert proc.stdout.splitlines()[-6:] == [
+    # the global batch of 16 is 4 sequences per rank, one microbatch of 4; 4 prompts x 4.
+    assert proc.stdout.splitlines()[-7:] == [
         "layout on 4 rank(s):",
         "  data-parallel size: 4 (tensor 1 x pipeline 1 x context 1 x data 4)",
         "  experts per rank: 4 of 8 (expert-parallel 2, top-2)",
-        "  microbatches per rank: 2 per step, 4 sequences each",
-        "  sequences per step: 8 per data-parallel rank (policy.train_global_batch_size), 32 over all 4",
+        "  sequences per step: 16 over all 4 data-parallel rank(s) (policy.train_global_batch_size,"
+        " as in NeMo RL and Megatron), 4 per rank",
+        "  microbatches per rank: 1 per step, 4 sequences each",
+        "  rollouts per step: 4 prompts x 4 generations (NeMo RL's grpo.num_prompts_per_step x "
+        "num_generations_per_prompt)",
         "OK: recipe 'grpo_moe_tiny' can run on 4 rank(s) (8 steps of grpo)",
     ]
+
+
+@pytest.mark.parametrize(
+    "nproc,overrides,needle",
+    [
+        # 16 over 2 ranks is 8 each: not a whole microbatch of 16.
+        ("2", ["policy.train_micro_batch_size=16"], "multiple of data-parallel size 2 x "
+         "policy.train_micro_batch_size=16: it counts the step's sequences over all 2 "
+         "data-parallel ranks of --nproc 2 (as in NeMo RL and Megatron): each rank trains 16/2"),
+        # 16 over 8 ranks is 2 each: not a whole group of 4 generations.
+        ("8", ["policy.train_micro_batch_size=1"], "multiple of data-parallel size 8 x "
+         "grpo.num_generations=4: each data-parallel rank samples whole groups of 4"),
+    ],
+)  # fmt: skip
+def test_check_refuses_a_global_batch_the_data_parallel_ranks_cannot_split(
+    tmp_path, nproc, overrides, needle
+):
+    proc = _cli(tmp_path, "check", GRPO, "--nproc", nproc, *overrides)
+    assert proc.returncode == 2
+    text = " ".join(proc.stderr.split())
+    assert needle in text, text
+    assert "set train_global_batch_size to a multiple of" in text
 
 
 def test_check_of_a_dense_recipe_says_it_has_no_experts(tmp_path):
@@ -633,16 +658,23 @@ def test_troubleshooting_says_attach_takes_a_config_json_dict():
     assert model_facts(as_dict).num_experts == 8
 
 
-def test_train_global_batch_size_says_it_counts_one_data_parallel_rank():
-    from nemo_moe_metrics.config import PolicyConfig
+def test_train_global_batch_size_counts_all_data_parallel_ranks_as_in_nemo_rl():
+    from nemo_moe_metrics.config import ConfigError, PolicyConfig, load_recipe
 
     text = PolicyConfig.model_fields["train_global_batch_size"].description
-    assert "EACH data-parallel rank" in text and "NeMo RL" in text
+    assert "ALL data-parallel ranks" in text and "NeMo RL" in text and "used to" in text
     for recipe in sorted((ROOT / "examples" / "configs").glob("*.yaml")):
-        line = next(x for x in recipe.read_text().splitlines() if "train_global_batch_size" in x)
-        assert "data-parallel rank" in line, recipe.name
-    loops = " ".join((ROOT / "docs" / "en" / "training_loops.md").read_text().split())
-    assert "This is **not** NeMo RL's or Megatron's meaning" in loops
+        body = recipe.read_text()
+        assert "counts the step's sequences over ALL data-parallel ranks" in body, recipe.name
+        assert "multiply an older" in body, recipe.name  # the note for the old meaning
+    for lang, needle in (("en", "Changed: it used to count"), ("zh", "变更")):
+        loops = " ".join((ROOT / "docs" / lang / "training_loops.md").read_text().split())
+        assert needle in loops and "num_prompts_per_step" in loops, lang
+    # A NeMo RL grpo section copied as is is refused with what each key is here.
+    with pytest.raises(ConfigError, match="num_generations_per_prompt is grpo.num_generations"):
+        load_recipe(GRPO, ["grpo.num_generations_per_prompt=4"])
+    with pytest.raises(ConfigError, match="num_prompts_per_step x grpo.num_generations"):
+        load_recipe(GRPO, ["grpo.num_prompts_per_step=4"])
 
 
 # --------------------------------------------------------------------------- 10. README lines
