@@ -378,6 +378,7 @@ def test_slurm_dry_run_is_readable_named_after_the_recipe_and_writes_nothing(tmp
             sys.executable,
             "recipes/slurm.py",
             str(GRPO.relative_to(ROOT)),
+            "policy.train_global_batch_size=64",  # 16 ranks x one group of 4 each
             "--account=A",
             "--partition=P",
             "--nodes=2",

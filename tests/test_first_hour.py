@@ -416,7 +416,13 @@ def _slurm(tmp_path, *args, blocked=(), path=None):
     )
 
 
-SLURM_ARGS = ("examples/configs/grpo_moe_tiny.yaml", "--account=A", "--partition=P")
+# 8 GPUs: the global batch counts all 8 data-parallel ranks (README's Slurm line).
+SLURM_ARGS = (
+    "examples/configs/grpo_moe_tiny.yaml",
+    "policy.train_global_batch_size=64",
+    "--account=A",
+    "--partition=P",
+)
 
 
 def test_slurm_without_the_launch_extra_names_it(tmp_path):

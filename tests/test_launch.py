@@ -132,6 +132,7 @@ def test_slurm_recipe_dry_run_shows_sbatch_and_torchrun_command(tmp_path):
             "recipes/slurm.py",
             "examples/configs/grpo_moe_tiny.yaml",
             "training.max_steps=2",
+            "policy.train_global_batch_size=64",  # the global batch of 16 ranks (a group each)
             "--account=my_account",
             "--partition=gpu",
             "--nodes=2",

@@ -31,6 +31,7 @@ from nemo_moe_metrics.report.reading import (
     ReportError,
     RunInfo,
     Window,
+    alert_records,
     jsonl_table_counts,
     last_values,
     layer_key_series,
@@ -222,6 +223,9 @@ def render_report(
             )
 
     out += _routing_lines(run, path, lines_, out_dir)
+    from nemo_moe_metrics.moe.alerts import summarize_alerts
+
+    out += summarize_alerts(alert_records(path, lines_))
     last_keys = [mn.TOKENS_PER_SECOND, mn.TFLOPS_PER_GPU, mn.MFU]
     aux_keys = [mn.aux_loss_key(n) for n in (*mn.AUX_LOSS_TRACKER_NAMES.values(), mn.Z_LOSS)]
     values = last_values(path, lines_, last_keys + aux_keys)
