@@ -739,3 +739,37 @@ def test_the_per_rank_entrypoint_refuses_a_logged_run_in_recipe_terms(tmp_path):
     _refuse_a_logged_run(tmp_path, load_recipe(GRPO, ["logger.resume=true"]))  # continues
     (tmp_path / "metrics.jsonl").write_text("")  # failed before logging: not a run
     _refuse_a_logged_run(tmp_path, load_recipe(GRPO))
+
+
+# --------------------------------------------------------------------------- documented run commands
+
+
+def _documented_runs() -> list[tuple[str, list[str]]]:
+    import re
+    import shlex
+
+    sources = [*sorted((ROOT / "examples" / "configs").glob("*.yaml"))]
+    sources += [ROOT / "docs" / lang / "routing_consistency.md" for lang in ("en", "zh")]
+    runs = []
+    for path in sources:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            found = re.search(r"nemo-moe-metrics run (\S+\.yaml.*)$", line.lstrip("# "))
+            if found:
+                args = shlex.split(found.group(1))
+                runs.append((f"{path.name}: {line.strip()}", args))
+    return runs
+
+
+def test_documented_run_commands_in_sequence_use_distinct_run_directories():
+    """A recipe's documented second command (e.g. R3 without replay) is not refused because the
+    first one's run already holds the directory."""
+    from nemo_moe_metrics.launch import run_dir_for
+
+    runs = _documented_runs()
+    assert any("moe_enable_routing_replay=false" in where for where, _ in runs)
+    by_source: dict[str, dict] = {}
+    for where, args in runs:
+        recipe, overrides = args[0], [a for a in args[1:] if "=" in a and not a.startswith("-")]
+        run_dir = run_dir_for(ROOT / recipe, overrides, "runs")
+        seen = by_source.setdefault(where.split(":")[0], {})
+        assert seen.setdefault(run_dir, where) == where, f"{where} reuses {seen[run_dir]}'s run dir"

@@ -266,3 +266,29 @@ def test_hugging_face_router_batch_major_routes_against_router_output_hooks():
     assert got[mn.ROUTING_TOKENS_ANY_LAYER_DIFFERS] == (
         (differ.any(-1) & all_routed).sum().item() / all_routed.sum().item()
     )
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_the_chance_levels_the_docs_give_are_what_random_routes_measure(lang):
+    """Routes drawn at random (a misalignment) against a router's own top-2 of 8: the docs'
+    disagreement 1 - 1/C(8, 2) = 0.964 and overlap top_k / E = 0.25, not 1 - top_k / E."""
+    from math import comb
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = 20_000
+    rollout = torch.rand(tokens, E, generator=gen).topk(2, dim=1).indices  # k distinct, uniform
+    own = torch.rand(tokens, E, generator=gen).topk(2, dim=1).indices
+    t = _tracker(layers=(0,))
+    t.set_routes(rollout.reshape(tokens, 1, 2))
+    m = indices_to_map(own, E)
+    t.observe(0, m, m, None, replay=False)
+    got = _metrics(t)
+    assert got[mn.ROUTING_DISAGREEMENT] == pytest.approx(1 - 1 / comb(E, 2), abs=0.005)
+    assert got[mn.ROUTING_TOPK_OVERLAP] == pytest.approx(2 / E, abs=0.01)
+    doc = Path(__file__).resolve().parents[1] / "docs" / lang / "routing_consistency.md"
+    text = " ".join(doc.read_text(encoding="utf-8").split())
+    assert "`1 - 1 / C(num_experts, top_k)`" in text and "0.96" in text
+    assert (
+        "near `1 - top_k / num_experts`" not in text
+        and "接近 `1 - top_k / num_experts`" not in text
+    )
