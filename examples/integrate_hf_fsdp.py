@@ -120,7 +120,8 @@ def run(out_dir: Path, *, wrap: str = "fsdp", steps: int = 3, num_microbatches: 
     )
     metrics.attach(model, config)  # (metrics) hooks the routers; config picks the adapter
     sink = build_sinks(  # (metrics) JSONL + TensorBoard under out_dir, rank 0 only
-        LoggerConfig(wandb_enabled=False),
+        # table_every=1: every step's expert-load table for this short demo (long runs: 20)
+        LoggerConfig(wandb_enabled=False, table_every=1),
         out_dir,
         run_name="integrate_hf_fsdp",
         config={"policy": {"model": {"num_layers": 2, "num_experts": 8, "moe_router_topk": 2}}},

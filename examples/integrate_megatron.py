@@ -127,7 +127,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--expert-parallel", type=int, default=1)
     parser.add_argument(
-        "--table-every", type=int, default=DEFAULT_TABLE_EVERY, help="expert-load table cadence"
+        "--table-every",
+        type=int,
+        default=1,
+        help="store the expert-load table every N steps: every step for this short demo (the "
+        "report's over-steps and drift pictures need 2 or more); long runs keep the default "
+        f"{DEFAULT_TABLE_EVERY} of LoggerConfig(table_every=...)",
     )
     args = parser.parse_args(argv)
 

@@ -96,7 +96,8 @@ def run(out_dir: Path, *, family: str = "deepseek_v3", steps: int = 3) -> list[d
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     register_moe_load_balancing_hook(optimizer, [model], dims)  # torchtitan's bias update
     sink = build_sinks(  # (metrics) JSONL + expert-load store under out_dir, rank 0 only
-        LoggerConfig(wandb_enabled=False, tensorboard_enabled=False),
+        # table_every=1: every step's expert-load table for this short demo (long runs: 20)
+        LoggerConfig(wandb_enabled=False, tensorboard_enabled=False, table_every=1),
         out_dir,
         run_name=f"integrate_torchtitan_{family}",
         config={"torchtitan": {"family": family, "layers": len(config.layers)}},

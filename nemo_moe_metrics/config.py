@@ -19,11 +19,35 @@ class ConfigError(ValueError):
     """A recipe or override that cannot be used; the message names the key and the fix."""
 
 
-class StrictModel(BaseModel):
-    """Base model: unknown keys are rejected with a 'did you mean' suggestion."""
+class _ConfigErrors(type(BaseModel)):
+    """Constructing a model from Python (``MetricsConfig(...)``) raises :class:`ConfigError`
+    instead of pydantic's ValidationError. A metaclass, not ``__init__``: pydantic calls a
+    model's own ``__init__`` when it validates it as a nested field, and would wrap the error."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except ValidationError as err:
+            raise ConfigError(_api_error_text(cls.__name__, err)) from None
+
+
+class StrictModel(BaseModel, metaclass=_ConfigErrors):
+    """Base model: unknown keys are rejected with a 'did you mean' suggestion; built from
+    Python (``MetricsConfig(...)``, ``model_validate``), a bad value raises :class:`ConfigError`
+    with one line per problem (pydantic's own error adds a documentation link to each)."""
 
     # allow_inf_nan=False: an infinite peak or coefficient passes "> 0" and poisons every rate.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Any:
+        """pydantic's ``model_validate``, raising :class:`ConfigError` as the constructor does."""
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as err:
+            if cls is Recipe:  # recipe_from_dict words recipe errors itself
+                raise
+            raise ConfigError(_api_error_text(cls.__name__, err)) from None
 
     @model_validator(mode="before")
     @classmethod
@@ -45,6 +69,16 @@ class StrictModel(BaseModel):
             if isinstance(data[key], bool) and not _allows_bool(cls.model_fields[key].annotation):
                 raise ValueError(f"{key} takes no true/false value, got {str(data[key]).lower()}")
         return data
+
+
+def _api_error_text(model: str, err: ValidationError) -> str:
+    """``invalid MetricsConfig:`` then one ``  key: problem`` line per error."""
+    lines = [f"invalid {model}:"]
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"  {where}: {msg}" if where else f"  {msg}")
+    return "\n".join(lines)
 
 
 def _allows_bool(annotation: Any) -> bool:

@@ -176,6 +176,12 @@ def render_report(
     routed = last_values(path, lines_, [mn.ROUTED_TOKENS]).get(mn.ROUTED_TOKENS)
     if timeline.steps:
         out += _count_pictures(run, timeline, out_dir, layers, draw, windowed=steps is not None)
+        if timeline.steps[-1] < last:
+            out.append(
+                f"the expert counts end at step {timeline.steps[-1]}, the last step with a stored "
+                f"table (tables are stored on steps that are multiples of "
+                f"{run.hint('table_every')}, default 20); the run logged steps to {last}"
+            )
         if routed == 0:
             out.append(
                 f"last step: no expert received a training token ({mn.ROUTED_TOKENS} 0), so it "
