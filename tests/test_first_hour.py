@@ -509,8 +509,9 @@ def test_microbatch_outside_step_names_the_public_calls():
     with pytest.raises(RuntimeError) as err:
         metrics.microbatch(torch.tensor([5, 7]))
     assert str(err.value) == (
-        "PolicyMetrics.microbatch() called outside a step; call it once per microbatch inside "
-        "`with metrics.step():`, before finish_step()"
+        "PolicyMetrics.microbatch() called outside a step; call it once per training "
+        "microbatch inside `with metrics.step():` (before the microbatch's forward), then "
+        "finish_step() after the block"
     )
     assert "add_sequences" not in str(err.value) and "meter" not in str(err.value)
     nested = pytest.raises(RuntimeError, match=r"PolicyMetrics.step\(\) is already open")
