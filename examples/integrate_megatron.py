@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, LoggerConfig, MetricsConfig
 from nemo_moe_metrics.megatron.cpu_shims import apply_cpu_shims, cpu_device_mode
+from nemo_moe_metrics.scripts import check_torchrun_script
 from nemo_moe_metrics.sinks import build_sinks
 from nemo_moe_metrics.worker import PolicyMetrics
 
@@ -135,6 +136,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{DEFAULT_TABLE_EVERY} of LoggerConfig(table_every=...)",
     )
     args = parser.parse_args(argv)
+    check_torchrun_script(  # one line, before any rank starts talking
+        "examples/integrate_megatron.py", extras=[("megatron", "examples/integrate_megatron.py")]
+    )
 
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func

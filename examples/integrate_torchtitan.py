@@ -2,7 +2,7 @@
 
 Run it (CPU: gloo; GPU: nccl, one device per rank)::
 
-    pip install 'nemo_moe_metrics[torchtitan]'
+    pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 einops==0.8.2 && pip install tyro==1.0.17 triton==3.7.1
     torchrun --nproc-per-node 2 examples/integrate_torchtitan.py --out /tmp/titan_run
     torchrun --nproc-per-node 2 examples/integrate_torchtitan.py --family qwen3_moe --out ...
 
@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig
 from nemo_moe_metrics.extras import require
+from nemo_moe_metrics.scripts import check_torchrun_script
 from nemo_moe_metrics.sinks import build_sinks
 from nemo_moe_metrics.worker import PolicyMetrics
 
@@ -130,6 +131,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--family", choices=["deepseek_v3", "qwen3_moe"], default="deepseek_v3")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
+    check_torchrun_script(  # one line, before any rank starts talking
+        "examples/integrate_torchtitan.py",
+        extras=[("torchtitan", "examples/integrate_torchtitan.py")],
+    )
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
         history = run(args.out, family=args.family, steps=args.steps)
