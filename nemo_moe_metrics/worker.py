@@ -471,8 +471,10 @@ class PolicyMetrics:
         # The first training forward of a chunk after microbatch() shows the batch the lengths
         # were for: its input's shape (metadata only, no host read). Fewer lengths than rows
         # cannot be right; more can be sequences packed into rows, so they warn once.
+        if not (self._in_step and chunk.training and torch.is_grad_enabled()):
+            return  # a no-grad or eval forward (reference scoring) is not the microbatch's
         count, self._lengths_awaiting_forward = self._lengths_awaiting_forward, None
-        if count is None or not (self._in_step and chunk.training and torch.is_grad_enabled()):
+        if count is None:
             return
         rows_and_width = _input_rows_and_width(args, kwargs)
         if rows_and_width is None:  # e.g. a middle pipeline stage (no token input)
