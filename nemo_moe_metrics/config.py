@@ -334,8 +334,9 @@ class GRPOConfig(StrictModel):
 
     #: NeMo RL's GRPO keys, named with what they are here (a copied section fails helpfully).
     foreign_keys: ClassVar[dict[str, str]] = {
-        "num_generations_per_prompt": "NeMo RL's grpo.num_generations_per_prompt is "
-        "grpo.num_generations here",
+        "num_generations_per_prompt": (
+            "NeMo RL's grpo.num_generations_per_prompt is grpo.num_generations here"
+        ),
         "num_prompts_per_step": "NeMo RL's grpo.num_prompts_per_step is set here through "
         "policy.train_global_batch_size = num_prompts_per_step x grpo.num_generations (all "
         "data-parallel ranks; one optimizer step per rollout batch); remove it",
