@@ -192,7 +192,6 @@ class PolicyMetrics:
         # len(seq_lens) of the last microbatch() call until a training forward of a chunk
         # shows the batch it was for (throughput only; see _note_model_input).
         self._lengths_awaiting_forward: int | None = None
-        self._warned_packed_rows = False
         self._warned_empty_step = False
         self._aux_kept: dict[str, torch.Tensor] = {}  # megatron's tracker as step() left it
         self._in_step = False  # inside `with metrics.step():`; errors name the public calls
@@ -469,8 +468,8 @@ class PolicyMetrics:
 
     def _note_model_input(self, chunk: nn.Module, args: tuple, kwargs: dict) -> None:
         # The first training forward of a chunk after microbatch() shows the batch the lengths
-        # were for: its input's shape (metadata only, no host read). Fewer lengths than rows
-        # cannot be right; more can be sequences packed into rows, so they warn once.
+        # were for: its input's shape (metadata only, no host read). One length per row; a
+        # single row ([1, total], THD packing) holds any number of packed sequences.
         if not (self._in_step and chunk.training and torch.is_grad_enabled()):
             return  # a no-grad or eval forward (reference scoring) is not the microbatch's
         count, self._lengths_awaiting_forward = self._lengths_awaiting_forward, None
@@ -482,21 +481,12 @@ class PolicyMetrics:
         rows, width = rows_and_width
         if _context_parallel_size() == 1:  # a CP rank's input holds part of each sequence
             self._meter.note_positions(rows * width)
-        if count < rows:
+        if count != rows and rows > 1:
             self._meter.reject(
                 f"microbatch(seq_lens=...) got {count} length(s) but the model's next forward "
                 f"took a batch of {rows} sequences ({rows} x {width}); pass one real-token "
-                "count per sequence of that batch, e.g. attention_mask.sum(-1)"
-            )
-        elif count > rows > 1 and not self._warned_packed_rows:
-            self._warned_packed_rows = True
-            warnings.warn(
-                f"PolicyMetrics.microbatch: {count} lengths for a batch of {rows} rows "
-                f"({rows} x {width}): counted as {count} sequences packed into the rows. If each "
-                "row is one sequence, pass one length per row (attention_mask.sum(-1)); warned "
-                "once",
-                RuntimeWarning,
-                stacklevel=2,
+                "count per sequence of that batch, e.g. attention_mask.sum(-1) (sequences "
+                "packed into one row, [1, total], pass one length per packed sequence)"
             )
 
     def finish_step(self, num_microbatches: int) -> dict[str, Any]:

@@ -119,17 +119,19 @@ def test_lengths_summing_past_the_batch_are_refused_not_logged():
         metrics.finish_step(num_microbatches=1)
 
 
-def test_fewer_lengths_than_sequences_is_an_error_more_is_a_packing_warning():
+@pytest.mark.parametrize("lengths", [[SEQ], [3, 3, 3]], ids=["1 for 2", "3 for 2"])
+def test_a_length_count_that_is_not_the_batchs_sequence_count_is_refused(lengths):
     metrics, model = _attached()
     with metrics.step():
-        metrics.microbatch(seq_lens=torch.tensor([SEQ]))  # one length for two sequences
+        metrics.microbatch(seq_lens=torch.tensor(lengths))  # sums fit the 16 positions
         _train(model)
-    with pytest.raises(ValueError, match=r"got 1 length\(s\) but .* batch of 2 sequences"):
+    with pytest.raises(ValueError, match=rf"got {len(lengths)} length\(s\) but .* batch of 2 seq"):
         metrics.finish_step(num_microbatches=1)
+    # One packed row ([1, total], as THD packing feeds the model) takes one length per sequence.
     with metrics.step():
-        metrics.microbatch(seq_lens=torch.tensor([3, 5, 4, 4]))  # four packed in two rows
-        with pytest.warns(RuntimeWarning, match="4 lengths for a batch of 2 rows"):
-            _train(model)
+        metrics.microbatch(seq_lens=torch.tensor([3, 5, 8]))
+        ids = _ids().reshape(1, BATCH * SEQ)
+        model(input_ids=ids, labels=ids).loss.backward()
     assert metrics.finish_step(num_microbatches=1)[mn.TOKENS] == 16
 
 
