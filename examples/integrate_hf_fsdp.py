@@ -120,7 +120,8 @@ def run(out_dir: Path, *, wrap: str = "fsdp", steps: int = 3, num_microbatches: 
     )
     metrics.attach(model, config)  # (metrics) hooks the routers; config picks the adapter
     sink = build_sinks(  # (metrics) JSONL + TensorBoard under out_dir, rank 0 only
-        LoggerConfig(wandb_enabled=False),
+        # table_every=1: every step's expert-load table for this short demo (long runs: 20)
+        LoggerConfig(wandb_enabled=False, table_every=1),
         out_dir,
         run_name="integrate_hf_fsdp",
         config={"policy": {"model": {"num_layers": 2, "num_experts": 8, "moe_router_topk": 2}}},
@@ -145,12 +146,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wrap", choices=["fsdp", "ddp", "none"], default="fsdp")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
-    from nemo_moe_metrics.extras import MissingExtraError, check_extra
+    from nemo_moe_metrics.scripts import check_torchrun_script
 
-    try:
-        check_extra("hf", "examples/integrate_hf_fsdp.py")
-    except MissingExtraError as err:  # one line, before any rank starts talking
-        raise SystemExit(f"error: {err}") from None
+    check_torchrun_script(  # one line, before any rank starts talking
+        "examples/integrate_hf_fsdp.py", extras=[("hf", "examples/integrate_hf_fsdp.py")]
+    )
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
         history = run(args.out, wrap=args.wrap, steps=args.steps)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, LoggerConfig, MetricsConfig
 from nemo_moe_metrics.megatron.cpu_shims import apply_cpu_shims, cpu_device_mode
+from nemo_moe_metrics.scripts import check_torchrun_script
 from nemo_moe_metrics.sinks import build_sinks
 from nemo_moe_metrics.worker import PolicyMetrics
 
@@ -127,9 +128,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--expert-parallel", type=int, default=1)
     parser.add_argument(
-        "--table-every", type=int, default=DEFAULT_TABLE_EVERY, help="expert-load table cadence"
+        "--table-every",
+        type=int,
+        default=1,
+        help="store the expert-load table every N steps: every step for this short demo (the "
+        "report's over-steps and drift pictures need 2 or more); long runs keep the default "
+        f"{DEFAULT_TABLE_EVERY} of LoggerConfig(table_every=...)",
     )
     args = parser.parse_args(argv)
+    check_torchrun_script(  # one line, before any rank starts talking
+        "examples/integrate_megatron.py", extras=[("megatron", "examples/integrate_megatron.py")]
+    )
 
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func

@@ -2,7 +2,7 @@
 
 Run it (CPU: gloo; GPU: nccl, one device per rank)::
 
-    pip install 'nemo_moe_metrics[torchtitan]'
+    pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 einops==0.8.2 && pip install tyro==1.0.17 triton==3.7.1
     torchrun --nproc-per-node 2 examples/integrate_torchtitan.py --out /tmp/titan_run
     torchrun --nproc-per-node 2 examples/integrate_torchtitan.py --family qwen3_moe --out ...
 
@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig
 from nemo_moe_metrics.extras import require
+from nemo_moe_metrics.scripts import check_torchrun_script
 from nemo_moe_metrics.sinks import build_sinks
 from nemo_moe_metrics.worker import PolicyMetrics
 
@@ -96,7 +97,8 @@ def run(out_dir: Path, *, family: str = "deepseek_v3", steps: int = 3) -> list[d
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     register_moe_load_balancing_hook(optimizer, [model], dims)  # torchtitan's bias update
     sink = build_sinks(  # (metrics) JSONL + expert-load store under out_dir, rank 0 only
-        LoggerConfig(wandb_enabled=False, tensorboard_enabled=False),
+        # table_every=1: every step's expert-load table for this short demo (long runs: 20)
+        LoggerConfig(wandb_enabled=False, tensorboard_enabled=False, table_every=1),
         out_dir,
         run_name=f"integrate_torchtitan_{family}",
         config={"torchtitan": {"family": family, "layers": len(config.layers)}},
@@ -129,6 +131,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--family", choices=["deepseek_v3", "qwen3_moe"], default="deepseek_v3")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
+    check_torchrun_script(  # one line, before any rank starts talking
+        "examples/integrate_torchtitan.py",
+        extras=[("torchtitan", "examples/integrate_torchtitan.py")],
+    )
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
         history = run(args.out, family=args.family, steps=args.steps)

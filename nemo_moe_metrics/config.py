@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -19,11 +19,35 @@ class ConfigError(ValueError):
     """A recipe or override that cannot be used; the message names the key and the fix."""
 
 
-class StrictModel(BaseModel):
-    """Base model: unknown keys are rejected with a 'did you mean' suggestion."""
+class _ConfigErrors(type(BaseModel)):
+    """Constructing a model from Python (``MetricsConfig(...)``) raises :class:`ConfigError`
+    instead of pydantic's ValidationError. A metaclass, not ``__init__``: pydantic calls a
+    model's own ``__init__`` when it validates it as a nested field, and would wrap the error."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except ValidationError as err:
+            raise ConfigError(_api_error_text(cls.__name__, err)) from None
+
+
+class StrictModel(BaseModel, metaclass=_ConfigErrors):
+    """Base model: unknown keys are rejected with a 'did you mean' suggestion; built from
+    Python (``MetricsConfig(...)``, ``model_validate``), a bad value raises :class:`ConfigError`
+    with one line per problem (pydantic's own error adds a documentation link to each)."""
 
     # allow_inf_nan=False: an infinite peak or coefficient passes "> 0" and poisons every rate.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Any:
+        """pydantic's ``model_validate``, raising :class:`ConfigError` as the constructor does."""
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as err:
+            if cls is Recipe:  # recipe_from_dict words recipe errors itself
+                raise
+            raise ConfigError(_api_error_text(cls.__name__, err)) from None
 
     @model_validator(mode="before")
     @classmethod
@@ -31,7 +55,10 @@ class StrictModel(BaseModel):
         if not isinstance(data, dict):
             return data
         known = set(cls.model_fields)
+        foreign = getattr(cls, "foreign_keys", {})
         for key in data:
+            if key in foreign:
+                raise ValueError(f"unknown key '{key}': {foreign[key]}")
             if key not in known:
                 close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
                 hint = f"; did you mean '{close[0]}'?" if close else ""
@@ -42,6 +69,16 @@ class StrictModel(BaseModel):
             if isinstance(data[key], bool) and not _allows_bool(cls.model_fields[key].annotation):
                 raise ValueError(f"{key} takes no true/false value, got {str(data[key]).lower()}")
         return data
+
+
+def _api_error_text(model: str, err: ValidationError) -> str:
+    """``invalid MetricsConfig:`` then one ``  key: problem`` line per error."""
+    lines = [f"invalid {model}:"]
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"  {where}: {msg}" if where else f"  {msg}")
+    return "\n".join(lines)
 
 
 def _allows_bool(annotation: Any) -> bool:
@@ -268,12 +305,17 @@ class PolicyConfig(StrictModel):
         8,
         ge=1,
         description=(
-            "Sequences per optimizer step on EACH data-parallel rank (unlike NeMo RL's and "
-            "Megatron's global batch, which counts all ranks together): a step trains "
-            "train_global_batch_size x data-parallel size sequences. `check` prints both."
+            "Sequences per optimizer step over ALL data-parallel ranks together, as NeMo RL's "
+            "and Megatron's global batch: each rank trains train_global_batch_size / "
+            "data-parallel size of them, so it must be a multiple of data-parallel size x "
+            "train_micro_batch_size (checked before launch; `check` prints the split). It "
+            "used to count one rank's sequences: an older recipe multiplies it by the "
+            "data-parallel size to train the same batch."
         ),
     )
-    train_micro_batch_size: int = Field(2, ge=1, description="Sequences per microbatch.")
+    train_micro_batch_size: int = Field(
+        2, ge=1, description="Sequences per microbatch (on one data-parallel rank)."
+    )
 
     @model_validator(mode="after")
     def _check_batches(self) -> PolicyConfig:
@@ -301,9 +343,28 @@ class DPOConfig(StrictModel):
 
 
 class GRPOConfig(StrictModel):
-    """``grpo``: group-relative policy optimisation settings."""
+    """``grpo``: group-relative policy optimisation settings.
 
-    num_generations: int = Field(4, ge=2, description="Rollouts per prompt (the group).")
+    One rollout batch per optimizer step: ``policy.train_global_batch_size`` rollouts over all
+    data-parallel ranks, i.e. ``train_global_batch_size / num_generations`` prompts (NeMo RL's
+    ``num_prompts_per_step``) of ``num_generations`` rollouts each.
+    """
+
+    #: NeMo RL's GRPO keys, named with what they are here (a copied section fails helpfully).
+    foreign_keys: ClassVar[dict[str, str]] = {
+        "num_generations_per_prompt": (
+            "NeMo RL's grpo.num_generations_per_prompt is grpo.num_generations here"
+        ),
+        "num_prompts_per_step": "NeMo RL's grpo.num_prompts_per_step is set here through "
+        "policy.train_global_batch_size = num_prompts_per_step x grpo.num_generations (all "
+        "data-parallel ranks; one optimizer step per rollout batch); remove it",
+    }
+
+    num_generations: int = Field(
+        4,
+        ge=2,
+        description="Rollouts per prompt (the group; NeMo RL's num_generations_per_prompt).",
+    )
     prompt_length: int = Field(8, ge=1)
     response_length: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)

@@ -7,7 +7,9 @@ and pyyaml. Everything heavier is an extra of the package, named in ``pyproject.
 - ``launch``: nemo-run (with its leptonai pin) and rich, for ``nemo-moe-metrics run`` and Slurm;
 - ``wandb``, ``tensorboard``: those sinks; ``report``: matplotlib for the pictures;
 - ``hf``: transformers, for Hugging Face models (``examples/integrate_hf_fsdp.py``);
-- ``torchtitan``: torchtitan 0.3.0 models (``examples/integrate_torchtitan.py``);
+- ``torchtitan``: torchtitan 0.3.0 models (``examples/integrate_torchtitan.py``): not an extra
+  of the package, because torchtitan's own pins (``datasets<4.8``) downgrade huggingface_hub
+  under transformers 5; it installs with :data:`TORCHTITAN_INSTALL`, everywhere the same line;
 - ``mlflow``: mlflow-skinny with SQLAlchemy and Alembic, for the MLflow sink's SQLite store;
 - ``all``: every one of them.
 
@@ -34,18 +36,33 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
 }
 
 
+#: The one way torchtitan 0.3.0 is installed (README, docs, the example, this error, CI):
+#: without its own dependencies, whose pins would break transformers, plus what it imports.
+TORCHTITAN_INSTALL = (
+    "pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 "
+    "einops==0.8.2 && pip install tyro==1.0.17 triton==3.7.1"
+)
+# Dependency groups installed by a command of their own instead of an extra.
+_INSTALL_COMMANDS = {"torchtitan": TORCHTITAN_INSTALL}
+
+
 class MissingExtraError(ImportError):
     """An optional dependency is not installed; the message names the extra that brings it."""
 
 
 def install_hint(extra: str) -> str:
     """The pip command that installs ``extra``."""
-    return f"pip install 'nemo_moe_metrics[{extra}]'"
+    return _INSTALL_COMMANDS.get(extra, f"pip install 'nemo_moe_metrics[{extra}]'")
 
 
 def missing_extra_message(module: str, extra: str, what: str) -> str:
     """The one message every missing-extra error uses."""
     hint = install_hint(extra)
+    if extra in _INSTALL_COMMANDS:
+        return (
+            f"{what} needs {extra} ({module} is not installed); install it with: {hint} "
+            "(no extra: its own pins would break transformers; docs/en/torchtitan.md)"
+        )
     return f"{what} needs the '{extra}' extra ({module} is not installed); install it with: {hint}"
 
 

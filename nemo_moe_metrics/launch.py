@@ -566,6 +566,9 @@ def run_with_progress(
     src_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
     last: dict[str, Any] = {}
+    from nemo_moe_metrics.moe.alerts import AlertConsole
+
+    alert_console = AlertConsole(per_step=recipe.logger.alerts.max_lines_per_step)
     started = time.time()
     if recipe.algorithm == "grpo":
         console.print(GRPO_LOSS_NOTE, markup=False, highlight=False, soft_wrap=True)
@@ -591,6 +594,9 @@ def run_with_progress(
         while True:
             done = proc.poll() is not None
             rows, offset = _read_new_lines(metrics_path, offset)
+            for row in rows:  # alerts rank 0 recorded with the step (moe/alerts.py)
+                for line in alert_console.lines(row):
+                    progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
             if rows:
                 last = rows[-1]
                 progress.update(
@@ -606,6 +612,9 @@ def run_with_progress(
         report = failure_report(run_dir, proc.returncode, started)
         console.print(report, markup=False, highlight=False, soft_wrap=True)
         return proc.returncode
+    held = alert_console.closing_line(f"nemo-moe-metrics report {run_dir}")
+    if held:
+        console.print(held, markup=False, highlight=False, soft_wrap=True)
     console.print(f"[green]done[/green]: {run_dir}  (last step {last.get('step')})", soft_wrap=True)
     if metrics_path.is_file():
         from nemo_moe_metrics.report import render_report

@@ -111,13 +111,31 @@ def layout_problems(
                 f"it), or override {MCFG}.expert_model_parallel_size to a divisor of {nproc // pp}"
             )
 
-    # --- batches (train_global_batch_size counts the sequences of ONE data-parallel rank)
+    # --- batches (train_global_batch_size counts every data-parallel rank, as in NeMo RL)
     gbs, mbs = policy.train_global_batch_size, policy.train_micro_batch_size
-    if gbs % mbs:
+    dp = data_parallel_size(recipe, nproc)
+    ranks = dp or 1
+    groups = recipe.grpo.num_generations if recipe.algorithm == "grpo" else 1
+    unit = ranks * math.lcm(mbs, groups)  # the smallest global batch that fits every rule
+    fix = f"set train_global_batch_size to a multiple of {unit} (e.g. {_round_up(gbs, unit)})"
+    over = (
+        f"over all {ranks} data-parallel ranks of {words.given(nproc)} (as in NeMo RL and "
+        f"Megatron): each rank trains {gbs}/{ranks} of them"
+        if ranks > 1
+        else "(one data-parallel rank)"
+    )
+    if gbs % (ranks * mbs):
         problems.append(
-            f"policy.train_global_batch_size={gbs} is not a multiple of "
-            f"policy.train_micro_batch_size={mbs} (each data-parallel rank trains gbs sequences "
-            f"in gbs / mbs microbatches); set train_global_batch_size to a multiple of {mbs}"
+            f"policy.train_global_batch_size={gbs} is not a multiple of data-parallel size "
+            f"{ranks} x policy.train_micro_batch_size={mbs}: it counts the step's sequences "
+            f"{over}, in microbatches of {mbs}; {fix}"
+        )
+    elif (gbs // ranks) % groups:
+        problems.append(
+            f"policy.train_global_batch_size={gbs} is not a multiple of data-parallel size "
+            f"{ranks} x grpo.num_generations={groups}: each data-parallel rank samples whole "
+            f"groups of {groups} (the global batch is NeMo RL's num_prompts_per_step x "
+            f"num_generations_per_prompt, counted {over}); {fix}"
         )
     seq = model.seq_length
     if recipe.algorithm == "sft":
@@ -144,12 +162,6 @@ def layout_problems(
             )
     elif recipe.algorithm == "grpo":
         g = recipe.grpo
-        if gbs % g.num_generations:
-            problems.append(
-                f"policy.train_global_batch_size={gbs} is not a multiple of "
-                f"grpo.num_generations={g.num_generations} (each step trains whole groups); "
-                f"set train_global_batch_size to a multiple of {g.num_generations}"
-            )
         if g.prompt_length + g.response_length > seq:
             problems.append(
                 f"grpo.prompt_length={g.prompt_length} + grpo.response_length="
@@ -157,6 +169,20 @@ def layout_problems(
                 f"{g.prompt_length + g.response_length} or shorten the prompt or response"
             )
     return problems
+
+
+def data_parallel_size(recipe: Recipe, nproc: int | None) -> int | None:
+    """Data-parallel ranks of ``recipe`` on ``nproc`` ranks (tensor 1 x pipeline x context x
+    data; expert parallelism splits the data-parallel ranks), None when unknown or not whole."""
+    mcfg = recipe.policy.megatron_cfg
+    model_parallel = mcfg.pipeline_model_parallel_size * mcfg.context_parallel_size
+    if nproc is None or nproc < 1 or nproc % model_parallel:
+        return None
+    return nproc // model_parallel
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return max(multiple, -(-value // multiple) * multiple)
 
 
 def preflight(recipe: Recipe, nproc: int | None = None, words: RankWords | None = None) -> None:
@@ -182,6 +208,7 @@ def layout_summary(recipe: Recipe, nproc: int) -> str:
     )
     dp = nproc // (pp * cp)
     gbs, mbs = policy.train_global_batch_size, policy.train_micro_batch_size
+    per_rank = gbs // dp
     if model.is_moe and model.num_experts is not None:
         experts = (
             f"experts per rank: {model.num_experts // ep} of {model.num_experts} "
@@ -193,9 +220,17 @@ def layout_summary(recipe: Recipe, nproc: int) -> str:
         f"layout on {nproc} rank(s):",
         f"  data-parallel size: {dp} (tensor 1 x pipeline {pp} x context {cp} x data {dp})",
         f"  {experts}",
-        f"  microbatches per rank: {gbs // mbs} per step, {mbs} sequences each",
-        f"  sequences per step: {gbs} per data-parallel rank "
-        f"(policy.train_global_batch_size), {gbs * dp} over all {dp}",
+        f"  sequences per step: {gbs} over all {dp} data-parallel rank(s) "
+        f"(policy.train_global_batch_size, as in NeMo RL and Megatron), {per_rank} per rank",
+        f"  microbatches per rank: {per_rank // mbs} per step, {mbs} sequences each",
+    ]
+    if recipe.algorithm == "grpo":
+        g = recipe.grpo.num_generations
+        lines.append(
+            f"  rollouts per step: {gbs // g} prompts x {g} generations (NeMo RL's "
+            "grpo.num_prompts_per_step x num_generations_per_prompt)"
+        )
+    lines += [
         f"OK: recipe {recipe.name!r} can run on {nproc} rank(s) "
         f"({recipe.training.max_steps} steps of {recipe.algorithm})",
     ]

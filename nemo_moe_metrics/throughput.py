@@ -41,6 +41,8 @@ from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.host_read import Pending, read_once
 
 #: ``estimator(seq_lens: np.ndarray[int64], causal: bool) -> obj with .total`` (training FLOPs).
+#: The longest sequence length accepted (int32's maximum); a longer one is an input error.
+MAX_SEQUENCE_LENGTH = 2**31 - 1
 FlopsEstimator = Callable[..., Any]
 
 
@@ -286,6 +288,11 @@ class StepMeter:
         self._in_step = False
         self._step_lens: list[torch.Tensor] = []
         self._lens: list[torch.Tensor] = []  # committed steps of the current interval
+        # Token positions of the model inputs that held the sequences (batch x width), for
+        # the check that the lengths fit in them: known sum and microbatches without it.
+        self._step_inputs = _InputPositions()
+        self._inputs = _InputPositions()
+        self._rejected: list[str] = []  # host-known bad input of the interval (reject())
         self._total_tokens = 0.0
         self._total_seconds = 0.0
         self._total_flops = 0.0
@@ -333,6 +340,7 @@ class StepMeter:
             )
         self._in_step = True
         self._step_lens = []
+        self._step_inputs = _InputPositions()
         self._timer.start()
         try:
             yield self
@@ -343,10 +351,12 @@ class StepMeter:
         else:
             self._timer.stop()
             self._lens.extend(self._step_lens)
+            self._inputs.add(self._step_inputs)
             self.steps += 1
         finally:
             self._in_step = False
             self._step_lens = []
+            self._step_inputs = _InputPositions()
 
     def add_sequences(self, seq_lens: torch.Tensor) -> None:
         """Count one microbatch: a 1-D integer tensor of real tokens per sequence.
@@ -384,10 +394,24 @@ class StepMeter:
             )
         # A private copy (a device kernel, no sync): callers may reuse the buffer.
         self._step_lens.append(seq_lens.detach().to(torch.int64, copy=True))
+        self._step_inputs.unknown += 1
+
+    def note_positions(self, positions: int) -> None:
+        """The token positions (batch x width) of the model input that held the last
+        microbatch's sequences; export then checks that their lengths fit (a host int)."""
+        if self._step_inputs.unknown > 0:
+            self._step_inputs.unknown -= 1
+            self._step_inputs.known += int(positions)
+
+    def reject(self, message: str) -> None:
+        """Record bad input found on the host; export raises it here, and on every other rank
+        of the timing group as "another rank found invalid input", after the collectives."""
+        self._rejected.append(message)
 
     def discard_step_sequences(self) -> None:
         """Forget the open step's sequences (its forward-backward runs again); timing goes on."""
         self._step_lens = []
+        self._step_inputs = _InputPositions()
 
     def export(self) -> dict[str, float]:
         """Reduce the interval across ranks and return the ``train_perf/`` metrics.
@@ -412,15 +436,18 @@ class StepMeter:
         if self._in_step:
             raise RuntimeError("export() inside `with meter.step():`; export after the step ends")
         parts, self._lens = self._lens, []
+        inputs, self._inputs = self._inputs, _InputPositions()
         self._timer.order_after_steps()
         estimator = self._estimator
         on_device = estimator is None or _has_sums(estimator)
         windows = tuple(estimator.attention_windows) if on_device and estimator else ()
-        errors: list[str] = []
+        errors, self._rejected = self._rejected, []
         if on_device:
             sums, check = _length_sums(parts, windows, self._causal, self._device)
         else:
             sums, check = self._host_flops(parts, errors)
+        # [... sums, input positions, microbatches whose input was not seen]: summed together.
+        sums = torch.cat([sums, _host_vector([inputs.known, inputs.unknown], sums.device)])
         seconds_box: list[float] = []
         if not self._timer.uses_events:
             seconds_box.append(math.fsum(self._timer.collect()))
@@ -429,7 +456,7 @@ class StepMeter:
         max_device = self._collective_device(self._timing_group) if dist_on else sums.device
         # float64 holds token counts and attended pairs exactly up to 2**53.
         summed = sums.to(sum_device)
-        bad = ((check[0] + check[2]) > 0).to(torch.float64)
+        bad = ((check[0] + check[2]) > 0).to(torch.float64) + float(bool(errors))
         if seconds_box:  # the wall clock: host seconds, known now
             secs = _host_scalar(seconds_box[0], bad.device)
         else:  # device events: known after the wait; MAXed by _max_seconds
@@ -470,15 +497,18 @@ class StepMeter:
             if parts
             else np.zeros(0, dtype=np.int64)
         )
-        negative = bool(lens.size > 0 and lens.min() < 0)
-        tokens = float(lens.sum()) if not negative else 0.0
+        negative = int((lens < 0).sum())
+        too_long = int((lens > MAX_SEQUENCE_LENGTH).sum())
+        valid = lens.size > 0 and not negative and not too_long
+        tokens = float(lens.sum()) if valid else 0.0
         flops = 0.0
-        if lens.size and not negative:
+        if valid:
             try:
                 flops = _flops_total(self._estimator(lens, causal=self._causal))
             except Exception as err:  # noqa: BLE001 - re-raised after the collectives
                 errors.append(f"flops_estimator failed: {type(err).__name__}: {err}")
-        check = torch.tensor([int(negative), int(lens.min()) if lens.size else 0, len(errors)])
+        low, high = (int(lens.min()), int(lens.max())) if lens.size else (0, 0)
+        check = torch.tensor([negative, low, too_long, high], dtype=torch.int64)
         return torch.tensor([tokens, flops], dtype=torch.float64), check
 
     def _finish(
@@ -495,6 +525,22 @@ class StepMeter:
                 0,
                 f"sequence lengths must be >= 0; got {int(check[1])} (pass real token counts, "
                 "e.g. attention_mask.sum(-1))",
+            )
+        if check[2] > 0:
+            errors.insert(
+                0,
+                f"a sequence length of {int(check[3]):,} tokens is over {MAX_SEQUENCE_LENGTH:,} "
+                "(2**31 - 1), which no model input holds: pass each sequence's real token "
+                "count, e.g. attention_mask.sum(-1), not an uninitialised or overflowed buffer",
+            )
+        positions, unseen = float(summed[-2]), float(summed[-1])
+        summed = summed[:-2]
+        if not errors and unseen == 0 and positions > 0 and float(summed[0]) > positions:
+            errors.append(
+                f"seq_lens add up to {float(summed[0]):,.0f} tokens but the model inputs of "
+                f"those microbatches held only {positions:,.0f} token positions (batch x "
+                "sequence width, all ranks): seq_lens holds one count per sequence, its real "
+                "(non-padding) tokens, e.g. attention_mask.sum(-1)"
             )
         seconds = float(maxed[0])
         if self._timer.uses_events:
@@ -580,13 +626,31 @@ class StepMeter:
         return torch.device("cpu")
 
 
+class _InputPositions:
+    """Token positions of the model inputs that held microbatches: a known sum, and how many
+    microbatches had no input seen (then the lengths are not checked against positions)."""
+
+    def __init__(self) -> None:
+        self.known = 0
+        self.unknown = 0
+
+    def add(self, other: _InputPositions) -> None:
+        self.known += other.known
+        self.unknown += other.unknown
+
+
 def _has_sums(estimator: Any) -> bool:
     return hasattr(estimator, "from_sums") and hasattr(estimator, "attention_windows")
 
 
 def _host_scalar(value: float, device: torch.device) -> torch.Tensor:
     """A float64 0-d tensor on ``device`` without a blocking host-to-device copy."""
-    t = torch.tensor(value, dtype=torch.float64)
+    return _host_vector(value, device)
+
+
+def _host_vector(values: float | list[float], device: torch.device) -> torch.Tensor:
+    """Host numbers as a float64 tensor on ``device`` without a blocking copy."""
+    t = torch.tensor(values, dtype=torch.float64)
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
@@ -596,16 +660,21 @@ def _length_sums(
     parts: list[torch.Tensor], windows: tuple, causal: bool, device: torch.device | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Device sums of the lengths: float64 ``[tokens, pairs per window...]`` and int64 check
-    ``[negative lengths, min length, 0]``. Integer arithmetic on the device, exact; no sync."""
+    ``[negative lengths, min length, lengths over MAX_SEQUENCE_LENGTH, max length]``. Exact
+    below 2**53 tokens or attended pairs; no sync."""
     device = parts[0].device if parts else device or torch.device("cpu")
     parts = [p for p in parts if p.numel()]  # a microbatch without sequences adds nothing
     if not parts:
         return (
             torch.zeros(1 + len(windows), dtype=torch.float64, device=device),
-            torch.zeros(3, dtype=torch.int64, device=device),
+            torch.zeros(4, dtype=torch.int64, device=device),
         )
-    lens = torch.cat([p.to(device) for p in parts])
-    cols = [lens.sum()]
+    raw = torch.cat([p.to(device) for p in parts])
+    too_long = (raw > MAX_SEQUENCE_LENGTH).sum()
+    # Export raises for lengths outside [0, MAX_SEQUENCE_LENGTH]; clamped, the sums below cannot
+    # overflow int64 meanwhile (per sequence under 2**62; summed as float64).
+    lens = raw.clamp(0, MAX_SEQUENCE_LENGTH)
+    cols = [lens.sum().to(torch.float64)]
     for window in windows:
         if not causal:
             pairs = lens * lens
@@ -615,6 +684,7 @@ def _length_sums(
             # The first min(L, w) queries see i+1 keys; the remaining ones see exactly w.
             inside = lens.clamp(max=int(window))
             pairs = inside * (inside + 1) // 2 + (lens - inside) * int(window)
-        cols.append(pairs.sum())
-    check = torch.stack([(lens < 0).sum(), lens.min(), torch.zeros_like(lens[0])])
+        cols.append(pairs.to(torch.float64).sum())
+    lens = raw
+    check = torch.stack([(lens < 0).sum(), lens.min(), too_long, lens.max()])
     return torch.stack(cols).to(torch.float64), check

@@ -125,6 +125,41 @@ def _num_sequences(seq_lens: Any) -> int | None:
     return len(seq_lens) if isinstance(seq_lens, list | tuple) else None
 
 
+_INPUT_KEYS = ("input_ids", "tokens", "inputs_embeds", "input")
+
+
+def _input_rows_and_width(args: tuple, kwargs: dict) -> tuple[int, int] | None:
+    """``(sequences, positions per sequence)`` of a model's token input, from its shape."""
+    found = next((kwargs[k] for k in _INPUT_KEYS if isinstance(kwargs.get(k), torch.Tensor)), None)
+    if found is None and args and isinstance(args[0], torch.Tensor):
+        found = args[0]
+    if found is None or found.dim() < 2 or found.is_floating_point() and found.dim() < 3:
+        return None  # no [batch, seq] token ids (or [batch, seq, hidden] embeddings) to read
+    return int(found.shape[0]), int(found.shape[1])
+
+
+def _context_parallel_size() -> int:
+    ps = sys.modules.get("megatron.core.parallel_state")  # only if in use
+    if ps is None or not ps.model_parallel_is_initialized():
+        return 1
+    return int(ps.get_context_parallel_world_size())
+
+
+def _check_tokens_against_routers(out: dict[str, Any]) -> None:
+    # Both numbers are already reduced over the ranks (the same on every rank): the real tokens
+    # seq_lens claims cannot exceed the tokens the MoE routers saw (padding included or not).
+    tokens, routed = out.get(mn.TOKENS), out.get(mn.ROUTED_TOKENS)
+    if tokens is None or not routed or tokens <= routed:
+        return
+    raise ValueError(
+        f"PolicyMetrics.finish_step: microbatch(seq_lens=...) adds up to {tokens:,.0f} tokens "
+        f"this step, but the MoE routers saw only {routed:,.0f} ({mn.ROUTED_TOKENS}), so "
+        f"{mn.TOKENS} and the FLOPs would be {tokens / routed:.3g}x too high. seq_lens holds "
+        "one count per sequence of the microbatch: its real (non-padding) tokens, e.g. "
+        "attention_mask.sum(-1) or lengths_from_cu_seqlens(cu_seqlens)"
+    )
+
+
 class PolicyMetrics:
     """Attaches what the metric flags ask for to a model and turns each step into metrics."""
 
@@ -139,6 +174,7 @@ class PolicyMetrics:
         self._ep_size = 1
         self._meter: Any = None
         self._attached = False
+        self._input_hooks: list[Any] = []
         self._facts: ModelFacts | None = None
         self._hf_aux: Any = None  # moe.hf_aux_loss.HFAuxLossAccumulator for transformers models
         self._bias: Any = None  # moe.expert_bias.ExpertBiasTracker when routers keep a bias
@@ -148,7 +184,13 @@ class PolicyMetrics:
         self._health_reducer: Any = None  # moe.reduction.RouterHealthReducer, every rank
         self._routes_ignored = False  # warned once that routes came with the flag off
         self._steps_since_export = 0
-        self._microbatches_since_export = 0  # a host counter: no device read per microbatch
+        # microbatch() calls since the last export and when the open step began: host
+        # counters (no device read per microbatch), checked against finish_step's count.
+        self._microbatches_since_export = 0
+        self._microbatches_at_step_start = 0
+        # len(seq_lens) of the last microbatch() call until a training forward of a chunk
+        # shows the batch it was for (throughput only; see _note_model_input).
+        self._lengths_awaiting_forward: int | None = None
         self._warned_empty_step = False
         self._aux_kept: dict[str, torch.Tensor] = {}  # megatron's tracker as step() left it
         self._in_step = False  # inside `with metrics.step():`; errors name the public calls
@@ -188,6 +230,10 @@ class PolicyMetrics:
             self._attach_moe(chunks, self._facts)
         if self.cfg.track_throughput:
             self._meter = self._build_meter(config)
+            self._input_hooks = [
+                chunk.register_forward_pre_hook(self._note_model_input, with_kwargs=True)
+                for chunk in chunks
+            ]
 
     def _attach_moe(self, chunks: list[nn.Module], facts: ModelFacts) -> None:
         from nemo_moe_metrics.moe.hooks import ExpertLoadCollector
@@ -329,12 +375,15 @@ class PolicyMetrics:
         Only training forwards inside it are counted (expert loads, aux losses): what a forward
         with grad outside ``step()`` added to megatron's aux-loss tracker is undone on entry.
         """
+        self._require_attach("step")
         if self._in_step:
             raise RuntimeError(
                 "PolicyMetrics.step() is already open: steps do not nest; leave the previous "
                 "`with metrics.step():` block before starting the next step"
             )
         self._in_step = True
+        self._microbatches_at_step_start = self._microbatches_since_export
+        self._lengths_awaiting_forward = None
         self._enter_counting()
         try:
             if self._meter is not None:
@@ -344,6 +393,7 @@ class PolicyMetrics:
                 yield
         except BaseException:
             self._discard_partial_step()
+            self._microbatches_since_export = self._microbatches_at_step_start
             raise
         finally:
             self._in_step = False
@@ -403,6 +453,8 @@ class PolicyMetrics:
             restore_tracker(self._tracker_at_step_start)
         if self._meter is not None:
             self._meter.discard_step_sequences()
+        self._microbatches_since_export = self._microbatches_at_step_start
+        self._lengths_awaiting_forward = None
 
     def microbatch(
         self, seq_lens: torch.Tensor, rollout_routes: torch.Tensor | None = None
@@ -413,8 +465,16 @@ class PolicyMetrics:
         chose for this microbatch's tokens, ``[tokens, moe_layers, top_k]`` in the model's token
         order (packed sequences concatenated) or padded ``[batch, seq, moe_layers, top_k]``;
         ``-1`` where no route was captured. Shapes are checked here (a mismatch raises before
-        any collective); no value is read on the host.
+        any collective); no value is read on the host. Call it inside ``with metrics.step():``,
+        before the microbatch's forward.
         """
+        self._require_attach("microbatch")
+        if not self._in_step:
+            raise RuntimeError(
+                "PolicyMetrics.microbatch() called outside a step; call it once per training "
+                "microbatch inside `with metrics.step():` (before the microbatch's forward), "
+                "then finish_step() after the block"
+            )
         if self._routing is not None:
             n = _num_sequences(seq_lens)
             self._routing.set_routes(rollout_routes, num_sequences=n)
@@ -432,22 +492,47 @@ class PolicyMetrics:
                 stacklevel=2,
             )
         if self._meter is not None:
-            if not self._in_step:
-                raise RuntimeError(
-                    "PolicyMetrics.microbatch() called outside a step; call it once per "
-                    "microbatch inside `with metrics.step():`, before finish_step()"
-                )
             self._meter.add_sequences(seq_lens)
-            self._microbatches_since_export += 1
+            self._lengths_awaiting_forward = _num_sequences(seq_lens)
+        self._microbatches_since_export += 1
+
+    def _note_model_input(self, chunk: nn.Module, args: tuple, kwargs: dict) -> None:
+        # The first training forward of a chunk after microbatch() shows the batch the lengths
+        # were for: its input's shape (metadata only, no host read). One length per row; a
+        # single row ([1, total], THD packing) holds any number of packed sequences.
+        if not (self._in_step and chunk.training and torch.is_grad_enabled()):
+            return  # a no-grad or eval forward (reference scoring) is not the microbatch's
+        count, self._lengths_awaiting_forward = self._lengths_awaiting_forward, None
+        if count is None:
+            return
+        rows_and_width = _input_rows_and_width(args, kwargs)
+        if rows_and_width is None:  # e.g. a middle pipeline stage (no token input)
+            return
+        rows, width = rows_and_width
+        if _context_parallel_size() == 1:  # a CP rank's input holds part of each sequence
+            self._meter.note_positions(rows * width)
+        if count != rows and rows > 1:
+            self._meter.reject(
+                f"microbatch(seq_lens=...) got {count} length(s) but the model's next forward "
+                f"took a batch of {rows} sequences ({rows} x {width}); pass one real-token "
+                "count per sequence of that batch, e.g. attention_mask.sum(-1) (sequences "
+                "packed into one row, [1, total], pass one length per packed sequence)"
+            )
 
     def finish_step(self, num_microbatches: int) -> dict[str, Any]:
         """Reduce across ranks and return the step's metrics; collective, same dict on every rank.
 
         Any error keeps its type and gains a note naming the export and the likely cause, so a
         collective timeout or a closed connection (a rank that failed earlier) reads as such.
+        Misuse that every rank makes alike (no ``attach``, no step since the last export, a
+        ``num_microbatches`` that is not the number of ``microbatch()`` calls) raises before any
+        collective.
         """
+        self._check_finish_call(num_microbatches)
         try:
             return self._finish_step(num_microbatches)
+        except ValueError:
+            raise  # bad input, found on every rank alike: its message says what to fix
         except Exception as err:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             err.add_note(
@@ -457,6 +542,50 @@ class PolicyMetrics:
                 "finish_step: look for the first error in the other ranks' logs."
             )
             raise
+
+    def _require_attach(self, call: str) -> None:
+        if not self._attached:
+            raise RuntimeError(
+                f"PolicyMetrics.{call}() before attach(): call metrics.attach(model, config) "
+                "once after building the model, before the first step (without it nothing is "
+                "measured and every step would return {})"
+            )
+
+    def _check_finish_call(self, num_microbatches: int) -> None:
+        self._require_attach("finish_step")
+        if self._in_step:
+            raise RuntimeError(
+                "PolicyMetrics.finish_step() inside `with metrics.step():`; call it after the "
+                "block ends (after optimizer.step()), on every rank"
+            )
+        if not self._steps_since_export:
+            raise RuntimeError(
+                "PolicyMetrics.finish_step() without a step: no `with metrics.step():` block "
+                "ended since the last finish_step (finish_step called twice, or the step's "
+                "forward-backward ran outside `with metrics.step():`); wrap each optimizer "
+                "step in `with metrics.step():` and call finish_step once after it"
+            )
+        if (
+            isinstance(num_microbatches, bool)
+            or not isinstance(num_microbatches, int)
+            or num_microbatches < 1
+        ):
+            raise ValueError(
+                f"PolicyMetrics.finish_step(num_microbatches={num_microbatches!r}): pass the "
+                "number of microbatches the step(s) since the last finish_step ran, an int >= 1"
+            )
+        calls = self._microbatches_since_export
+        if calls and calls != num_microbatches:
+            raise ValueError(
+                f"PolicyMetrics.finish_step(num_microbatches={num_microbatches}) but "
+                f"microbatch() was called {calls} time(s) since the last finish_step: the aux "
+                f"losses are divided by num_microbatches, so they would be {calls}/"
+                f"{num_microbatches} of their value. Pass the number of microbatches this "
+                "step ran (the schedule's num_microbatches), and call microbatch() once per "
+                "microbatch (once per microbatch also under virtual pipeline stages). A rank "
+                "that calls microbatch() for no microbatch (a pipeline stage without the batch) "
+                "is not checked."
+            )
 
     def _finish_step(self, num_microbatches: int) -> dict[str, Any]:
         # Every family launches its device work and collectives (same order on every rank),
@@ -515,16 +644,21 @@ class PolicyMetrics:
         if self._megatron_aux and self.cfg.aux_loss_tracker == "shared":
             pending.append(self._enqueue_uncleared_tracker_check())
         out: dict[str, Any] = {}
-        for metrics in read_once(pending):
-            out.update(metrics)
-        if out.get(mn.ROUTED_TOKENS) == 0:
-            self._drop_empty_moe_step(out)
-        if self._meter is not None:
-            self._check_microbatches_recorded(out)
-        self._steps_since_export = 0
-        self._microbatches_since_export = 0
-        self._aux_kept = {}
-        self._tracker_at_step_start = None
+        try:
+            for metrics in read_once(pending):
+                out.update(metrics)
+            if out.get(mn.ROUTED_TOKENS) == 0:
+                self._drop_empty_moe_step(out)
+            _check_tokens_against_routers(out)
+            if self._meter is not None:
+                self._check_microbatches_recorded(out)
+        finally:
+            # The families consumed the interval at enqueue: an export that raises (bad input,
+            # found on every rank alike) discards it, and the next step starts afresh.
+            self._steps_since_export = 0
+            self._microbatches_since_export = 0
+            self._aux_kept = {}
+            self._tracker_at_step_start = None
         return out
 
     def _drop_empty_moe_step(self, out: dict[str, Any]) -> None:
@@ -612,6 +746,9 @@ class PolicyMetrics:
 
     def detach(self) -> None:
         """Remove every hook (the model runs exactly as before)."""
+        for handle in self._input_hooks:
+            handle.remove()
+        self._input_hooks = []
         if self._collector is not None:
             self._collector.detach()
             self._collector = None

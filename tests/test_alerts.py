@@ -204,3 +204,76 @@ def test_router_health_alerts_name_the_layer_then_fall_back_to_the_summary(tmp_p
         "moe alert step 3: the worst MoE layer decides 40.0% of its tokens by a near tie"
     )
     assert len(seen) == 3
+
+
+def test_every_alert_is_recorded_in_its_steps_jsonl_line_and_the_report_lists_them(tmp_path):
+    """The API path: build_sinks -> metrics.jsonl "alerts" -> the report summary."""
+    from nemo_moe_metrics.report import render_report
+
+    hot = np.full((2, 8), 100)
+    hot[1, 6] = 520  # 3.41x ideal in layer 1
+    steps = [{mn.EXPERT_LOADS: _rows(c)} for c in (np.full((2, 8), 100), hot, hot)]
+    steps[2] = {**steps[2], "moe/layer_0/routing_disagreement": 0.5}
+    _log(tmp_path, steps, max_over_ideal=3.0, drift=None, dead_steps=None)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert ["alerts" in r for r in rows] == [False, True, True]
+    (over,) = rows[1]["alerts"]
+    assert over["kind"] == "max_over_ideal" and (over["layer"], over["expert"]) == (1, 6)
+    assert over["message"].startswith("moe alert step 1: layer 1 expert 6 load 3.41x ideal")
+    (routing,) = rows[2]["alerts"]  # layer 1 still over: not again; the routing alert is new
+    assert routing["kind"] == "routing_disagreement" and routing["layer"] == 0
+    assert rows[2][mn.ALERTS] == 1
+    assert list(rows[2])[-1] == "alerts"  # after every metric: readers of the scalars skip it
+    summary = render_report(tmp_path).splitlines()
+    i = summary.index(
+        "alerts (logger.alerts): 2 in 2 steps, 1–2; by kind: max_over_ideal 1, routing_disagreement 1"
+    )
+    assert summary[i + 1] == "  " + over["message"]
+    assert summary[i + 2] == "  " + routing["message"]
+
+
+def test_a_new_alert_kind_flows_to_the_jsonl_and_the_report_without_other_changes(tmp_path):
+    """What issue 32's router-health kinds rely on: a check returning Alert is enough."""
+    from nemo_moe_metrics.moe.alerts import Alert, AlertMonitor
+    from nemo_moe_metrics.report import render_report
+
+    class WithNearTies(AlertMonitor):
+        def check(self, metrics, step):
+            return [*super().check(metrics, step), Alert("router_near_tie_fraction", step, 2,
+                    None, f"moe alert step {step}: layer 2 near ties 40% > 0.3")]  # fmt: skip
+
+    sink = build_sinks(
+        LoggerConfig(tensorboard_enabled=False, wandb_enabled=False), tmp_path, run_name="r"
+    )
+    sink.monitor = WithNearTies(LoggerConfig().alerts)
+    sink.log({mn.ROUTED_TOKENS: 10.0}, 0)
+    sink.close()
+    (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert row["alerts"][0]["kind"] == "router_near_tie_fraction" and row[mn.ALERTS] == 1
+    assert "  moe alert step 0: layer 2 near ties 40% > 0.3" in render_report(tmp_path)
+
+
+def test_the_console_shows_one_line_per_alert_and_holds_back_a_flood():
+    from nemo_moe_metrics.moe.alerts import AlertConsole
+
+    now = [0.0]
+    console = AlertConsole(per_step=3, per_window=5, window_s=60, clock=lambda: now[0])
+
+    def row(step, n):
+        return {
+            "step": step,
+            "alerts": [{"kind": "k", "message": f"s{step} a{i}"} for i in range(n)],
+        }
+
+    assert console.lines({"step": 0, mn.ALERTS: 0}) == []
+    lines = console.lines(row(1, 5))  # 3 per step, then one line for the rest of the step
+    assert lines[:3] == ["s1 a0", "s1 a1", "s1 a2"]
+    assert lines[3].startswith("moe alert step 1: 2 more alert(s) of this step not shown")
+    assert console.lines(row(2, 2)) == ["s2 a0"]  # 5 lines per minute
+    assert console.lines(row(3, 1)) == []
+    now[0] = 61.0  # the window has passed: first the count of what was held back
+    lines = console.lines(row(4, 1))
+    assert lines[0].startswith("moe alerts: 2 more alert(s) not shown") and lines[1:] == ["s4 a0"]
+    assert console.closing_line("nemo-moe-metrics report D").startswith(
+        "moe alerts: 4 alert line(s) not shown here"
+    )

@@ -25,9 +25,14 @@ def _run_loops(rank, world_size):
 
     out = {}
     for algo, steps in (("sft", SFT_STEPS), ("dpo", 2), ("grpo", 2)):
+        # One rank: the global batch of 8 is this rank's whole batch.
         recipe = load_recipe(
             CONFIGS / f"{algo}_moe_tiny.yaml",
-            ["policy.megatron_cfg.expert_model_parallel_size=1", f"training.max_steps={steps}"],
+            [
+                "policy.megatron_cfg.expert_model_parallel_size=1",
+                "policy.train_global_batch_size=8",
+                f"training.max_steps={steps}",
+            ],
         )
         probe = ProbeHooks()
         worker = MegatronPolicyWorker(recipe, hooks=probe)
@@ -71,9 +76,10 @@ def test_sft_loss_decreases(loops):
 @pytest.mark.parametrize("algo", ["sft", "dpo", "grpo"])
 def test_microbatches_per_step_are_batch_over_micro_batch(loops, algo):
     finishes = [c for c in loops[algo]["calls"] if c[0] == "finish_step"]
-    # Recipes: train_global_batch_size 8, train_micro_batch_size 2.
+    # train_global_batch_size 8 on one rank, train_micro_batch_size 2.
     assert [c[1] for c in finishes] == [8 // 2] * len(loops[algo]["logged"])
     assert all(m["train/num_microbatches"] == 4 for _, m in loops[algo]["logged"])
+    assert all(m["train/num_sequences"] == 8 for _, m in loops[algo]["logged"])
 
 
 def _grad_split(router_calls):

@@ -174,9 +174,11 @@ def test_check_rejects_grpo_batch_without_whole_groups(tmp_path):
         "policy.train_micro_batch_size=2",
     )
     assert proc.returncode == 2
-    assert "policy.train_global_batch_size=6 is not a multiple of grpo.num_generations=4" in (
-        proc.stderr
-    )
+    text = " ".join(proc.stderr.split())
+    # 6 over the 2 data-parallel ranks of the default --nproc 2: 3 each, no whole microbatch
+    # of 2 nor group of 4; the smallest global batch that fits both is 2 x lcm(2, 4) = 8.
+    assert "policy.train_global_batch_size=6 is not a multiple of data-parallel size 2 x" in text
+    assert "a multiple of 8 (e.g. 8)" in text
 
 
 def test_check_rejects_grpo_prompt_and_response_longer_than_seq_length(tmp_path):
@@ -376,6 +378,7 @@ def test_slurm_dry_run_is_readable_named_after_the_recipe_and_writes_nothing(tmp
             sys.executable,
             "recipes/slurm.py",
             str(GRPO.relative_to(ROOT)),
+            "policy.train_global_batch_size=64",  # 16 ranks x one group of 4 each
             "--account=A",
             "--partition=P",
             "--nodes=2",

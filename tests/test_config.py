@@ -135,3 +135,25 @@ def test_example_recipe_is_valid_and_round_trips(path, tmp_path):
     for flag in MetricsConfig.model_fields:
         assert f"{flag}:" in text and "#" in text.split(f"{flag}:")[1].splitlines()[0], flag
     assert isinstance(yaml.safe_load(text), dict)
+
+
+def test_python_api_config_errors_are_one_line_each_without_pydantic_links():
+    from nemo_moe_metrics.config import ConfigError, LoggerConfig, MetricsConfig
+
+    with pytest.raises(ConfigError) as err:
+        MetricsConfig(track_flops=True)
+    assert str(err.value) == (
+        "invalid MetricsConfig:\n  track_flops: true needs track_throughput: true (FLOP/s and "
+        "MFU are rates over the measured step time); set track_throughput: true"
+    )
+    for bad in (
+        lambda: LoggerConfig(table_every=0, alerts={"drift": 2}),
+        lambda: MetricsConfig.model_validate({"peak_flops_per_gpu": -1}),
+    ):
+        with pytest.raises(ConfigError) as err:
+            bad()
+        assert "For further information" not in str(err.value) and "pydantic" not in str(err.value)
+    assert (
+        str(err.value)
+        == "invalid MetricsConfig:\n  peak_flops_per_gpu: Input should be greater than 0"
+    )

@@ -67,3 +67,40 @@ def test_chinese_page_mirrors_the_english_structure(page):
     assert re.findall(r"```.*?```", en, re.S) == re.findall(r"```.*?```", zh, re.S)
     keys = [set(re.findall(r"`((?:moe|train_perf)/[^`\n]*)`", t)) for t in (en, zh)]
     assert keys[0] == keys[1], keys[0] ^ keys[1]
+
+
+@pytest.mark.parametrize("lang", LANGS)
+def test_the_alert_record_the_docs_show_is_what_the_jsonl_sink_writes(lang, tmp_path):
+    from nemo_moe_metrics.moe.alerts import Alert
+    from nemo_moe_metrics.sinks.jsonl import JsonlSink
+
+    text = (DOCS / lang / "visualisation.md").read_text(encoding="utf-8")
+    (block,) = [b for b in _code_blocks(text, " *jsonl") if '"alerts"' in b]
+    shown = json.loads(" ".join(block.split()))
+    scalars = {k: v for k, v in shown.items() if k not in ("step", "alerts")}
+    alerts = [Alert(step=shown["step"], **a).record() for a in shown["alerts"]]
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    sink.log(scalars, shown["step"], alerts)
+    sink.close()
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == shown
+    assert list(shown)[-1] == "alerts"
+
+
+@pytest.mark.parametrize("lang", LANGS)
+def test_integration_and_frameworks_pages_match_the_files_they_name(lang):
+    import re
+
+    root = DOCS.parent
+    integration = (DOCS / lang / "integration.md").read_text(encoding="utf-8")
+    listed = re.findall(r"^- `(examples/integrate_\w+\.py)`", integration, re.M)
+    assert len(listed) == 3 and all((root / f).is_file() for f in listed), listed
+    assert ("Three runnable files" if lang == "en" else "三个可运行的文件") in integration
+    assert (
+        "table_every" in integration
+        and "## " + ("Mistakes that raise" if lang == "en" else "会报错的误用") in integration
+    )
+    frameworks = (DOCS / lang / "frameworks.md").read_text(encoding="utf-8")
+    fqns = set(re.findall(r'worker_extension_cls_fqn="([^"]+)"', frameworks))
+    assert fqns == {"my_pkg.workers.MoEMetricsWorker"}, fqns  # prose and code name one path
+    assert "## Hugging Face transformers" in frameworks
+    assert "examples/integrate_hf_fsdp.py" in frameworks

@@ -98,8 +98,14 @@ def test_the_all_extra_installs_every_import_of_both_examples(example):
     }  # fmt: skip
     third_party = roots - set(sys.stdlib_module_names) - {"nemo_moe_metrics", "__future__"}
     provided = _extra_requirements("all") | {"torch", "numpy", "pydantic", "pyyaml"}
-    if example == "integrate_torchtitan.py":  # its own extra: torchtitan's pins clash with [all]
-        provided |= _extra_requirements("torchtitan")
+    if example == "integrate_torchtitan.py":  # its own install line: its pins clash with [all]
+        from nemo_moe_metrics.extras import TORCHTITAN_INSTALL
+
+        provided |= {
+            w.split("==")[0].lower().replace("_", "-")
+            for w in TORCHTITAN_INSTALL.split()
+            if "==" in w
+        }
     dists = md.packages_distributions()
     for module in third_party:
         names = {d.lower().replace("_", "-") for d in dists.get(module, [module])}
@@ -119,7 +125,7 @@ def test_the_hf_example_without_transformers_names_the_hf_extra(tmp_path):
         "runpy.run_path('examples/integrate_hf_fsdp.py', run_name='__main__')\n"
     )
     proc = _python(tmp_path, code, tmp_path / "out")
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "error: examples/integrate_hf_fsdp.py needs the 'hf' extra (transformers is not "
         "installed); install it with: pip install 'nemo_moe_metrics[hf]'"
@@ -333,15 +339,40 @@ def test_check_ends_with_the_layout_and_ok(tmp_path):
     proc = _cli(tmp_path, "check", GRPO, "--nproc", "4", "policy.train_micro_batch_size=4")
     assert proc.returncode == 0, proc.stderr
     # 4 ranks, no pipeline/context split: data-parallel 4; 8 experts over expert-parallel 2;
-    # 8 sequences per rank in microbatches of 4.
-    assert proc.stdout.splitlines()[-6:] == [
+    # the global batch of 16 is 4 sequences per rank, one microbatch of 4; 4 prompts x 4.
+    assert proc.stdout.splitlines()[-7:] == [
         "layout on 4 rank(s):",
         "  data-parallel size: 4 (tensor 1 x pipeline 1 x context 1 x data 4)",
         "  experts per rank: 4 of 8 (expert-parallel 2, top-2)",
-        "  microbatches per rank: 2 per step, 4 sequences each",
-        "  sequences per step: 8 per data-parallel rank (policy.train_global_batch_size), 32 over all 4",
+        "  sequences per step: 16 over all 4 data-parallel rank(s) (policy.train_global_batch_size,"
+        " as in NeMo RL and Megatron), 4 per rank",
+        "  microbatches per rank: 1 per step, 4 sequences each",
+        "  rollouts per step: 4 prompts x 4 generations (NeMo RL's grpo.num_prompts_per_step x "
+        "num_generations_per_prompt)",
         "OK: recipe 'grpo_moe_tiny' can run on 4 rank(s) (8 steps of grpo)",
     ]
+
+
+@pytest.mark.parametrize(
+    "nproc,overrides,needle",
+    [
+        # 16 over 2 ranks is 8 each: not a whole microbatch of 16.
+        ("2", ["policy.train_micro_batch_size=16"], "multiple of data-parallel size 2 x "
+         "policy.train_micro_batch_size=16: it counts the step's sequences over all 2 "
+         "data-parallel ranks of --nproc 2 (as in NeMo RL and Megatron): each rank trains 16/2"),
+        # 16 over 8 ranks is 2 each: not a whole group of 4 generations.
+        ("8", ["policy.train_micro_batch_size=1"], "multiple of data-parallel size 8 x "
+         "grpo.num_generations=4: each data-parallel rank samples whole groups of 4"),
+    ],
+)  # fmt: skip
+def test_check_refuses_a_global_batch_the_data_parallel_ranks_cannot_split(
+    tmp_path, nproc, overrides, needle
+):
+    proc = _cli(tmp_path, "check", GRPO, "--nproc", nproc, *overrides)
+    assert proc.returncode == 2
+    text = " ".join(proc.stderr.split())
+    assert needle in text, text
+    assert "set train_global_batch_size to a multiple of" in text
 
 
 def test_check_of_a_dense_recipe_says_it_has_no_experts(tmp_path):
@@ -391,7 +422,13 @@ def _slurm(tmp_path, *args, blocked=(), path=None):
     )
 
 
-SLURM_ARGS = ("examples/configs/grpo_moe_tiny.yaml", "--account=A", "--partition=P")
+# 8 GPUs: the global batch counts all 8 data-parallel ranks (README's Slurm line).
+SLURM_ARGS = (
+    "examples/configs/grpo_moe_tiny.yaml",
+    "policy.train_global_batch_size=64",
+    "--account=A",
+    "--partition=P",
+)
 
 
 def test_slurm_without_the_launch_extra_names_it(tmp_path):
@@ -478,8 +515,9 @@ def test_microbatch_outside_step_names_the_public_calls():
     with pytest.raises(RuntimeError) as err:
         metrics.microbatch(torch.tensor([5, 7]))
     assert str(err.value) == (
-        "PolicyMetrics.microbatch() called outside a step; call it once per microbatch inside "
-        "`with metrics.step():`, before finish_step()"
+        "PolicyMetrics.microbatch() called outside a step; call it once per training "
+        "microbatch inside `with metrics.step():` (before the microbatch's forward), then "
+        "finish_step() after the block"
     )
     assert "add_sequences" not in str(err.value) and "meter" not in str(err.value)
     nested = pytest.raises(RuntimeError, match=r"PolicyMetrics.step\(\) is already open")
@@ -633,16 +671,23 @@ def test_troubleshooting_says_attach_takes_a_config_json_dict():
     assert model_facts(as_dict).num_experts == 8
 
 
-def test_train_global_batch_size_says_it_counts_one_data_parallel_rank():
-    from nemo_moe_metrics.config import PolicyConfig
+def test_train_global_batch_size_counts_all_data_parallel_ranks_as_in_nemo_rl():
+    from nemo_moe_metrics.config import ConfigError, PolicyConfig, load_recipe
 
     text = PolicyConfig.model_fields["train_global_batch_size"].description
-    assert "EACH data-parallel rank" in text and "NeMo RL" in text
+    assert "ALL data-parallel ranks" in text and "NeMo RL" in text and "used to" in text
     for recipe in sorted((ROOT / "examples" / "configs").glob("*.yaml")):
-        line = next(x for x in recipe.read_text().splitlines() if "train_global_batch_size" in x)
-        assert "data-parallel rank" in line, recipe.name
-    loops = " ".join((ROOT / "docs" / "en" / "training_loops.md").read_text().split())
-    assert "This is **not** NeMo RL's or Megatron's meaning" in loops
+        body = recipe.read_text()
+        assert "counts the step's sequences over ALL data-parallel ranks" in body, recipe.name
+        assert "multiply an older" in body, recipe.name  # the note for the old meaning
+    for lang, needle in (("en", "Changed: it used to count"), ("zh", "变更")):
+        loops = " ".join((ROOT / "docs" / lang / "training_loops.md").read_text().split())
+        assert needle in loops and "num_prompts_per_step" in loops, lang
+    # A NeMo RL grpo section copied as is is refused with what each key is here.
+    with pytest.raises(ConfigError, match="num_generations_per_prompt is grpo.num_generations"):
+        load_recipe(GRPO, ["grpo.num_generations_per_prompt=4"])
+    with pytest.raises(ConfigError, match="num_prompts_per_step x grpo.num_generations"):
+        load_recipe(GRPO, ["grpo.num_prompts_per_step=4"])
 
 
 # --------------------------------------------------------------------------- 10. README lines
@@ -701,3 +746,83 @@ def test_the_per_rank_entrypoint_refuses_a_logged_run_in_recipe_terms(tmp_path):
     _refuse_a_logged_run(tmp_path, load_recipe(GRPO, ["logger.resume=true"]))  # continues
     (tmp_path / "metrics.jsonl").write_text("")  # failed before logging: not a run
     _refuse_a_logged_run(tmp_path, load_recipe(GRPO))
+
+
+# --------------------------------------------------------------------------- documented run commands
+
+
+def _documented_runs() -> list[tuple[str, list[str]]]:
+    import re
+    import shlex
+
+    sources = [*sorted((ROOT / "examples" / "configs").glob("*.yaml"))]
+    sources += [ROOT / "docs" / lang / "routing_consistency.md" for lang in ("en", "zh")]
+    runs = []
+    for path in sources:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            found = re.search(r"nemo-moe-metrics run (\S+\.yaml.*)$", line.lstrip("# "))
+            if found:
+                args = shlex.split(found.group(1))
+                runs.append((f"{path.name}: {line.strip()}", args))
+    return runs
+
+
+def test_documented_run_commands_in_sequence_use_distinct_run_directories():
+    """A recipe's documented second command (e.g. R3 without replay) is not refused because the
+    first one's run already holds the directory."""
+    from nemo_moe_metrics.launch import run_dir_for
+
+    runs = _documented_runs()
+    assert any("moe_enable_routing_replay=false" in where for where, _ in runs)
+    by_source: dict[str, dict] = {}
+    for where, args in runs:
+        recipe, overrides = args[0], [a for a in args[1:] if "=" in a and not a.startswith("-")]
+        run_dir = run_dir_for(ROOT / recipe, overrides, "runs")
+        seen = by_source.setdefault(where.split(":")[0], {})
+        assert seen.setdefault(run_dir, where) == where, f"{where} reuses {seen[run_dir]}'s run dir"
+
+
+# --------------------------------------------------------------------------- examples' start
+
+
+def test_an_example_started_without_torchrun_says_how_to_start_it(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "examples/integrate_hf_fsdp.py", "--out", str(tmp_path / "o")],
+        capture_output=True, text=True, cwd=ROOT, env=_env(tmp_path), timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (
+        "error: examples/integrate_hf_fsdp.py runs one process per rank under torchrun (RANK and "
+        "WORLD_SIZE are not set); start it with: torchrun --nproc-per-node 2 "
+        f"examples/integrate_hf_fsdp.py --out {tmp_path / 'o'}"
+    )
+
+
+def test_a_missing_extra_under_torchrun_is_one_line_from_rank_0(tmp_path):
+    """torchtitan hidden from both ranks (sys.modules entry None, as if not installed)."""
+    from nemo_moe_metrics.testing import free_port
+
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['torchtitan'] = None\n")
+    env = {**_env(tmp_path), "PYTHONPATH": f"{hide}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+        f"--master-port={free_port()}", "examples/integrate_torchtitan.py", "--out", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert ours == [
+        "error: examples/integrate_torchtitan.py needs torchtitan (torchtitan is not installed); "
+        "install it with: pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 "
+        "torch_checkpointing==0.1.1 einops==0.8.2 && pip install tyro==1.0.17 triton==3.7.1 (no "
+        "extra: its own pins would break transformers; docs/en/torchtitan.md)"
+    ], proc.stderr
+    first_error = next(line for line in proc.stderr.splitlines() if "rror" in line)
+    assert first_error == ours[0]  # before torchrun's own summary
+    # torchrun's summary names the root cause with the same words (the rank's error file),
+    # whichever rank exited first; no rank printed a traceback of its own.
+    root = proc.stderr.split("Root Cause (first observed failure):")[1]
+    assert "exitcode  : 2" in root and "needs torchtitan (torchtitan is not installed)" in root
+    assert "MissingExtraError" not in proc.stderr and "ModuleNotFoundError" not in proc.stderr

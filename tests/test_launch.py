@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from nemo_moe_metrics import metric_names as names
+from nemo_moe_metrics.config import load_recipe
 from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,6 +80,9 @@ def test_grpo_two_torchrun_ranks_writes_every_metric_and_artifact(tmp_path):
     assert [r["step"] for r in rows] == [0, 1]
     assert all(math.isfinite(r["train/loss"]) and 0 <= r["train/reward"] <= 1 for r in rows)
     assert all(r["train/num_microbatches"] == 4 for r in rows)
+    # The global batch, as NeMo RL and Megatron count it: both data-parallel ranks together.
+    gbs = load_recipe(GRPO).policy.train_global_batch_size
+    assert [r["train/num_sequences"] for r in rows] == [gbs, gbs] and gbs == 2 * 4 * 2
     for row in rows:
         for key in (names.aux_loss_key("load_balancing_loss"), names.aux_loss_key("z_loss")):
             assert math.isfinite(row[key]) and row[key] > 0, key
@@ -128,6 +132,7 @@ def test_slurm_recipe_dry_run_shows_sbatch_and_torchrun_command(tmp_path):
             "recipes/slurm.py",
             "examples/configs/grpo_moe_tiny.yaml",
             "training.max_steps=2",
+            "policy.train_global_batch_size=64",  # the global batch of 16 ranks (a group each)
             "--account=my_account",
             "--partition=gpu",
             "--nodes=2",

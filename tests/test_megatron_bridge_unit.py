@@ -7,6 +7,7 @@ Bridge's ``callbacks.py`` is the megatron-bridge 0.6.2 wheel's, loaded by file p
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -133,3 +134,12 @@ def test_bridge_example_runs_on_two_cpu_ranks_and_matches_megatrons_report(tmp_p
     from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
 
     assert [s for s, _, _ in read_expert_loads(store_path(tmp_path))] == [1, 2]
+    # The callback writes what `report` needs, with no logger setting a Bridge user never sees.
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all("moe/max_over_ideal" in r for r in rows)
+    report = subprocess.run(
+        [sys.executable, "-m", "nemo_moe_metrics.cli", "report", str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert report.returncode == 0, report.stderr
+    assert "steps 1–2 (2 logged)" in report.stdout and "expert load over step 2:" in report.stdout

@@ -375,3 +375,48 @@ def test_a_window_between_stored_tables_says_to_widen_the_window(tmp_path):
         "LoggerConfig(table_every=...) steps): expert_load_heatmap.png, expert_load_over_steps.png, "
         "routing_drift.png and max_over_ideal.png skipped; widen --steps"
     ) in proc.stdout.splitlines()
+
+
+def test_pictures_label_every_expert_order_worst_first_and_give_their_scales(tmp_path, monkeypatch):
+    """The figures the report draws, caught on their way to PNG (report/summary.py)."""
+    from nemo_moe_metrics.report import pictures, summary
+
+    figures: dict[str, object] = {}
+
+    def catch(name, make):
+        def render(run, path, *args, **kwargs):
+            figures[path.name] = make(run, *args, **kwargs)
+
+        monkeypatch.setattr(summary, name, render)
+
+    catch("render_over_steps", pictures.over_steps_figure)
+    catch("render_layer_series", pictures.layer_series_figure)
+    experts, loads = 16, {0: 1.5, 1: 1.2, 2: 2.0}  # busiest expert's share x ideal, per layer
+    steps = {}
+    for s in range(4):
+        counts = np.full((3, experts), 100)
+        for layer, ratio in loads.items():
+            counts[layer, s] = round(ratio * 100 * (experts - 1) / (experts - ratio))
+        steps[s] = counts
+    routing = {
+        s: {
+            "moe/layer_0/routing_disagreement": 0.3,
+            mn.ROUTING_DISAGREEMENT: 0.3,
+            mn.ROUTING_REPLAY_MISMATCH: 0.0,
+        }
+        for s in steps
+    }
+    _record(tmp_path, steps, routing)
+    text = render_report(tmp_path, out_dir=tmp_path / "out")
+    over = figures[OVER_STEPS_FILE].axes[:3]
+    assert [ax.get_ylabel().split(":")[0] for ax in over] == ["layer 2", "layer 0", "layer 1"]
+    assert "(layers 2, 0, 1: the 3 worst layers by mean max/ideal, worst first)" in text
+    assert [t.get_text() for t in over[0].get_yticklabels()] == [str(e) for e in range(experts)]
+    drift = figures[DRIFT_FILE].axes[0]
+    assert "0 = same shares, 1 = disjoint experts" in drift.get_ylabel()
+    routed = figures["routing_disagreement.png"].axes[0]
+    assert routed.get_ylabel() == "routing disagreement (% of pairs)"
+    assert max(max(line.get_ydata()) for line in routed.get_lines()) == pytest.approx(30.0)
+    title = " ".join(routed.get_title(loc="left").split())
+    assert "(token, MoE layer) pairs with a rollout route" in title
+    assert "differed from the rollout's on 0.00% of pairs" in title

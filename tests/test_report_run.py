@@ -79,11 +79,19 @@ def test_alerts_in_a_real_grpo_run_print_a_line_and_count_per_step(piped_run):
     logs = "".join(
         p.read_text(errors="replace") for p in (run_dir / "nemo_run").rglob("*") if p.is_file()
     )
-    assert re.search(
+    line = (
         r"moe alert step 0: layer [123] expert \d load \d+\.\d\dx ideal > "
-        r"logger\.alerts\.max_over_ideal=1\.01",
-        logs,
+        r"logger\.alerts\.max_over_ideal=1\.01"
     )
+    assert re.search(line, logs)
+    # Recorded with the step in metrics.jsonl, one line each on run's console, and listed by
+    # the report summary that run prints at the end.
+    assert [a["kind"] for a in rows[0]["alerts"]] == ["max_over_ideal"] * 3
+    assert "alerts" not in rows[1]
+    proc, _ = piped_run
+    console = [x for x in proc.stdout.splitlines() if re.fullmatch(line, x)]
+    assert sorted(console) == sorted(a["message"] for a in rows[0]["alerts"])
+    assert "alerts (logger.alerts): 3 in step 0; by kind: max_over_ideal 3" in proc.stdout
 
 
 @pytest.mark.slow

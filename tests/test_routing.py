@@ -86,14 +86,53 @@ def test_replay_mismatch_compares_executed_experts_and_padding_is_excluded():
     assert got[mn.ROUTING_MISSING_FRACTION] == 0.0
 
 
-def test_repeated_or_out_of_range_ids_are_not_routes():
+def test_repeated_ids_or_a_partial_row_are_not_routes():
     t = _tracker(layers=(0,))
-    t.set_routes(torch.tensor([[[1, 1]], [[0, 99]], [[0, 1]]]))
+    t.set_routes(torch.tensor([[[1, 1]], [[0, -1]], [[0, 1]]]))
     m = indices_to_map(torch.tensor([[0, 1]] * 3), E)
     t.observe(0, m, m, None, replay=False)
     got = _metrics(t)
     assert got[mn.ROUTING_MISSING_FRACTION] == 2 / 3
     assert got[mn.ROUTING_DISAGREEMENT] == 0.0
+
+
+@pytest.mark.parametrize("bad_id", [E, 99, -2])
+def test_an_out_of_range_expert_id_is_an_error_naming_the_layer(bad_id):
+    t = _tracker(layers=(0, 3))
+    routes = torch.tensor([[[0, 1], [2, 3]], [[0, 1], [2, bad_id]], [[4, 5], [6, 7]]])
+    t.set_routes(routes)
+    m = indices_to_map(torch.tensor([[0, 1]] * 3), E)
+    for layer in (0, 3):
+        t.observe(layer, m, m, None, replay=False)
+    with pytest.raises(ValueError, match=r"outside \[-1, num_experts\) for 1 .*\(layer 3: 1\)"):
+        _metrics(t)
+
+
+def test_an_out_of_range_id_on_padding_is_ignored():
+    t = _tracker(layers=(0,))
+    t.set_routes(torch.tensor([[[0, 1]], [[0, 99]]]))
+    m = indices_to_map(torch.tensor([[0, 1]] * 2), E)
+    t.observe(0, m, m, torch.tensor([True, False]), replay=False)
+    assert _metrics(t)[mn.ROUTING_DISAGREEMENT] == 0.0
+
+
+def test_no_pair_with_a_route_logs_no_ratio_instead_of_zero():
+    t = _tracker(layers=(0,))
+    t.set_routes(torch.full((3, 1, 2), -1))
+    m = indices_to_map(torch.tensor([[0, 1]] * 3), E)
+    t.observe(0, m, m, None, replay=False)
+    got = _metrics(t)
+    assert got == {mn.ROUTING_MISSING_FRACTION: 1.0}  # disagreement 0/0: not logged
+
+
+def test_routes_given_after_the_forward_are_refused():
+    t = _tracker(layers=(0,))
+    m = indices_to_map(torch.tensor([[0, 1]] * 2), E)
+    t.set_routes(None)
+    t.observe(0, m, m, None, replay=False)  # the forward ran without routes...
+    t.set_routes(torch.tensor([[[0, 1]], [[2, 3]]]))  # ...then its routes came
+    with pytest.raises(RoutingShapeError, match="never used.*before its forward"):
+        _metrics(t)
 
 
 def test_padded_routes_become_the_routers_token_order():
@@ -226,4 +265,30 @@ def test_hugging_face_router_batch_major_routes_against_router_output_hooks():
     all_routed = routed.all(-1)
     assert got[mn.ROUTING_TOKENS_ANY_LAYER_DIFFERS] == (
         (differ.any(-1) & all_routed).sum().item() / all_routed.sum().item()
+    )
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_the_chance_levels_the_docs_give_are_what_random_routes_measure(lang):
+    """Routes drawn at random (a misalignment) against a router's own top-2 of 8: the docs'
+    disagreement 1 - 1/C(8, 2) = 0.964 and overlap top_k / E = 0.25, not 1 - top_k / E."""
+    from math import comb
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = 20_000
+    rollout = torch.rand(tokens, E, generator=gen).topk(2, dim=1).indices  # k distinct, uniform
+    own = torch.rand(tokens, E, generator=gen).topk(2, dim=1).indices
+    t = _tracker(layers=(0,))
+    t.set_routes(rollout.reshape(tokens, 1, 2))
+    m = indices_to_map(own, E)
+    t.observe(0, m, m, None, replay=False)
+    got = _metrics(t)
+    assert got[mn.ROUTING_DISAGREEMENT] == pytest.approx(1 - 1 / comb(E, 2), abs=0.005)
+    assert got[mn.ROUTING_TOPK_OVERLAP] == pytest.approx(2 / E, abs=0.01)
+    doc = Path(__file__).resolve().parents[1] / "docs" / lang / "routing_consistency.md"
+    text = " ".join(doc.read_text(encoding="utf-8").split())
+    assert "`1 - 1 / C(num_experts, top_k)`" in text and "0.96" in text
+    assert (
+        "near `1 - top_k / num_experts`" not in text
+        and "接近 `1 - top_k / num_experts`" not in text
     )

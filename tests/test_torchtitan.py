@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 from dist import ok_values, run_ranks
 
-pytest.importorskip("torchtitan", reason="needs the torchtitan extra (torchtitan 0.3.0)")
+pytest.importorskip(
+    "torchtitan", reason="needs torchtitan 0.3.0 (docs/en/torchtitan.md: the install line)"
+)
 
 FAMILIES = ("deepseek_v3", "qwen3_moe")
 BATCH, SEQ, STEPS = 2, 32, 2

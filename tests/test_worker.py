@@ -63,7 +63,7 @@ def _worker_scenarios(rank, world_size):
 
     def batch():
         return sft_batch(
-            recipe.policy.train_global_batch_size,
+            recipe.policy.train_global_batch_size // worker.dp_size,
             model.seq_length,
             recipe.training.min_seq_length,
             model.vocab_size,

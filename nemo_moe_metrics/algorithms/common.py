@@ -1,7 +1,9 @@
-"""What the three loops share: the log callback type, merging, and a data-parallel mean."""
+"""What the three loops share: the log callback type, merging, the per-rank batch and a
+data-parallel mean."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +24,23 @@ def merge_step_metrics(own: dict[str, Any], worker: dict[str, Any]) -> dict[str,
     merged = dict(worker)
     merged.update(own)
     return merged
+
+
+def rank_batch_size(recipe: Any, dp_size: int, *, whole: int = 1) -> int:
+    """Sequences one data-parallel rank trains per step: ``policy.train_global_batch_size``
+    counts all data-parallel ranks together (as in NeMo RL and Megatron). ``whole``: a group
+    size each rank's share must hold whole (GRPO's generations, DPO's pairs)."""
+    gbs, mbs = recipe.policy.train_global_batch_size, recipe.policy.train_micro_batch_size
+    unit = dp_size * math.lcm(mbs, whole)
+    if gbs % unit:
+        raise ValueError(
+            f"policy.train_global_batch_size={gbs} counts the sequences of all {dp_size} "
+            f"data-parallel rank(s) together, so it must be a multiple of {unit} (data-parallel "
+            f"size {dp_size} x train_micro_batch_size={mbs}"
+            + (f", in whole groups of {whole}" if whole > 1 else "")
+            + ")"
+        )
+    return gbs // dp_size
 
 
 def dp_mean(values: dict[str, float], group: Any, size: int) -> dict[str, float]:

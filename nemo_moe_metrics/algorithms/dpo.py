@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_moe_metrics import metric_names as names
-from nemo_moe_metrics.algorithms.common import LogFn, merge_step_metrics
+from nemo_moe_metrics.algorithms.common import LogFn, merge_step_metrics, rank_batch_size
 from nemo_moe_metrics.algorithms.data import SequenceBatch, dpo_batch, generator
 from nemo_moe_metrics.config import Recipe
 
@@ -50,12 +50,13 @@ def run_dpo(recipe: Recipe, worker, log_fn: LogFn, start_step: int = 0) -> None:
             f"train_global_batch_size={gbs} and train_micro_batch_size={mbs} must both be even"
         )
     model_cfg, train_cfg = recipe.policy.model, recipe.training
+    per_rank = rank_batch_size(recipe, worker.dp_size, whole=2)
     worker.snapshot_reference()
     loss_fn = make_dpo_loss(recipe.dpo.beta)
     for step in range(start_step, train_cfg.max_steps):
         g = generator(train_cfg.seed, step, worker.dp_rank)
         batch = dpo_batch(
-            gbs // 2,
+            per_rank // 2,
             model_cfg.seq_length,
             train_cfg.min_seq_length,
             dpo_response_length(model_cfg.seq_length),

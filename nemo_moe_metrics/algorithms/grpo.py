@@ -16,6 +16,7 @@ from nemo_moe_metrics.algorithms.common import (
     dp_mean,
     masked_sequence_mean,
     merge_step_metrics,
+    rank_batch_size,
 )
 from nemo_moe_metrics.algorithms.data import (
     SequenceBatch,
@@ -65,13 +66,16 @@ def run_grpo(recipe: Recipe, worker, log_fn: LogFn, start_step: int = 0) -> None
             f"grpo.prompt_length + grpo.response_length = "
             f"{cfg.prompt_length + cfg.response_length} exceeds seq_length={model_cfg.seq_length}"
         )
+    # The global batch is NeMo RL's num_prompts_per_step x num_generations_per_prompt over all
+    # data-parallel ranks; each rank samples its share of the prompts, in whole groups.
+    per_rank = rank_batch_size(recipe, worker.dp_size, whole=cfg.num_generations)
     mcfg = recipe.policy.megatron_cfg
     wants_routes = mcfg.track_routing_consistency or mcfg.moe_enable_routing_replay
     precision = {} if cfg.rollout_precision == "fp32" else {"precision": cfg.rollout_precision}
     for step in range(start_step, train_cfg.max_steps):
         g = generator(train_cfg.seed, step, worker.dp_rank)
         prompts = copy_prompts(
-            gbs // cfg.num_generations, cfg.prompt_length, model_cfg.vocab_size, g
+            per_rank // cfg.num_generations, cfg.prompt_length, model_cfg.vocab_size, g
         )
         prompts = prompts.repeat_interleave(cfg.num_generations, dim=0)
         seqs = worker.generate(

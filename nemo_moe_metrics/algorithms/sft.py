@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 
 from nemo_moe_metrics import metric_names as names
-from nemo_moe_metrics.algorithms.common import LogFn, masked_sequence_mean, merge_step_metrics
+from nemo_moe_metrics.algorithms.common import (
+    LogFn,
+    masked_sequence_mean,
+    merge_step_metrics,
+    rank_batch_size,
+)
 from nemo_moe_metrics.algorithms.data import SequenceBatch, generator, sft_batch
 from nemo_moe_metrics.config import Recipe
 
@@ -21,12 +26,15 @@ def sft_loss(logprobs: torch.Tensor, mb: SequenceBatch) -> tuple[torch.Tensor, d
 
 
 def run_sft(recipe: Recipe, worker, log_fn: LogFn, start_step: int = 0) -> None:
-    """``recipe.training.max_steps`` optimizer steps; ``log_fn(metrics, step)`` once per step."""
+    """``recipe.training.max_steps`` optimizer steps; ``log_fn(metrics, step)`` once per step.
+
+    Each data-parallel rank trains its share of ``policy.train_global_batch_size``."""
     model_cfg, train_cfg = recipe.policy.model, recipe.training
+    per_rank = rank_batch_size(recipe, worker.dp_size)
     for step in range(start_step, train_cfg.max_steps):
         g = generator(train_cfg.seed, step, worker.dp_rank)
         batch = sft_batch(
-            recipe.policy.train_global_batch_size,
+            per_rank,
             model_cfg.seq_length,
             train_cfg.min_seq_length,
             model_cfg.vocab_size,

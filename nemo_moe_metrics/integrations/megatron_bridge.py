@@ -18,8 +18,9 @@ What happens at Bridge's events (``megatron/bridge/training/callbacks.py``, Brid
 - ``on_train_step_end``: ``finish_step`` on every rank (it is collective), with megatron's
   microbatch count; the scalars go to Bridge's own writers (``state.tensorboard_logger``,
   ``state.wandb_logger``) on whichever rank holds them, at the iteration Bridge's
-  ``training_log`` uses (``train_state.step + 1``); the ``moe/expert_loads`` table goes to the
-  expert-load store (``run_dir``) on the last rank.
+  ``training_log`` uses (``train_state.step + 1``); on the last rank the run directory
+  (``run_dir``) gets what ``nemo-moe-metrics report`` reads: ``metrics.jsonl``, the
+  ``moe/expert_loads`` table in the expert-load store, ``run.json``.
 
 Megatron's aux-loss tracker is ``shared`` by default here: Bridge's ``training_log`` (which
 runs after ``on_train_step_end``) reduces, logs and clears it, and logs what it logs without us.
@@ -33,14 +34,13 @@ import inspect
 import logging
 import math
 import sys
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, MetricsConfig
+from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, AlertsConfig, MetricsConfig
 from nemo_moe_metrics.megatron import compat  # imports no megatron module by itself
 from nemo_moe_metrics.sinks.base import split_tables, validate_metrics
 from nemo_moe_metrics.worker import PolicyMetrics
@@ -124,6 +124,17 @@ def batch_lengths(batch: Any) -> torch.Tensor | None:
     return torch.full((tokens.shape[0],), tokens.shape[-1], dtype=torch.int64)
 
 
+def default_run_dir(state: Any) -> Path:
+    """Where the callback writes when not told: beside Bridge's TensorBoard directory, else
+    beside its checkpoint save directory, else ``./nemo_moe_metrics``."""
+    cfg = getattr(state, "cfg", None)
+    for section, key in (("logger", "tensorboard_dir"), ("checkpoint", "save")):
+        where = getattr(getattr(cfg, section, None), key, None)
+        if where:
+            return Path(where).parent / "nemo_moe_metrics"
+    return Path.cwd() / "nemo_moe_metrics"
+
+
 class _BatchTap:
     """The data iterator as the forward step sees it; reports each batch it hands out."""
 
@@ -152,16 +163,20 @@ class MoEMetricsCallback(Callback):
             and clears megatron's tracker); set it to ``own`` only if nothing else does.
         vocab_size: the model's output-layer size for the FLOP estimate; None computes the
             padded size from Bridge's ``cfg.model``.
-        run_dir: where the expert-load store is written (``expert_loads.bin``); None: beside
-            Bridge's TensorBoard directory (``<tensorboard_dir>/../nemo_moe_metrics``), or no
-            store when TensorBoard is off.
+        run_dir: the run directory ``nemo-moe-metrics report`` reads, written on the last rank:
+            ``metrics.jsonl`` (every iteration's scalars), ``expert_loads.bin`` (the table) and
+            ``run.json``. None: beside Bridge's TensorBoard directory
+            (``<tensorboard_dir>/../nemo_moe_metrics``), else beside its checkpoint directory,
+            else ``./nemo_moe_metrics`` (:func:`default_run_dir`). A directory that already
+            holds a run is continued (a job restarted from its checkpoint).
         table_every: write the expert-load table on iterations that are multiples of this.
         mlflow_enabled: also log to MLflow on the last rank (extra ``mlflow``): the scalars as
             metrics at Bridge's iteration, the table as CSV artifacts on ``table_every``
-            iterations (:class:`nemo_moe_metrics.sinks.mlflow.MlflowSink`). Needs a run
-            directory (``run_dir`` or Bridge's TensorBoard directory).
+            iterations (:class:`nemo_moe_metrics.sinks.mlflow.MlflowSink`).
         mlflow_tracking_uri: None: a SQLite store in the run directory (``mlflow.db``).
         mlflow_experiment: the MLflow experiment's name.
+        alerts: ``logger.alerts`` thresholds (an :class:`AlertsConfig` or a dict): checked on
+            the last rank, recorded in metrics.jsonl and listed by the report.
 
     ``callback.metrics`` is the :class:`PolicyMetrics`; ``callback.last_metrics`` the last
     step's dict (the same on every rank).
@@ -177,6 +192,7 @@ class MoEMetricsCallback(Callback):
         mlflow_enabled: bool = False,
         mlflow_tracking_uri: str | None = None,
         mlflow_experiment: str = "nemo_moe_metrics",
+        alerts: AlertsConfig | Mapping[str, Any] | None = None,
     ) -> None:
         cfg = (
             metrics_cfg
@@ -187,6 +203,8 @@ class MoEMetricsCallback(Callback):
             cfg = cfg.model_copy(update={"aux_loss_tracker": "shared"})
         if table_every < 1:
             raise ValueError(f"table_every must be >= 1, got {table_every}")
+        if alerts is not None and not isinstance(alerts, AlertsConfig):
+            alerts = AlertsConfig.model_validate(dict(alerts))
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.run_dir = Path(run_dir) if run_dir is not None else None
@@ -195,11 +213,11 @@ class MoEMetricsCallback(Callback):
         self.last_metrics: dict[str, Any] = {}
         self._step: contextlib.ExitStack | None = None
         self._pass: Any = None  # the rerun state machine's pass the open step last saw
-        self._store: Any = None
+        self._store: Any = None  # the run directory's sinks (build_sinks), on the last rank
         self.mlflow_enabled = mlflow_enabled
         self.mlflow_tracking_uri = mlflow_tracking_uri
         self.mlflow_experiment = mlflow_experiment
-        self._mlflow: Any = None
+        self.alerts = alerts if alerts is not None else AlertsConfig()
 
     # -- Bridge events ---------------------------------------------------------------------
     def on_train_start(self, context: Any) -> None:
@@ -240,9 +258,6 @@ class MoEMetricsCallback(Callback):
         if self._store is not None:
             self._store.close()
             self._store = None
-        if self._mlflow is not None:
-            self._mlflow.close()
-            self._mlflow = None
         if self.metrics is not None:
             self.metrics.detach()
 
@@ -309,63 +324,63 @@ class MoEMetricsCallback(Callback):
         return bound.args, bound.kwargs
 
     def _open_store(self, state: Any) -> None:
+        """On the last rank: the run directory ``nemo-moe-metrics report`` reads (metrics.jsonl,
+        the expert-load store, run.json), through :func:`~nemo_moe_metrics.sinks.build_sinks`."""
         import torch.distributed as dist
 
+        from nemo_moe_metrics.config import LoggerConfig
+        from nemo_moe_metrics.sinks import build_sinks, logged_run
+
         last = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
-        if not (self.cfg.track_moe_metrics and last):
+        if not last or not (self.cfg.track_moe_metrics or self.cfg.track_throughput):
             return
-        want_store = self.cfg.log_expert_table
-        if not (want_store or self.mlflow_enabled):
-            return
-        run_dir = self.run_dir
-        if run_dir is None:
-            tb_dir = getattr(getattr(state.cfg, "logger", None), "tensorboard_dir", None)
-            if not tb_dir:
-                log.info(
-                    "MoEMetricsCallback: no run_dir and no tensorboard_dir: no expert store, "
-                    "no MLflow"
-                )
-                return
-            run_dir = Path(tb_dir).parent / "nemo_moe_metrics"
+        run_dir = self.run_dir or default_run_dir(state)
         name = (run_dir.parent if self.run_dir is None else run_dir).name or "megatron_bridge"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if want_store:
-            from nemo_moe_metrics.sinks.store import ExpertLoadSink, store_path
+        # A Bridge job restarted from its checkpoint continues the run it wrote (the report
+        # keeps the newest record of a step logged twice).
+        resume = bool(logged_run(run_dir))
+        logger_cfg = LoggerConfig(
+            tensorboard_enabled=False,  # Bridge's own writers get the scalars (_write)
+            wandb_enabled=False,
+            table_every=self.table_every,
+            mlflow_enabled=self.mlflow_enabled,
+            mlflow_tracking_uri=self.mlflow_tracking_uri,
+            mlflow_experiment=self.mlflow_experiment,
+            resume=resume,
+            alerts=self.alerts,
+        )
+        self._store = build_sinks(
+            logger_cfg, run_dir, run_name=name, config=self._run_config(), rank=0
+        )
+        log.info(
+            "MoEMetricsCallback: %s %s (metrics.jsonl, expert_loads.bin); read it with: "
+            "nemo-moe-metrics report %s",
+            "continuing" if resume else "writing",
+            run_dir,
+            run_dir,
+        )
 
-            self._store = ExpertLoadSink(store_path(run_dir), table_every=self.table_every)
-        if self.mlflow_enabled:
-            from nemo_moe_metrics.sinks.mlflow import MlflowSink
-
-            try:
-                self._mlflow = MlflowSink(
-                    run_dir,
-                    run_name=name,
-                    experiment=self.mlflow_experiment,
-                    tracking_uri=self.mlflow_tracking_uri,
-                    table_every=self.table_every,
-                )
-            except Exception as err:  # a logging backend must never stop training
-                warnings.warn(
-                    f"MoEMetricsCallback: MLflow could not start ({type(err).__name__}: {err}); "
-                    "continuing without it",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+    def _run_config(self) -> dict[str, Any]:
+        # What run.json keeps for the report: the model's MoE shape, when attached.
+        facts = self.metrics._facts if self.metrics is not None else None
+        model: dict[str, Any] = {}
+        if facts is not None:
+            model = {"num_layers": facts.num_layers, "num_experts": facts.num_experts or None}
+            topk = getattr(self.metrics._transformer_config, "moe_router_topk", None)
+            if topk:
+                model["moe_router_topk"] = int(topk)
+        return {"policy": {"model": model}, "megatron_bridge": {"metrics": self.cfg.model_dump()}}
 
     def _write(self, state: Any, out: dict[str, Any], iteration: int) -> None:
         writer = getattr(state, "tensorboard_logger", None)
         wandb_writer = getattr(state, "wandb_logger", None)
-        if writer is None and wandb_writer is None and self._store is None and self._mlflow is None:
+        if writer is None and wandb_writer is None and self._store is None:
             return  # a rank without Bridge's writers writes nothing
-        scalars, tables = split_tables(validate_metrics(out, iteration))
+        scalars, _ = split_tables(validate_metrics(out, iteration))
         if writer is not None:
             for key, value in scalars.items():
                 writer.add_scalar(key, value, iteration)
         if wandb_writer is not None and scalars:
             wandb_writer.log(scalars, iteration)
-        if self._store is not None and tables and self._store.wants_tables(iteration):
-            self._store.log(tables, iteration)
-        if self._mlflow is not None:
-            if not self.cfg.log_expert_table:
-                tables = {}
-            self._mlflow.log({**scalars, **tables}, iteration)
+        if self._store is not None:  # the run directory: JSONL, expert-load store, MLflow
+            self._store.log(out, iteration)

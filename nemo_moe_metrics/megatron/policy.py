@@ -99,9 +99,10 @@ class MegatronPolicyWorker:
     def train(self, batch: SequenceBatch, loss_fn: LossFn) -> dict[str, Any]:
         """One optimizer step over ``batch`` cut into ``train_micro_batch_size`` microbatches.
 
-        Returns ``train/loss``, ``train/num_microbatches``, ``train/num_sequences`` and the
-        loss function's metrics (each averaged over microbatches and data-parallel ranks), plus
-        ``hooks.finish_step(...)``'s dict unchanged.
+        Returns ``train/loss`` and the loss function's metrics (each averaged over microbatches
+        and data-parallel ranks), ``train/num_microbatches`` (this rank's) and
+        ``train/num_sequences`` (the step's global batch: summed over the data-parallel ranks),
+        plus ``hooks.finish_step(...)``'s dict unchanged.
         """
         from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -139,9 +140,8 @@ class MegatronPolicyWorker:
             if self.hooks is not None
             else {}
         )
-        result: dict[str, Any] = self._reduce_own_metrics(outputs)
+        result: dict[str, Any] = self._reduce_own_metrics(outputs, sequences=n)
         result[names.TRAIN_NUM_MICROBATCHES] = num_microbatches
-        result[names.TRAIN_NUM_SEQUENCES] = n
         clash = sorted(set(result) & set(hook_metrics))
         if clash:
             raise ValueError(f"metrics hooks returned keys the worker already owns: {clash}")
@@ -292,17 +292,24 @@ class MegatronPolicyWorker:
             for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
                 g.copy_(synced)
 
-    def _reduce_own_metrics(self, outputs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    def _reduce_own_metrics(
+        self, outputs: list[dict[str, torch.Tensor]], *, sequences: int
+    ) -> dict[str, Any]:
         # Mean over microbatches, then one all-reduce over data-parallel ranks: the logged loss
-        # is the global batch's, not rank 0's alone.
+        # is the global batch's, not rank 0's alone. The same all-reduce sums the sequences:
+        # train/num_sequences is the global batch (all data-parallel ranks, as in NeMo RL).
         keys = sorted(outputs[0])
         local = torch.stack(
             [torch.stack([o[k].float().reshape(()) for o in outputs]).mean() for k in keys]
+            + [torch.full((), float(sequences), device=self.device)]
         )
         if self.dp_size > 1:
             dist.all_reduce(local, group=self.dp_group)
-            local /= self.dp_size
-        return dict(zip(keys, local.tolist(), strict=True))
+            local[:-1] /= self.dp_size
+        values = local.tolist()
+        out: dict[str, Any] = dict(zip(keys, values[:-1], strict=True))
+        out[names.TRAIN_NUM_SEQUENCES] = round(values[-1])
+        return out
 
     def _to_device(self, batch: SequenceBatch) -> SequenceBatch:
         if batch.tokens.device == self.device:

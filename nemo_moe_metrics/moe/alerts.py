@@ -6,6 +6,19 @@ the step already logs (the ``moe/expert_loads`` table, per-layer keys, the summa
 collective, no device read. Each crossing prints one warning line naming the step, the layer
 and the expert, and ``moe/alerts`` counts the crossings of the step.
 
+The one path an alert takes, whatever its kind: a check returns :class:`Alert` s; the monitor
+logs them (the rank's log) and keeps them as :attr:`AlertMonitor.last_alerts`; the fan-out
+hands their :meth:`Alert.record` s to the JSONL sink, which writes them into the step's line
+under the reserved field ``"alerts"`` (:data:`ALERTS_FIELD`, after every metric)::
+
+    {"step": 7, ..., "moe/alerts": 1, "alerts": [{"kind": "drift", "layer": 3, "expert": 5,
+     "message": "moe alert step 7: layer 3 routing drift JS 0.214 bits since step 6 > ..."}]}
+
+From there ``nemo-moe-metrics run`` prints them on its console (:class:`AlertConsole`: one line
+each, rate-limited) and the report summary lists them, so an API user who logs through
+``build_sinks`` gets the same. A new kind needs only a check here that returns ``Alert`` s (and
+its threshold in ``AlertsConfig``); recording, console and report need no change.
+
 An alert fires when its condition starts to hold and re-arms once it stops holding, so a layer
 that stays overloaded for 1,000 steps warns once, not 1,000 times. What each check needs:
 
@@ -26,7 +39,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +49,7 @@ import numpy as np
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import AlertsConfig
 from nemo_moe_metrics.moe.timeline import DeadStreaks, Drift
+from nemo_moe_metrics.sinks.jsonl import ALERTS_FIELD  # the reserved field of a JSONL line
 
 log = logging.getLogger("nemo_moe_metrics.alerts")
 
@@ -54,6 +69,15 @@ class Alert:
     expert: int | None
     message: str
 
+    def record(self) -> dict[str, Any]:
+        """What metrics.jsonl keeps of it (the step is the line's own)."""
+        return {
+            "kind": self.kind,
+            "layer": self.layer,
+            "expert": self.expert,
+            "message": self.message,
+        }
+
 
 def _table(rows: Any) -> tuple[list[int], np.ndarray]:
     from nemo_moe_metrics.sinks.store import table_to_counts
@@ -72,10 +96,16 @@ class AlertMonitor:
         self._drift = Drift()
         self._active: set[tuple[str, int | None]] = set()
         self._noted_no_table = False
+        self.last_alerts: list[Alert] = []  #: the crossings of the last observed step
 
     def observe(self, metrics: Mapping[str, Any], step: int) -> dict[str, int]:
-        """Check one step; print its alerts; return ``{moe/alerts: number of crossings}``."""
+        """Check one step; print its alerts; return ``{moe/alerts: number of crossings}``.
+
+        The crossings stay in :attr:`last_alerts` until the next step (for the JSONL record).
+        """
+        self.last_alerts = []
         alerts = self.check(metrics, step)
+        self.last_alerts = alerts
         self._emit(alerts, step)
         return {mn.ALERTS: len(alerts)}
 
@@ -353,3 +383,97 @@ class AlertMonitor:
                 len(alerts),
                 self.cfg.max_lines_per_step,
             )
+
+
+def recorded_alerts(row: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The alert records of one metrics.jsonl row (empty when none, or not a list of objects)."""
+    records = row.get(ALERTS_FIELD)
+    if not isinstance(records, list):
+        return []
+    return [r for r in records if isinstance(r, Mapping) and isinstance(r.get("message"), str)]
+
+
+class AlertConsole:
+    """The alert lines a console shows while a run logs: one line per recorded alert, at most
+    ``per_step`` of a step and ``per_window`` in any ``window_s`` seconds; what is held back is
+    counted in one line when lines may flow again, and in :meth:`closing_line`."""
+
+    def __init__(
+        self,
+        *,
+        per_step: int = 10,
+        per_window: int = 20,
+        window_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.per_step = per_step
+        self.per_window = per_window
+        self.window_s = window_s
+        self._clock = clock
+        self._shown_at: list[float] = []
+        self._held = 0  # alerts not shown since the last line that said so
+        self.held_total = 0  #: alerts never shown on this console
+
+    def lines(self, row: Mapping[str, Any]) -> list[str]:
+        """The lines to print for one metrics.jsonl row (in step order)."""
+        records = recorded_alerts(row)
+        now = self._clock()
+        self._shown_at = [t for t in self._shown_at if now - t < self.window_s]
+        room = self.per_window - len(self._shown_at)
+        out: list[str] = []
+        if self._held and room > 0:
+            out.append(self._held_line())
+            room -= 1
+        take = max(0, min(len(records), self.per_step, room))
+        out += [r["message"] for r in records[:take]]
+        room -= take
+        rest = len(records) - take
+        self.held_total += rest
+        if rest and take == self.per_step and room > 0:  # the step's own cap
+            out.append(
+                f"moe alert step {row.get('step')}: {rest} more alert(s) of this step not shown "
+                f"(logger.alerts.max_lines_per_step={self.per_step}); all are in metrics.jsonl"
+            )
+        elif rest:  # the window is full: said in one line when lines may flow again
+            self._held += rest
+        self._shown_at += [now] * len(out)
+        return out
+
+    def closing_line(self, report_hint: str) -> str | None:
+        """One line for the alerts never shown (None when every alert was shown)."""
+        if not self.held_total:
+            return None
+        return (
+            f"moe alerts: {self.held_total} alert line(s) not shown here (rate limit); every "
+            f"alert is in metrics.jsonl (field {ALERTS_FIELD!r}) and in {report_hint}"
+        )
+
+    def _held_line(self) -> str:
+        held, self._held = self._held, 0
+        return (
+            f"moe alerts: {held} more alert(s) not shown (at most {self.per_window} lines per "
+            f"{self.window_s:g} s and {self.per_step} per step); all are in metrics.jsonl"
+        )
+
+
+def summarize_alerts(rows: Sequence[tuple[int, list[dict[str, Any]]]], limit: int = 5) -> list[str]:
+    """Report lines for ``(step, alert records)`` pairs of a run: counts by kind, then the first
+    ``limit`` alert lines (each line already names its step)."""
+    total = sum(len(records) for _, records in rows)
+    if not total:
+        return []
+    kinds: dict[str, int] = {}
+    for _, records in rows:
+        for r in records:
+            kinds[str(r.get("kind"))] = kinds.get(str(r.get("kind")), 0) + 1
+    steps = [step for step, records in rows if records]
+    span = f"step {steps[0]}" if len(steps) == 1 else f"{len(steps)} steps, {steps[0]}–{steps[-1]}"
+    by_kind = ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    out = [f"alerts (logger.alerts): {total} in {span}; by kind: {by_kind}"]
+    messages = [r["message"] for _, records in rows for r in records]
+    out += [f"  {m}" for m in messages[:limit]]
+    if total > limit:
+        out.append(
+            f"  ... {total - limit} more (every alert is in metrics.jsonl, field {ALERTS_FIELD!r})"
+        )
+    return out

@@ -7,7 +7,9 @@ integers into the ``moe/routing_*`` keys on the host.
 
 Definitions (over the step's training forwards; a *pair* is a (token, MoE layer) the training
 router saw, padding it knows of excluded; a pair *has a route* when its rollout row holds
-``top_k`` experts in ``[0, num_experts)``, ``-1`` marks none):
+``top_k`` distinct experts in ``[0, num_experts)``; ``-1`` marks none; an id outside
+``[-1, num_experts)`` on a real token is an error at export, and so are routes that no
+training forward used, e.g. given after the forward). A ratio over no pairs is not logged:
 
 - ``moe/routing_disagreement``: pairs with a route whose top-k set chosen by the training
   router (from its own scores, also under router replay) differs from the rollout's set, over
@@ -34,12 +36,16 @@ import torch
 
 from nemo_moe_metrics import metric_names as mn
 
-#: Per-layer integer slots of :meth:`RoutingTracker.local_stats`.
-PAIRS, ROUTED, DIFFER, OVERLAP, REPLAY_PAIRS, REPLAY_MISMATCH, REPLAY_FORWARDS = range(7)
-LAYER_SLOTS = 7
-#: Step-wide slots after the per-layer block: tokens routed on every layer, of which differ.
-TOKENS_ALL_ROUTED, TOKENS_ANY_DIFFERS = range(2)
-GLOBAL_SLOTS = 2
+#: Per-layer integer slots of :meth:`RoutingTracker.local_stats`; ``OUT_OF_RANGE``: real
+#: tokens whose rollout row holds an id outside ``[-1, num_experts)`` (an error at export).
+PAIRS, ROUTED, DIFFER, OVERLAP, REPLAY_PAIRS, REPLAY_MISMATCH, REPLAY_FORWARDS, OUT_OF_RANGE = (
+    range(8)
+)
+LAYER_SLOTS = 8
+#: Step-wide slots after the per-layer block: tokens routed on every layer, of which differ,
+#: and routes given to ``microbatch()`` that no training forward used (an error at export).
+TOKENS_ALL_ROUTED, TOKENS_ANY_DIFFERS, UNUSED_ROUTES = range(3)
+GLOBAL_SLOTS = 3
 
 
 class RoutingShapeError(ValueError):
@@ -158,6 +164,7 @@ class RoutingTracker:
             else None
         )
         self._routes: torch.Tensor | None = None
+        self._routes_used = False  # a host flag: a training forward saw the routes
         # Per token of the current forward: layers with a route, layers that differ.
         self._routed_layers: torch.Tensor | None = None
         self._differ_layers: torch.Tensor | None = None
@@ -165,6 +172,7 @@ class RoutingTracker:
     # -- per microbatch --------------------------------------------------------------------
     def set_routes(self, routes: torch.Tensor | None, num_sequences: int | None = None) -> None:
         """The next training forward's rollout routes (None: that forward has no routes)."""
+        self._check_routes_used()
         self.fold()
         if routes is not None:
             routes = normalize_routes(
@@ -177,6 +185,14 @@ class RoutingTracker:
             if routes.device != self.stats.device:
                 routes = routes.to(self.stats.device, non_blocking=True)
         self._routes = routes
+        self._routes_used = False
+
+    def _check_routes_used(self) -> None:
+        # Counted, not raised: the export raises on every rank together (no rank left waiting
+        # in a collective), from the summed count.
+        if self._routes is not None and not self._routes_used:
+            self._routes = None
+            self.tokens[UNUSED_ROUTES] += 1  # a device op with a host number: no sync
 
     def fold(self) -> None:
         """Add the finished forward's per-token flags to the step's token counts."""
@@ -221,11 +237,13 @@ class RoutingTracker:
                 f"tokens) but MoE layer {layer_id}'s router saw {num_tokens} tokens; pass routes "
                 "for exactly the microbatch's tokens (padding included, as -1)"
             )
+        self._routes_used = True
         rollout = self._routes[:, self._axis[layer_id]]
         experts = self._experts[layer_id]
         has_route, overlap = compare(rollout, chosen_map, experts)
         has_route = has_route & real
         differ = has_route & (overlap < self.topk)
+        stats[OUT_OF_RANGE] += (((rollout < -1) | (rollout >= experts)).any(dim=1) & real).sum()
         stats[PAIRS] += real.sum()
         stats[ROUTED] += has_route.sum()
         stats[DIFFER] += differ.sum()
@@ -262,6 +280,7 @@ class RoutingTracker:
     # -- step boundary ---------------------------------------------------------------------
     def local_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``([local layers, LAYER_SLOTS], [GLOBAL_SLOTS])`` int64 device tensors (folded)."""
+        self._check_routes_used()
         self.fold()
         return self.stats, self.tokens
 
@@ -272,11 +291,14 @@ class RoutingTracker:
         if self.rollout_counts is not None:
             self.rollout_counts.zero_()
         self._routes = None
+        self._routes_used = False
         self._routed_layers = self._differ_layers = None
 
 
-def _ratio(num: float, den: float) -> float:
-    return float(num) / float(den) if den else 0.0
+def _put_ratio(out: dict[str, Any], key: str, num: float, den: float) -> None:
+    # A ratio over no pairs is undefined: no key (a gap on the dashboard), never 0 (agreement).
+    if den:
+        out[key] = float(num) / float(den)
 
 
 def routing_metrics(
@@ -289,29 +311,51 @@ def routing_metrics(
 ) -> dict[str, Any]:
     """The ``moe/routing_*`` keys from summed integers (``stats`` ``[layers, LAYER_SLOTS]``).
 
-    Exact ratios of integer sums. The replay key appears only when some router forward ran
-    under router replay in the step.
+    Exact ratios of integer sums. A ratio whose denominator is 0 (no pair with a route, no
+    pair at all) is left out, never reported as 0. The replay key appears only when some router
+    forward ran under router replay in the step. Expert ids out of range raise ``ValueError``,
+    unused routes :class:`RoutingShapeError` (the same sums, so the same error on every rank).
     """
     stats = np.asarray(stats, dtype=np.int64).reshape(len(layer_ids), LAYER_SLOTS)
     total = stats.sum(axis=0)
-    out: dict[str, Any] = {
-        mn.ROUTING_DISAGREEMENT: _ratio(total[DIFFER], total[ROUTED]),
-        mn.ROUTING_TOPK_OVERLAP: _ratio(total[OVERLAP], total[ROUTED] * topk),
-        mn.ROUTING_TOKENS_ANY_LAYER_DIFFERS: _ratio(
-            tokens[TOKENS_ANY_DIFFERS], tokens[TOKENS_ALL_ROUTED]
-        ),
-        mn.ROUTING_MISSING_FRACTION: _ratio(total[PAIRS] - total[ROUTED], total[PAIRS]),
-    }
+    if tokens[UNUSED_ROUTES]:
+        raise RoutingShapeError(
+            f"rollout_routes passed to microbatch() were never used ({int(tokens[UNUSED_ROUTES])} "
+            "time(s), all ranks): no training forward ran between that microbatch() call and "
+            "the next one or finish_step. Pass a microbatch's routes to microbatch() before its "
+            "forward, inside `with metrics.step():`; routes given after the forward would be "
+            "compared with the next microbatch's tokens"
+        )
+    if total[OUT_OF_RANGE]:
+        bad = [
+            f"layer {la}: {int(row[OUT_OF_RANGE])}"
+            for la, row in zip(layer_ids, stats, strict=True)
+            if row[OUT_OF_RANGE]
+        ]
+        raise ValueError(
+            f"rollout_routes hold expert ids outside [-1, num_experts) for "
+            f"{int(total[OUT_OF_RANGE])} (token, MoE layer) pair(s) ({', '.join(bad[:5])}): "
+            "routes are expert indices 0..num_experts-1 per MoE layer in model order, -1 where "
+            "no route was captured; check the engine's routed_experts layout and layer order"
+        )
+    out: dict[str, Any] = {}
+    _put_ratio(out, mn.ROUTING_DISAGREEMENT, total[DIFFER], total[ROUTED])
+    _put_ratio(out, mn.ROUTING_TOPK_OVERLAP, total[OVERLAP], total[ROUTED] * topk)
+    _put_ratio(
+        out,
+        mn.ROUTING_TOKENS_ANY_LAYER_DIFFERS,
+        tokens[TOKENS_ANY_DIFFERS],
+        tokens[TOKENS_ALL_ROUTED],
+    )
+    _put_ratio(out, mn.ROUTING_MISSING_FRACTION, total[PAIRS] - total[ROUTED], total[PAIRS])
     if total[REPLAY_FORWARDS] > 0:
-        out[mn.ROUTING_REPLAY_MISMATCH] = _ratio(total[REPLAY_MISMATCH], total[REPLAY_PAIRS])
+        _put_ratio(out, mn.ROUTING_REPLAY_MISMATCH, total[REPLAY_MISMATCH], total[REPLAY_PAIRS])
     if per_layer:
         for layer, row in zip(layer_ids, stats, strict=True):
-            out[mn.routing_layer_key(layer, "routing_disagreement")] = _ratio(
-                row[DIFFER], row[ROUTED]
-            )
-            out[mn.routing_layer_key(layer, "routing_topk_overlap")] = _ratio(
-                row[OVERLAP], row[ROUTED] * topk
-            )
+            key = mn.routing_layer_key(layer, "routing_disagreement")
+            _put_ratio(out, key, row[DIFFER], row[ROUTED])
+            key = mn.routing_layer_key(layer, "routing_topk_overlap")
+            _put_ratio(out, key, row[OVERLAP], row[ROUTED] * topk)
     return out
 
 

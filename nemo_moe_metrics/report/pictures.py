@@ -211,6 +211,9 @@ def over_steps_figure(
             shading="flat",
         )
         ax.set_ylim(n_experts - 0.5, -0.5)  # expert 0 on top, as in the heatmap
+        # Every expert labelled while they fit (32 per panel), else every 2nd, 4th, ...
+        ticks = np.arange(0, n_experts, _nice_stride(n_experts, 32))
+        ax.set_yticks(ticks, [str(e) for e in ticks], fontsize=7 if n_experts > 16 else None)
         mean = np.nanmean(moi[:, row])
         ax.set_ylabel(f"layer {timeline.layer_ids[row]}: expert\n(mean max/ideal {mean:.2f})")
     axes[-1].set_xlabel("training step")

@@ -38,6 +38,7 @@ class ReportError(ValueError):
 
 _STEP_PREFIX = b'{"step":'
 _TABLE_KEY = ('"' + mn.EXPERT_LOADS + '":').encode()
+_ALERTS_FIELD = b'"alerts":['  # the JSONL sink's alert records (sinks/jsonl.py)
 
 
 def _number(line: bytes, key: str) -> float | None:
@@ -59,6 +60,7 @@ class Line:
     tokens: float | None
     seconds: float | None
     has_table: bool
+    has_alerts: bool = False
 
 
 def _parse_line(raw: bytes, offset: int) -> Line:
@@ -77,6 +79,7 @@ def _parse_line(raw: bytes, offset: int) -> Line:
             _number(line, mn.TOKENS),
             _number(line, mn.SECONDS),
             _TABLE_KEY in line,
+            _ALERTS_FIELD in line,
         )
     record = json.loads(line)  # written by something else: parse it properly
     return Line(
@@ -85,6 +88,7 @@ def _parse_line(raw: bytes, offset: int) -> Line:
         record.get(mn.TOKENS),
         record.get(mn.SECONDS),
         mn.EXPERT_LOADS in record,
+        "alerts" in record,
     )
 
 
@@ -165,6 +169,18 @@ def last_values(path: Path, lines: list[Line], keys: list[str]) -> dict[str, flo
                     out[key] = float(value)
             if len(out) == len(keys):
                 break
+    return out
+
+
+def alert_records(path: Path, lines: list[Line]) -> list[tuple[int, list[dict[str, Any]]]]:
+    """``(step, alert records)`` of the lines that recorded alerts (the JSONL's ``"alerts"``)."""
+    from nemo_moe_metrics.moe.alerts import recorded_alerts
+
+    out = []
+    with path.open("rb") as f:
+        for line in lines:
+            if line.has_alerts:
+                out.append((line.step, recorded_alerts(read_line(f, line))))
     return out
 
 

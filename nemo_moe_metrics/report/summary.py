@@ -31,6 +31,7 @@ from nemo_moe_metrics.report.reading import (
     ReportError,
     RunInfo,
     Window,
+    alert_records,
     jsonl_table_counts,
     last_values,
     layer_key_series,
@@ -110,8 +111,9 @@ def _choose_layers(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         means = np.nanmean(np.asarray(timeline.moi), axis=0)
-    order = np.argsort(np.where(np.isfinite(means), means, -np.inf))[::-1][:count]
-    return sorted(int(r) for r in order), f"the {len(order)} worst layers by mean max/ideal"
+    badness = np.where(np.isfinite(means), means, -np.inf)
+    order = np.argsort(-badness, kind="stable")[:count]  # worst first; ties by layer
+    return [int(r) for r in order], f"the {len(order)} worst layers by mean max/ideal, worst first"
 
 
 def render_report(
@@ -175,6 +177,12 @@ def render_report(
     routed = last_values(path, lines_, [mn.ROUTED_TOKENS]).get(mn.ROUTED_TOKENS)
     if timeline.steps:
         out += _count_pictures(run, timeline, out_dir, layers, draw, windowed=steps is not None)
+        if timeline.steps[-1] < last:
+            out.append(
+                f"the expert counts end at step {timeline.steps[-1]}, the last step with a stored "
+                f"table (tables are stored on steps that are multiples of "
+                f"{run.hint('table_every')}, default 20); the run logged steps to {last}"
+            )
         if routed == 0:
             out.append(
                 f"last step: no expert received a training token ({mn.ROUTED_TOKENS} 0), so it "
@@ -222,6 +230,9 @@ def render_report(
             )
 
     out += _routing_lines(run, path, lines_, out_dir)
+    from nemo_moe_metrics.moe.alerts import summarize_alerts
+
+    out += summarize_alerts(alert_records(path, lines_))
     last_keys = [mn.TOKENS_PER_SECOND, mn.TFLOPS_PER_GPU, mn.MFU]
     aux_keys = [mn.aux_loss_key(n) for n in (*mn.AUX_LOSS_TRACKER_NAMES.values(), mn.Z_LOSS)]
     values = last_values(path, lines_, last_keys + aux_keys)
@@ -386,8 +397,10 @@ def _count_pictures(
             out_dir / DRIFT_FILE,
             timeline.steps[1:],
             {la: drift[:, i] for i, la in enumerate(layer_ids)},
-            ylabel="Jensen-Shannon divergence from the previous logged step (bits)",
-            title="routing drift per layer (0 = the router's shares did not change)",
+            ylabel="JS divergence from the previous logged step\n(bits: 0 = same shares, 1 = "
+            "disjoint experts)",
+            title="routing drift per layer: Jensen-Shannon divergence of the experts' token "
+            "shares, 0 to 1 bit",
             ideal=None,
         )
         out += _wrote(draw, out_dir / DRIFT_FILE)
@@ -426,6 +439,7 @@ def _routing_lines(run: RunInfo, path: Path, lines: list[Line], out_dir: Path) -
     """Routing consistency (rollout vs training routes): the worst layers and a picture."""
     keys = [mn.ROUTING_DISAGREEMENT, mn.ROUTING_REPLAY_MISMATCH, mn.ROUTING_MISSING_FRACTION]
     values = last_values(path, lines, keys)
+    replay = values.get(mn.ROUTING_REPLAY_MISMATCH)
     if mn.ROUTING_DISAGREEMENT not in values:
         return []
     head = f"routing disagreement (last step, {mn.ROUTING_DISAGREEMENT}): "
@@ -448,13 +462,23 @@ def _routing_lines(run: RunInfo, path: Path, lines: list[Line], out_dir: Path) -
     worst = sorted(means, key=lambda la: -means[la] if np.isfinite(means[la]) else 1.0)
     shown = ", ".join(f"layer {la} {means[la]:.2%}" for la in worst[:DEFAULT_WORST_LAYERS])
     out.append(f"routing disagreement, worst layers (mean over {len(steps)} steps): {shown}")
+    title = (
+        "routing disagreement per layer (0% = identical): % of (token, MoE layer) pairs\n"
+        "with a rollout route whose top-k set the training router chose differently"
+    )
+    if replay is not None:
+        title += (
+            f"\nrouter replay on: the experts executed differed from the rollout's on "
+            f"{replay:.2%} of pairs (moe/routing_replay_mismatch, last step);\nthe router's own "
+            "choice, drawn here, may still differ"
+        )
     render_layer_series(
         run,
         out_dir / ROUTING_DISAGREEMENT_FILE,
         steps,
-        {la: np.asarray(v) for la, v in series.items()},
-        ylabel="pairs whose top-k set differs from the rollout",
-        title="routing disagreement per layer (rollout vs training router; 0 = identical)",
+        {la: 100.0 * np.asarray(v) for la, v in series.items()},
+        ylabel="routing disagreement (% of pairs)",
+        title=title,
         ideal=None,
     )
     out.append(f"wrote {out_dir / ROUTING_DISAGREEMENT_FILE}")

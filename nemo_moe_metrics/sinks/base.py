@@ -173,7 +173,12 @@ def _wants_tables(sink: object, step: int) -> bool:
 
 
 class StepMonitor(Protocol):
-    """Looks at each step before the sinks do; returns extra metrics to log with it."""
+    """Looks at each step before the sinks do; returns extra metrics to log with it.
+
+    A monitor may also keep ``last_alerts``: the step's alerts (objects with ``record()``),
+    which the fan-out hands to the sinks that record them (``records_alerts = True``: the
+    JSONL sink, see :mod:`nemo_moe_metrics.moe.alerts`).
+    """
 
     def observe(self, metrics: Mapping[str, MetricValue], step: int) -> Mapping[str, int | float]:
         """Judge one step (e.g. print alerts); the returned keys are added to the step."""
@@ -202,10 +207,12 @@ class MultiSink:
         """
         if self._closed:
             raise RuntimeError("log() after close(); build a new sink for a new run")
+        alerts: list[dict[str, Any]] = []
         if self.monitor is not None and isinstance(metrics, Mapping):
             extra = self._guarded(self.monitor, "observe", metrics, step)
             if extra:
                 metrics = {**metrics, **extra}
+                alerts = [a.record() for a in getattr(self.monitor, "last_alerts", ())]
         if (
             isinstance(metrics, Mapping)
             and any(is_table(k) for k in metrics)
@@ -214,7 +221,10 @@ class MultiSink:
             metrics = {k: v for k, v in metrics.items() if not is_table(k)}
         clean = validate_metrics(metrics, step)
         for sink in self.sinks:
-            self._guarded(sink, "log", clean, int(step))
+            if alerts and getattr(sink, "records_alerts", False):
+                self._guarded(sink, "log", clean, int(step), alerts)
+            else:
+                self._guarded(sink, "log", clean, int(step))
 
     def close(self) -> None:
         """Close every sink (each guarded the same way); closing twice is harmless."""

@@ -12,15 +12,27 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from nemo_moe_metrics.sinks.base import Metrics, finite_or_none, is_table
 
 METRICS_FILE = "metrics.jsonl"
 
 
+#: The reserved field of a line that holds the step's alert records (moe/alerts.py).
+ALERTS_FIELD = "alerts"
+
+
 class JsonlSink:
-    """Append ``{"step": n, ...scalars}`` lines to ``path``; NaN/inf are written as ``null``."""
+    """Append ``{"step": n, ...scalars}`` lines to ``path``; NaN/inf are written as ``null``.
+
+    A step's alerts (from the alert monitor) follow its metrics in the same line, under the
+    reserved field ``"alerts"``: a list of ``{"kind", "layer", "expert", "message"}``.
+    """
+
+    records_alerts = True  #: MultiSink hands this sink the step's alert records
 
     def __init__(self, path: Path, *, fsync: bool = True) -> None:
         self.path = Path(path)
@@ -43,12 +55,15 @@ class JsonlSink:
         """Never: tables go to the expert-load store."""
         return False
 
-    def log(self, metrics: Metrics, step: int) -> None:
-        """Write one line of scalars for ``step`` and make it durable before returning."""
+    def log(self, metrics: Metrics, step: int, alerts: Sequence[Mapping[str, Any]] = ()) -> None:
+        """Write one line of scalars for ``step`` (then its ``alerts``, when there are any) and
+        make it durable before returning."""
         record: dict[str, object] = {"step": int(step)}
         for key, value in metrics.items():
             if not is_table(key):
                 record[key] = finite_or_none(value)
+        if alerts:
+            record[ALERTS_FIELD] = [dict(a) for a in alerts]
         line = json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n"
         try:
             self._file.write("\n" + line if self._torn else line)
