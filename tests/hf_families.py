@@ -12,7 +12,8 @@ by the text type; aliases that reuse another family's modeling code (``sarvam_ml
 ``tiny_config`` shrinks every size field the families share (hidden 64, 4 layers, 8 experts,
 top-2, ...) and sets the eager attention and experts implementations FlopCounterMode and a CPU
 need; :data:`OVERRIDES` holds what a family needs beyond that (its layer pattern, nested
-configs, validation rules). ``python tests/hf_families.py`` lists the families.
+configs, validation rules). ``python tests/hf_families.py`` lists the families;
+``python tests/hf_families.py --table`` prints the supported-models table of docs/*/models.md.
 """
 
 from __future__ import annotations
@@ -231,7 +232,76 @@ def tiny_model(model_type: str, seed: int = 0, **changes: Any) -> Any:
     return family(model_type).model_class(tiny_config(model_type, **changes)).train()
 
 
+
+
+# -- the supported-models table (docs/en/models.md, docs/zh/models.md) -------------------------
+TABLE_HEADER = "| model type | model class | expert loads | aux loss | FLOPs | notes |"
+
+
+def _counted_by(spec: Any) -> str:
+    from nemo_moe_metrics.moe import hf_models
+
+    if spec is hf_models.EXPERTS:
+        return "experts interface"
+    if spec is hf_models.ZERO_COMPUTATION_EXPERTS:
+        return "experts interface, zero-computation experts"
+    named = {v: k for k, v in hf_models._NAMED.items()}
+    return "adapter " + named[spec].rsplit(".", 1)[1]
+
+
+def support_row(model_type: str) -> str:
+    """One table row, read from the family's model built on the meta device."""
+    import torch
+
+    from nemo_moe_metrics.moe import hf_models
+    from nemo_moe_metrics.moe.hooks import ExpertLoadCollector
+
+    fam = family(model_type)
+    with torch.device("meta"):
+        model = fam.model_class(tiny_config(model_type))
+    collector = ExpertLoadCollector.attach(model, num_layers=LAYERS)
+    specs = {spec for _, _, spec in collector._routers}
+    counted = "; ".join(sorted(_counted_by(s) for s in specs))
+    kind = hf_models.aux_loss_kind([model])
+    sources = hf_models.router_logit_sources([model], collector.blocks) if kind else []
+    aux = {"switch": "per layer", "doge": "per layer (product keys)", None: "none"}[kind]
+    notes = []
+    if kind and len(sources) < len(collector.layer_ids):
+        notes.append("aux loss on the layers with a top-k router")
+    if any(getattr(m, "e_score_correction_bias", None) is not None for m in model.modules()):
+        notes.append("routing bias (aux-loss-free balancing)")
+    flops = flops_support(model_type)
+    return (
+        f"| {model_type} | {fam.model_class.__name__} | {counted} | {aux} | {flops} | "
+        f"{'; '.join(notes)} |"
+    )
+
+
+def flops_support(model_type: str) -> str:
+    """How the FLOPs of the family are estimated (a registered formula or the module walk)."""
+    from nemo_moe_metrics.flops import registered_model_types
+
+    text_type = tiny_config(model_type).get_text_config().model_type
+    if model_type in registered_model_types() or text_type in registered_model_types():
+        return "formula"
+    return "—"
+
+
+@functools.cache
+def support_table() -> list[str]:
+    """The markdown table of every family, one row each (docs/*/models.md embed it)."""
+    return [TABLE_HEADER, "|---|---|---|---|---|---|"] + [
+        support_row(f.model_type) for f in moe_families()
+    ]
+
+
 if __name__ == "__main__":
-    for f in moe_families():
-        print(f"{f.model_type:22s} {f.model_class.__name__:34s} {f.config_class.__name__}")
-    print(f"{len(moe_families())} model types in {len({f.module for f in moe_families()})} modules")
+    import sys
+
+    if "--table" in sys.argv:  # what docs/*/models.md embed
+        print("\n".join(support_table()))
+    else:
+        for f in moe_families():
+            print(f"{f.model_type:22s} {f.model_class.__name__:34s} {f.config_class.__name__}")
+        modules = len({f.module for f in moe_families()})
+        print(f"{len(moe_families())} model types in {modules} modules")

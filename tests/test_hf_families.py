@@ -277,3 +277,17 @@ def test_config_facts_match_the_built_model(model_type):
         config_topk(text),
         run.seen.topk,
     )
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_models_page_holds_the_generated_table(lang):
+    from pathlib import Path
+
+    from hf_families import support_table
+
+    page = Path(__file__).resolve().parent.parent / "docs" / lang / "models.md"
+    lines = page.read_text(encoding="utf-8").splitlines()
+    start = lines.index(support_table()[0])
+    assert lines[start : start + 2 + len(FAMILIES)] == support_table(), (
+        f"docs/{lang}/models.md: regenerate its table with `python tests/hf_families.py --table`"
+    )
