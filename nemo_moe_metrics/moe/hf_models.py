@@ -263,13 +263,15 @@ def _qualname(cls: type) -> str:
 
 def spec_for(module: nn.Module) -> RouterSpec | None:
     """The spec that counts ``module`` when it is a transformers MoE module, else None."""
-    cls = type(module)
-    named = _NAMED.get(_qualname(cls))
-    if named is not None:
-        return named
+    # The MRO: FSDP2's fully_shard (and user subclasses) put another class in front.
+    for cls in type(module).__mro__:
+        named = _NAMED.get(_qualname(cls))
+        if named is not None:
+            return named
     if not is_experts_module(module):
         return None
-    family = cls.__module__.split(".")[2] if cls.__module__.startswith("transformers.") else ""
+    own = next(c for c in type(module).__mro__ if not c.__module__.startswith("torch."))
+    family = own.__module__.split(".")[2] if own.__module__.startswith("transformers.") else ""
     return ZERO_COMPUTATION_EXPERTS if family in _ZERO_COMPUTATION_MODULES else EXPERTS
 
 
@@ -337,8 +339,10 @@ def aux_loss_kind(chunks: list[nn.Module]) -> str | None:
             recorders = getattr(type(module), "_can_record_outputs", None)
             if not (isinstance(recorders, dict) and "router_logits" in recorders):
                 continue
-            modeling = sys.modules.get(type(module).__module__)
+            # The model's own class (FSDP2's fully_shard swaps in a subclass from torch).
+            own = next(c for c in type(module).__mro__ if not c.__module__.startswith("torch."))
+            modeling = sys.modules.get(own.__module__)
             if getattr(modeling, "load_balancing_loss_func", None) is None:
                 return None
-            return "doge" if type(module).__module__.endswith(".modeling_doge") else "switch"
+            return "doge" if own.__module__.endswith(".modeling_doge") else "switch"
     return None
