@@ -24,6 +24,7 @@ from nemo_moe_metrics.sinks.store import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
+HEADER = 36  # bytes of a (version 2) record header
 
 
 def _counts(rng, layers, experts, tokens):
@@ -92,7 +93,7 @@ def test_step_window_does_not_decode_steps_outside_it(tmp_path):
     _write(path, range(4))
     # Garble the payload of step 0: a reader that decoded it would warn about its checksum.
     data = bytearray(path.read_bytes())
-    data[8 + 32 + 2] ^= 0xFF
+    data[8 + HEADER + 2] ^= 0xFF
     path.write_bytes(bytes(data))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -342,7 +343,7 @@ def test_blocks_skip_a_record_failing_its_checksum_with_a_warning(tmp_path):
     path = store_path(tmp_path)
     _, written = _write(path, range(4))
     data = bytearray(path.read_bytes())
-    data[8 + 32 + 2] ^= 0xFF  # the payload of step 0
+    data[8 + HEADER + 2] ^= 0xFF  # the payload of step 0
     path.write_bytes(bytes(data))
     with pytest.warns(UserWarning, match="checksum"):
         blocks = list(read_expert_load_blocks(path, workers=2, prepare=lambda s, i, c: (s, c)))
