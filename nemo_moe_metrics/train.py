@@ -18,6 +18,7 @@ import torch
 
 from nemo_moe_metrics import processes
 from nemo_moe_metrics.config import ConfigError, Recipe, dump_recipe, load_recipe
+from nemo_moe_metrics.failures import record_failure
 from nemo_moe_metrics.preflight import preflight
 from nemo_moe_metrics.run_dir import TOKEN_ENV, RunDirLock
 from nemo_moe_metrics.sinks import ResumeState, build_sinks, prepare_resume
@@ -170,7 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     # Two CPU ranks on two cores: more intra-op threads per rank only oversubscribe.
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    train(recipe, args.output_dir)
+    try:
+        train(recipe, args.output_dir)
+    except BaseException as err:
+        record_failure(err)  # survives a full run directory (see failures.py)
+        raise
     return 0
 
 
