@@ -503,6 +503,8 @@ def run_with_progress(
     check_launch_extras(recipe)
     console = _console(console)
     run_dir = Path(output_dir).resolve() / recipe.name
+    if resume and not run_dir.is_dir():  # said before the lock would create the directory
+        prepare_run_dir(run_dir, resume=True)
     with RunDirLock(run_dir, command=this_command()) as lock:  # before any write or delete
         for note in lock.notes:
             _say(console, note)

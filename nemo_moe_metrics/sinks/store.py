@@ -56,6 +56,8 @@ STORE_FILE = "expert_loads.bin"
 FORMAT_VERSION = 2
 
 _MAGIC = b"NMMELS1\n"
+#: Bytes of the file header: a store of this size holds no record yet.
+FILE_HEADER_SIZE = len(_MAGIC)
 _TAGS = {b"ELR1": 1, b"ELR2": 2}
 _HEADER_V1 = struct.Struct("<4sQIIBBHII")  # 32 bytes
 _HEADER_V2 = struct.Struct("<4sQIIBBHIII")  # 36 bytes
@@ -69,6 +71,7 @@ _MAX_PAYLOAD = 8 * _MAX_CELLS + (1 << 20)
 _SEARCH_CHUNK = 1 << 20
 
 __all__ = [
+    "FILE_HEADER_SIZE",
     "FORMAT_VERSION",
     "STORE_FILE",
     "ExpertLoadSink",
@@ -503,12 +506,12 @@ def _say_bad(say: Callable[[str], None], bad: list[int]) -> None:
     if bad:
         say(
             f"skipped {len(bad)} record(s) failing their checksum (damaged): "
-            f"step(s) {_steps_text(bad)}"
+            f"step(s) {steps_text(bad)}"
         )
 
 
-def _steps_text(steps: list[int], limit: int = 12) -> str:
-    """``3, 5, 9-14`` (runs of consecutive steps joined)."""
+def steps_text(steps: list[int], limit: int = 12) -> str:
+    """``3, 5, 9–14``: sorted steps, runs of consecutive ones joined."""
     runs: list[list[int]] = []
     for s in steps:
         if runs and s == runs[-1][-1] + 1:
@@ -536,7 +539,7 @@ def _index(f: Any, steps: slice | None, say: Callable[[str], None]) -> list[_Ent
         timeline.append(e)
     if superseded:
         say(
-            f"step(s) {_steps_text(sorted(superseded))} stored again later (a restart from an "
+            f"step(s) {steps_text(sorted(superseded))} stored again later (a restart from an "
             "earlier step): the later records are read"
         )
     if steps is not None:

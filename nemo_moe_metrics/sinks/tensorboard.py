@@ -22,6 +22,13 @@ class TensorBoardSink:
         self.log_dir = Path(log_dir)
         self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
 
+    @property
+    def path(self) -> Path:
+        """The event file this writer appends to (the folder when it cannot be told)."""
+        writer = getattr(self._writer, "file_writer", None)
+        name = getattr(getattr(writer, "event_writer", None), "_file_name", None)
+        return Path(name) if name else self.log_dir
+
     def wants_tables(self, step: int) -> bool:
         """Never: TensorBoard gets scalars only."""
         return False
