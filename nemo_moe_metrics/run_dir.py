@@ -29,8 +29,8 @@ How it works (``<run_dir>/.run.lock``):
   :data:`HEARTBEAT_S` seconds. That covers file systems where record locks are missing
   (``ENOLCK``) or do not reach other hosts (NFS mounted with ``nolock``): a holder on this host
   is alive when its pid still runs with the same start time; on another host, when its
-  heartbeat still moves (a new owner waits up to one heartbeat to see it; a file untouched for
-  :data:`STALE_AFTER_S` seconds is stale at once).
+  heartbeat still moves (a new owner waits up to two heartbeats to see it; a file untouched
+  for :data:`STALE_AFTER_S` seconds is stale at once).
 - A lock whose holder is gone (killed, crashed, node lost) is stale: the next owner takes it
   over and says so (:attr:`RunDirLock.notes`). A run that ends normally marks the file
   released. Between an owner killed by SIGKILL and its ranks noticing (about a second), the
@@ -95,10 +95,10 @@ class Holder:
     writer_ticks: int = 0
 
     def describe(self, now: float | None = None) -> str:
-        """``pid 123 on host h, since 2026-... (5 min ago): nemo-moe-metrics run ...``."""
+        """``nemo-moe-metrics run ... (pid 123 on host h, since 2026-..., 5 min ago)``."""
         return (
-            f"pid {self.pid} on host {self.host}, since {self.started}{_ago(self.started, now)}: "
-            f"{self.command}"
+            f"{self.command} (pid {self.pid} on host {self.host}, since "
+            f"{self.started}{_ago(self.started, now)})"
         )
 
 
@@ -109,10 +109,10 @@ def _ago(started: str, now: float | None) -> str:
         return ""
     seconds = max(0, int((time.time() if now is None else now) - then))
     if seconds < 120:
-        return f" ({seconds} s ago)"
+        return f", {seconds} s ago"
     if seconds < 7200:
-        return f" ({seconds // 60} min ago)"
-    return f" ({seconds / 3600:.1f} h ago)"
+        return f", {seconds // 60} min ago"
+    return f", {seconds / 3600:.1f} h ago"
 
 
 def lock_path(run_dir: Path) -> Path:
@@ -337,7 +337,7 @@ class RunDirLock:
             return False
         # A live owner touches the file every HEARTBEAT_S: wait to see whether it still does.
         stamp = os.stat(self.path).st_mtime
-        deadline = time.monotonic() + max(0.0, HEARTBEAT_S + 5.0 - age)
+        deadline = time.monotonic() + max(0.0, 2 * HEARTBEAT_S - age)
         self.notes.append(
             f"{self.run_dir}: its lock names a run on host {holder.host}; waited to see "
             "whether that run is alive (its heartbeat)"

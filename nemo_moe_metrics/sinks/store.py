@@ -495,7 +495,7 @@ def _check_steps(steps: slice | None) -> None:
 def _teller(path: Path, skipped: list[str] | None) -> Callable[[str], None]:
     def say(text: str) -> None:
         if skipped is not None:
-            skipped.append(text)
+            skipped.append(f"{path.name}: {text}")
         else:
             warnings.warn(f"{path}: {text}", stacklevel=4)
 
