@@ -163,9 +163,9 @@ class RunDirLock:
                 raise RunDirBusyError(self._busy_text(previous))
             self._wait_for_writer(previous, wait_for_writer_s)
             if previous is not None and not previous.released and previous.token != self.token:
+                said = "took over the lock of a run that ended without releasing it"
                 self.notes.append(
-                    f"{self.run_dir}: took over the lock of a run that ended without releasing "
-                    f"it (it was killed or crashed): {previous.describe()}"
+                    f"{self.run_dir}: {said} (it was killed or crashed): {previous.describe()}"
                 )
             holder = self._holder()
             if writer:
