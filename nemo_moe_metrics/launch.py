@@ -166,11 +166,24 @@ def launch_local(
     """Train the recipe on ``nproc`` local torchrun ranks via nemo-run; returns the run directory.
 
     Blocks until the job ends; raises RuntimeError (naming the log) if it did not succeed.
+    Started by ``nemo-moe-metrics run``, it works under that command's lock of the run
+    directory; started alone, it takes the lock itself for as long as the job runs.
     """
-    import nemo_run as run
-
     preflight(load_recipe(recipe_path, overrides), nproc)
     run_dir = run_dir_for(recipe_path, overrides, output_dir)
+    if os.environ.get(TOKEN_ENV):  # the owner (`run`) holds the lock; rank 0 joins it
+        return _launch_local(recipe_path, overrides, nproc, run_dir)
+    with RunDirLock(run_dir, command=this_command()) as lock:
+        os.environ[TOKEN_ENV] = lock.token  # for the ranks (nemo-run passes the environment)
+        try:
+            return _launch_local(recipe_path, overrides, nproc, run_dir)
+        finally:
+            del os.environ[TOKEN_ENV]
+
+
+def _launch_local(recipe_path: str | Path, overrides: list[str], nproc: int, run_dir: Path) -> Path:
+    import nemo_run as run
+
     run_dir.mkdir(parents=True, exist_ok=True)
     use_nemorun_home(run_dir / NEMORUN_DIR)
     # torchrun lives next to this interpreter; a venv used without activation lacks it on PATH.

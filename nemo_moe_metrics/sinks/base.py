@@ -175,9 +175,7 @@ def _wants_tables(sink: object, step: int) -> bool:
 
 #: Write errors that end the run: the disk (or quota) is full, or it fails. Every later write
 #: would fail too, and logging on regardless would only lose steps silently.
-FATAL_WRITE_ERRNOS = frozenset(
-    {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG, errno.ENXIO}
-)
+FATAL_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
 
 
 class SinkWriteError(OSError):
