@@ -681,11 +681,14 @@ class _Job:
         last = (self.last or {}).get("step")
         console.print(f"[green]done[/green]: {self.run_dir}  (last step {last})", soft_wrap=True)
         if (self.run_dir / "metrics.jsonl").is_file():
-            from nemo_moe_metrics.report import render_report
+            from nemo_moe_metrics.report import ReportError, render_report
 
             # The pictures and the summary a user looks at first (without the 'report' extra
             # the summary alone, with a line naming the extra).
-            _say(console, render_report(self.run_dir))
+            try:
+                _say(console, render_report(self.run_dir))
+            except ReportError as err:  # the training itself succeeded: say why, exit 0
+                _say(console, f"report skipped: {err}")
         return 0
 
 

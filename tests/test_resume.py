@@ -327,7 +327,10 @@ def test_resume_with_an_empty_jsonl_beside_tensorboard_steps_is_refused(tmp_path
     assert logged_run(tmp_path) == ["tensorboard"]  # a damaged run, not one that died early
     with pytest.raises(ResumeError) as err:
         build_sinks(LoggerConfig(wandb_enabled=False, resume=True), tmp_path, run_name="r")
-    assert f"--resume: {tmp_path / 'metrics.jsonl'} is empty, but tensorboard/" in str(err.value)
+    assert f"--resume: {tmp_path / 'metrics.jsonl'} is empty, but logged steps remain in " in str(
+        err.value
+    )
+    assert "tensorboard/ (scalar events): the step to continue from is unknown" in str(err.value)
     assert "Restore metrics.jsonl (from a backup), or start afresh with --overwrite" in str(
         err.value
     )

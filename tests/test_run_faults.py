@@ -234,3 +234,25 @@ def test_a_full_small_filesystem_ends_logging_at_the_failed_write(tmp_path):
         assert stored[: len(logged)] == logged
         assert fi.logged(small)[: len(logged)] == logged
         assert len(logged) >= 5
+
+
+def test_resume_over_an_emptied_metrics_jsonl_is_refused_before_launching(tmp_path):
+    # An empty metrics.jsonl beside TensorBoard's steps used to restart at step 0 over them.
+    from nemo_moe_metrics.config import LoggerConfig
+    from nemo_moe_metrics.sinks import build_sinks
+
+    run_dir = tmp_path / fi.NAME
+    sink = build_sinks(LoggerConfig(wandb_enabled=False), run_dir, run_name=fi.NAME)
+    for step in range(3):
+        sink.log({"train_perf/tokens": 1.0}, step)
+    sink.close()
+    (run_dir / "metrics.jsonl").write_text("")
+    events = {p: p.read_bytes() for p in (run_dir / "tensorboard").iterdir()}
+    proc = _cli("run", str(fi.RECIPE), *fi.OVERRIDES, "--output-dir", str(tmp_path), "--resume")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "is empty, but logged steps remain in tensorboard/ (scalar events)" in proc.stderr
+    assert "Restore metrics.jsonl (from a backup), or start afresh with --overwrite" in (
+        proc.stderr
+    )
+    assert {p: p.read_bytes() for p in (run_dir / "tensorboard").iterdir()} == events
+    assert "starting ranks" not in proc.stdout

@@ -201,7 +201,7 @@ def _refuse_without_jsonl(run_dir: Path, stored: list[Any]) -> None:
         jsonl = Path(run_dir) / METRICS_FILE
         state = "is empty" if jsonl.is_file() else "is missing"
         raise ResumeError(
-            f"--resume: {jsonl} {state}, but {' and '.join(held)} hold(s) logged steps: the "
+            f"--resume: {jsonl} {state}, but logged steps remain in {' and '.join(held)}: the "
             "step to continue from is unknown (a resume continues after the last line of "
             f"{METRICS_FILE}: keep logger.jsonl_enabled on for runs you may resume), and starting "
             "at step 0 would write over them. "
