@@ -164,8 +164,9 @@ def wait_for_steps(job: Job, run_dir: Path, count: int, timeout: float = 240.0) 
     return len(logged(run_dir))
 
 
-def inject(job: Job, fault: str, rng: random.Random) -> None:
-    """Do what the fault names to the running job."""
+def inject(job: Job, fault: str, rng: random.Random) -> str:
+    """Do what the fault names to the running job; returns the fault done (``kill-rank``
+    before any rank started becomes ``kill-all``)."""
     job.pids()
     if fault == "sigint":
         os.killpg(job.proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
@@ -183,6 +184,7 @@ def inject(job: Job, fault: str, rng: random.Random) -> None:
         for pid in job.pids():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+    return fault
 
 
 def expectation(fault: str, status: int, said: str) -> bool:
@@ -273,7 +275,7 @@ def run_round(out: Path, fault: str, rng: random.Random, max_steps: int) -> Roun
     if fault == "disk-full":
         ballast = fill_disk(out)
     else:
-        inject(job, fault, rng)
+        fault = inject(job, fault, rng)
     status, said = job.output()
     stopped_s, left = job.wait_gone()
     if ballast is not None:
