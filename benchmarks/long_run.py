@@ -184,6 +184,39 @@ def report_bench(
     return {**result, "checks": checks, "details": details}
 
 
+def tiled_report_bench(work: Path, repeats: int) -> dict:
+    """Time the report over ``report_bench``'s every-step run tiled ``repeats`` times (10: a
+    100,000-step run at 94 x 256 with a table every step, about 10 GB on disk while it lasts);
+    the tiled run is deleted afterwards."""
+    src, out_dir = Path(work) / "run_every_step", Path(work) / "report_tiled"
+    run_dir = Path(work) / "run_tiled"
+    try:
+        written = tile_run(src, run_dir, repeats)
+        m = measure_report(run_dir, out_dir, timeout=3600.0)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    steps = repeats * len(
+        [line for line in (src / METRICS_FILE).read_bytes().splitlines() if line.strip()]
+    )
+    pngs = ("expert_load_heatmap.png", "expert_load_over_steps.png", "routing_drift.png")
+    return {
+        "report_seconds": m["wall_s"],
+        "report_peak_rss_mb": m["maxrss_kb"] / 1024,
+        "cpu_seconds": m["cpu_s"],
+        "steps": steps,
+        "store_mb": written["store_bytes"] / 1e6,
+        "jsonl_mb": written["jsonl_bytes"] / 1e6,
+        "tile_seconds": written["seconds"],
+        "stderr_tail": m["stderr"][-500:],
+        "checks": {
+            "report_tiled_exit_0": m["rc"] == 0,
+            "report_tiled_pictures_written": all((out_dir / f).is_file() for f in pngs),
+            "report_tiled_reads_every_logged_step": f"steps 0–{steps - 1} ({steps} logged)"
+            in m["stdout"],
+        },
+    }
+
+
 def write_run(
     out: Path,
     *,
@@ -294,6 +327,38 @@ def write_run(
         "jsonl_bytes": (out / METRICS_FILE).stat().st_size,
         "store_bytes": store_path(out).stat().st_size,
         **{f"store_bytes_every_{k}": store_path(d).stat().st_size for d, k in cadences.items()},
+    }
+
+
+def tile_run(src: Path, out: Path, repeats: int) -> dict[str, float]:
+    """Write ``out``: the run ``src`` (``write_run``'s) ``repeats`` times over, its steps shifted
+    so that they continue (a 10,000-step run tiled 10 times is a 100,000-step run with the same
+    per-step content): generating 100,000 steps afresh takes 10x longer than reading them.
+    The JSONL lines keep their keys (only ``step`` changes); the store is written by its own
+    writer. Returns the sizes and the seconds taken."""
+    from nemo_moe_metrics.sinks.store import read_expert_load_blocks
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    shutil.copyfile(Path(src) / RUN_FILE, out / RUN_FILE)
+    lines = [line for line in (Path(src) / METRICS_FILE).read_bytes().splitlines() if line]
+    steps = len(lines)
+    prefix = b'{"step":'
+    with (out / METRICS_FILE).open("wb") as f:
+        for r in range(repeats):
+            for i, line in enumerate(lines):
+                f.write(b"%s%d%s\n" % (prefix, r * steps + i, line[line.index(b",") :]))
+    (out / store_path(out).name).unlink(missing_ok=True)
+    with ExpertLoadStore(store_path(out), fsync=False) as store:
+        for r in range(repeats):
+            for block_steps, ids, counts in read_expert_load_blocks(store_path(src), workers=2):
+                for s, c in zip(block_steps, counts, strict=True):
+                    store.append(int(s) + r * steps, ids, c)
+    return {
+        "seconds": time.perf_counter() - started,
+        "jsonl_bytes": (out / METRICS_FILE).stat().st_size,
+        "store_bytes": store_path(out).stat().st_size,
     }
 
 

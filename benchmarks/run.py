@@ -30,6 +30,13 @@ Measures (JSON keys, targets):
   per-table-step figures are in ``details.store``); ``wandb_table_ms_94x256_loaded`` (<= 100):
   the same W&B figure while one busy-loop process per logical CPU keeps every core busy
   (``details.store.wandb_loaded`` says how many).
+- ``store_bytes_per_table_step_94x256`` (<= 32,768) and ``store_write_ms_per_table_step_94x256``
+  (<= 5): one 94 x 256 table in the store, bytes and ms to write (``details.store``);
+- ``report_seconds_100k_94x256_every_step`` (<= 60) and
+  ``report_peak_rss_mb_100k_94x256_every_step`` (<= 2048), with ``--slow`` (``--smoke`` at tiny
+  sizes): the report over the every-step run above tiled 10 times, 100,000 steps
+  (``benchmarks/long_run.py tiled_report_bench``; about 10 GB in the temporary folder and 10
+  minutes more).
 - ``routing_overhead_ratio`` (<= 1.02): median over interleaved pairs of (step with
   ``track_routing_consistency`` and rollout routes) / (the same step, every other MoE metric
   on, without it) (``benchmarks/routing_bench.py``); ``details.routing`` also holds the device
@@ -73,7 +80,7 @@ from benchmarks.harness import (  # noqa: E402
     spawn_ranks,
     step_rank,
 )
-from benchmarks.long_run import report_bench  # noqa: E402
+from benchmarks.long_run import report_bench, tiled_report_bench  # noqa: E402
 from benchmarks.routing_bench import router_health_bench, routing_bench  # noqa: E402
 from benchmarks.store_bench import store_bench  # noqa: E402
 from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, LoggerConfig  # noqa: E402
@@ -96,6 +103,10 @@ RESULT_KEYS = (
     "routing_overhead_ratio",
     "router_health_overhead_ratio",
     "router_health_syncs_per_microbatch",
+    "store_bytes_per_table_step_94x256",
+    "store_write_ms_per_table_step_94x256",
+    "report_seconds_100k_94x256_every_step",
+    "report_peak_rss_mb_100k_94x256_every_step",
 )
 TARGETS: dict[str, tuple[str, float]] = {
     "step_overhead_ratio": ("<=", 1.02),
@@ -115,6 +126,10 @@ TARGETS: dict[str, tuple[str, float]] = {
     "routing_overhead_ratio": ("<=", 1.02),
     "router_health_overhead_ratio": ("<=", 1.01),
     "router_health_syncs_per_microbatch": ("==", 0),
+    "store_bytes_per_table_step_94x256": ("<=", 32_768.0),
+    "store_write_ms_per_table_step_94x256": ("<=", 5.0),
+    "report_seconds_100k_94x256_every_step": ("<=", 60.0),
+    "report_peak_rss_mb_100k_94x256_every_step": ("<=", 2048.0),
 }
 FLOPS_FIXTURES = {"qwen3_moe": "qwen3-30b-a3b", "qwen3_5_moe": "qwen3.5-35b-a3b"}
 STEP_WORLD_SIZE = 1  # one rank, one thread: the other core absorbs the machine's other load
@@ -263,6 +278,9 @@ def summarise(
     checks.update({f"flops_{m}_same_total": v["check_same_total"] for m, v in flops.items()})
     checks.update(report["checks"])
     checks.update(store["checks"])
+    tiled = report.get("tiled")
+    if tiled is not None:
+        checks.update(tiled["checks"])
     if routing is not None:
         checks.update(routing["checks"])
     if health is not None:
@@ -286,6 +304,9 @@ def summarise(
     if health is not None:
         result["router_health_overhead_ratio"] = health["router_health_overhead_ratio"]
         result["router_health_syncs_per_microbatch"] = health["router_health_syncs_per_microbatch"]
+    if tiled is not None:
+        result["report_seconds_100k_94x256_every_step"] = tiled["report_seconds"]
+        result["report_peak_rss_mb_100k_94x256_every_step"] = tiled["report_peak_rss_mb"]
     result["met"] = {k: _meets(result[k], *TARGETS[k]) for k in RESULT_KEYS if k in result}
     result["targets"] = {k: f"{op} {v}" for k, (op, v) in TARGETS.items()}
     result["checks"] = checks
@@ -325,7 +346,7 @@ def summarise(
             "host_read_sites": exports[0]["host_read_sites"],
         },
         "flops": flops,
-        "report": report["details"],
+        "report": {**report["details"], "tiled": tiled},
         "store": store["details"],
         "routing": (
             None
@@ -420,6 +441,13 @@ def _format(result: dict[str, Any]) -> str:
         f"{rd['every_step']['cpu_seconds']:.1f} s CPU with a table every step "
         f"({rd['every_step']['store_mb']:.0f} MB store)"
     )
+    tiled = rd.get("tiled")
+    if tiled is not None:
+        lines.append(
+            f"  report over {tiled['steps']:,} steps (a table every step, {tiled['store_mb']:.0f} "
+            f"MB store, {tiled['jsonl_mb']:.0f} MB JSONL): {tiled['report_seconds']:.1f} s, "
+            f"{tiled['cpu_seconds']:.1f} s CPU, {tiled['report_peak_rss_mb']:.0f} MB peak"
+        )
     for family, label in (("routing", "routing"), ("router_health", "router-health")):
         d = result["details"].get(family)
         if d is None:
@@ -459,6 +487,12 @@ def main(argv: list[str] | None = None) -> int:
         "cost; none for an A/A run that shows the ratio's noise floor",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for the ranks")
+    parser.add_argument(
+        "--slow",
+        action="store_true",
+        help="also time the report over 100,000 steps at 94 x 256, a table every step "
+        "(about 10 GB in the temporary folder, 10 more minutes)",
+    )
     args = parser.parse_args(argv)
 
     preset = PRESETS["smoke" if args.smoke else "quick" if args.quick else "full"]
@@ -492,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     with tempfile.TemporaryDirectory(prefix="nmm_report_") as work:
         report = report_bench(Path(work), **preset["report"])
+        if args.slow or args.smoke:  # smoke: 10 x 300 steps at 8 x 16, to test the harness
+            report["tiled"] = tiled_report_bench(Path(work), repeats=10)
     routing = routing_bench(bench.step, preset["routing_pairs"], timeout=args.timeout)
     health = router_health_bench(bench.step, preset["health_pairs"], timeout=args.timeout)
     result = summarise(ranks, exports, flops, store, report, routing, health)

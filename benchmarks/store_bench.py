@@ -103,6 +103,8 @@ def store_bench(table_every: int, table_repeats: int, wandb_repeats: int) -> dic
     return {
         "store_bytes_per_step_94x256": bytes_table / table_every,
         "store_write_ms_94x256": amortised_ms,
+        "store_bytes_per_table_step_94x256": bytes_table,
+        "store_write_ms_per_table_step_94x256": table_ms,
         "wandb_table_ms_94x256": wandb["amortised_ms"],
         "wandb_table_ms_94x256_loaded": loaded["amortised_ms"],
         "checks": {"store_round_trip_exact": exact},

@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,9 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from nemo_moe_metrics import metric_names as names
+from nemo_moe_metrics import processes
 from nemo_moe_metrics.config import ConfigError, Recipe, load_recipe
 from nemo_moe_metrics.extras import check_extra
+from nemo_moe_metrics.failures import (
+    LAST_WORDS_ENV,
+    first_rank_failure,
+    rank_failure_lines,
+    read_failures,
+)
 from nemo_moe_metrics.preflight import preflight
+from nemo_moe_metrics.run_dir import LOCK_FILE, TOKEN_ENV, RunDirLock, this_command
 
 NEMORUN_DIR = "nemo_run"
 LAUNCH_LOG = "launch.log"
@@ -55,12 +64,15 @@ def prepare_run_dir(run_dir: Path, *, resume: bool = False, overwrite: bool = Fa
     W&B, pictures, nemo-run state) before the new one starts; ``resume`` keeps it all and the
     run continues it (the launcher passes ``logger.resume=true``). A run that failed before
     logging any step blocks nothing: its leftovers are cleared and a note saying so is returned.
+    Call it holding the directory's lock (:class:`~nemo_moe_metrics.run_dir.RunDirLock`): the
+    lock file is kept, and nobody else may be writing meanwhile.
     """
     from nemo_moe_metrics.sinks import logged_run
 
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite exclude each other; pass one of them")
-    old = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    entries = sorted(run_dir.iterdir()) if run_dir.is_dir() else []
+    old = [p.name for p in entries if p.name != LOCK_FILE]  # the lock is the caller's
     logged = logged_run(run_dir) if old else []
     if resume and not old:
         raise ConfigError(
@@ -82,6 +94,8 @@ def prepare_run_dir(run_dir: Path, *, resume: bool = False, overwrite: bool = Fa
         note = f"{run_dir}: the earlier run there logged no step (it failed early); starting afresh"
     if overwrite or note:
         for child in run_dir.iterdir():
+            if child.name == LOCK_FILE:
+                continue
             if child.is_dir() and not child.is_symlink():
                 shutil.rmtree(child)
             else:
@@ -152,11 +166,24 @@ def launch_local(
     """Train the recipe on ``nproc`` local torchrun ranks via nemo-run; returns the run directory.
 
     Blocks until the job ends; raises RuntimeError (naming the log) if it did not succeed.
+    Started by ``nemo-moe-metrics run``, it works under that command's lock of the run
+    directory; started alone, it takes the lock itself for as long as the job runs.
     """
-    import nemo_run as run
-
     preflight(load_recipe(recipe_path, overrides), nproc)
     run_dir = run_dir_for(recipe_path, overrides, output_dir)
+    if os.environ.get(TOKEN_ENV):  # the owner (`run`) holds the lock; rank 0 joins it
+        return _launch_local(recipe_path, overrides, nproc, run_dir)
+    with RunDirLock(run_dir, command=this_command()) as lock:
+        os.environ[TOKEN_ENV] = lock.token  # for the ranks (nemo-run passes the environment)
+        try:
+            return _launch_local(recipe_path, overrides, nproc, run_dir)
+        finally:
+            del os.environ[TOKEN_ENV]
+
+
+def _launch_local(recipe_path: str | Path, overrides: list[str], nproc: int, run_dir: Path) -> Path:
+    import nemo_run as run
+
     run_dir.mkdir(parents=True, exist_ok=True)
     use_nemorun_home(run_dir / NEMORUN_DIR)
     # torchrun lives next to this interpreter; a venv used without activation lacks it on PATH.
@@ -185,96 +212,6 @@ def _first_rank_error(log: Path) -> str | None:
     """``Type: message`` of the first exception a rank logged (None when there is none)."""
     failure = first_rank_failure(log)
     return failure.exception if failure else None
-
-
-# torchrun prefixes rank output with "[defaultN]:", torch.distributed's own with "[rankN]: ".
-_RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(?:\[rank\d+\]: ?)?")
-_FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+), in (.+)$')
-_CHAIN = ("The above exception was the direct cause", "During handling of the above exception")
-
-
-@dataclass
-class RankFailure:
-    """The first exception found in a torchrun log: which rank, what, and where."""
-
-    rank: int
-    exception: str  # "Type: message" (the message may span lines)
-    frame: str | None  # deepest frame in this package or the user's code: "path:line in func"
-    raised_at: str | None  # deepest frame overall, when it is elsewhere (torch, megatron, ...)
-
-    def describe(self) -> str:
-        """A few lines for the terminal."""
-        lines = [f"rank {self.rank} raised {self.exception}"]
-        if self.frame:
-            lines.append(f"  at {self.frame}")
-        if self.raised_at and self.raised_at != self.frame:
-            lines.append(f"  raised in {self.raised_at}")
-        return "\n".join(lines)
-
-
-def _short_path(path: str) -> str:
-    for marker in ("/site-packages/", "/dist-packages/"):
-        if marker in path:
-            return path.split(marker, 1)[1]
-    return path
-
-
-def _is_own_or_user_code(path: str) -> bool:
-    if path.startswith("<"):
-        return False
-    if "/nemo_moe_metrics/" in path:
-        return True
-    return (
-        "/site-packages/" not in path
-        and "/dist-packages/" not in path
-        and "/lib/python" not in path
-    )
-
-
-def first_rank_failure(log: Path) -> RankFailure | None:
-    """Parse a torchrun ``combined.log``: the earliest rank traceback, its exception and frames."""
-    per_rank: dict[int, list[str]] = {}
-    first_rank: int | None = None
-    for raw in log.read_text(errors="replace").splitlines():
-        m = _RANK_PREFIX.match(raw)
-        if not m:
-            continue
-        rank, line = int(m[1]), raw[m.end() :]
-        per_rank.setdefault(rank, []).append(line)
-        if first_rank is None and line.startswith("Traceback (most recent call last):"):
-            first_rank = rank
-    if first_rank is None:
-        return None
-    lines = per_rank[first_rank]
-    start = next(i for i, line in enumerate(lines) if line.startswith("Traceback (most recent"))
-    frames: list[tuple[str, int, str]] = []
-    exception: list[str] = []
-    for i in range(start + 1, len(lines)):
-        line = lines[i]
-        if line.startswith("Traceback (most recent"):
-            frames, exception = [], []  # a chained exception: the last one is what failed
-        elif not exception:
-            m = _FRAME.match(line)
-            if m:
-                frames.append((m[1], int(m[2]), m[3]))
-            elif line.strip() and not line.startswith(" "):
-                exception.append(line)  # source lines and caret markers are indented
-        elif not line.strip() or line.startswith(_CHAIN):
-            # The message ended; go on only when a chained traceback follows.
-            if not any(x.startswith("Traceback (most recent") for x in lines[i : i + 4]):
-                break
-        else:
-            exception.append(line)
-    if not exception:
-        return None
-    own = [f for f in frames if _is_own_or_user_code(f[0])]
-    fmt = lambda f: f"{_short_path(f[0])}:{f[1]} in {f[2]}"  # noqa: E731
-    return RankFailure(
-        rank=first_rank,
-        exception="\n".join(exception[:20]),
-        frame=fmt(own[-1]) if own else None,
-        raised_at=fmt(frames[-1]) if frames else None,
-    )
 
 
 def _latest_rank_log(run_dir: Path, since: float = 0.0) -> Path | None:
@@ -457,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--output-dir", default="runs", help="default runs/")
     args = parser.parse_intermixed_args(argv)  # overrides may come before or after options
+    _own_children()
     try:
         run_dir = launch_local(args.recipe, args.overrides, args.nproc, args.output_dir)
     except ConfigError as err:
@@ -467,6 +405,29 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(run_dir)
     return 0
+
+
+def _own_children() -> None:
+    """This launch process stops its job (torchrun and the ranks, each in a session of their
+    own) on SIGTERM, SIGINT or SIGHUP, and gets SIGTERM when ``nemo-moe-metrics run`` that
+    started it dies (even by SIGKILL)."""
+    launcher = os.environ.get(processes.LAUNCHER_ENV)
+    if launcher:
+        processes.die_with_parent(int(launcher.partition(":")[0]))
+
+    stopping: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:
+        if stopping:  # already stopping (a second signal): that one finishes the job
+            return
+        stopping.append(signum)
+        name = signal.Signals(signum).name
+        print(f"launcher: {name}: stopping torchrun and the ranks", file=sys.stderr, flush=True)
+        processes.stop_descendants(grace_s=10.0)
+        os._exit(processes.Interrupted(signum).exit_status)
+
+    for sig in processes.SIGNAL_EXIT:
+        signal.signal(sig, stop)
 
 
 # What the live progress bar shows, from the latest JSONL line: (key, label, format).
@@ -480,13 +441,21 @@ PROGRESS_FIELDS: list[tuple[str, str, str]] = [
 
 def _read_new_lines(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
     # Only whole lines: rank 0 may be mid-write when we look.
-    if not path.is_file():
+    try:
+        with path.open("rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:  # not there yet, or unreadable for now: the bar waits
         return [], offset
-    with path.open("rb") as f:
-        f.seek(offset)
-        data = f.read()
     end = data.rfind(b"\n") + 1
-    rows = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+    rows = []
+    for line in data[:end].splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a torn line (a crash mid-write): the next resume cuts it
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
     return rows, offset + end
 
 
@@ -535,46 +504,123 @@ def run_with_progress(
 
     Before anything starts: the recipe, its layout on ``nproc`` ranks (:mod:`.preflight`), the
     extras it needs and the run directory (one run per directory, see :func:`prepare_run_dir`)
-    are checked. Returns the launcher's exit status; its own output goes to
-    ``<run>/launch.log``; on failure the first rank's exception is printed.
+    are checked, and the directory's lock is taken (:class:`~.run_dir.RunDirLock`: a second
+    run on a live directory is refused naming its holder). This process owns the job it starts
+    (:mod:`.processes`): Ctrl-C, SIGTERM or SIGHUP stop torchrun and every rank and return
+    128 + the signal (130 for Ctrl-C) after one line; ``kill -9`` of it stops them too. Returns
+    the launcher's exit status; its own output goes to ``<run>/launch.log``; on failure the
+    failing rank's first error is printed.
     """
     recipe = load_recipe(recipe_path, overrides)  # fail fast, before any process starts
     preflight(recipe, nproc)
     check_launch_extras(recipe)
+    console = _console(console)
+    run_dir = Path(output_dir).resolve() / recipe.name
+    if resume and not run_dir.is_dir():  # said before the lock would create the directory
+        prepare_run_dir(run_dir, resume=True)
+    with RunDirLock(run_dir, command=this_command()) as lock:  # before any write or delete
+        for note in lock.notes:
+            _say(console, note)
+        note = prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
+        if note:
+            _say(console, note)
+        if resume:
+            _prepare_resume(run_dir, recipe, recipe_path, console)
+            overrides = [*overrides, "logger.resume=true"]
+        where = ["--nproc", str(nproc), "--output-dir", str(Path(output_dir).resolve())]
+        cmd = [sys.executable, "-m", "nemo_moe_metrics.launch", str(recipe_path), *where]
+        with tempfile.TemporaryDirectory(prefix="nemo_moe_metrics_run_") as tmp:
+            job = _Job(cmd + overrides, run_dir, recipe, _child_env(lock.token), resume)
+            job.env[LAST_WORDS_ENV] = job.last_words = str(Path(tmp) / "rank_errors.jsonl")
+            status = job.supervise(console, poll_s)
+            if status is not None:  # interrupted: the whole job is stopped
+                user = [o for o in overrides if o != "logger.resume=true"]
+                again = ["nemo-moe-metrics", "run", str(recipe_path), *user, *where, "--resume"]
+                _say(console, job.interrupted_line(status, shlex.join(again)))
+                return status
+            return job.finish(console)
+
+
+def _console(console: Any | None) -> Any:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Column
 
     console = console or Console()
     if not console.is_terminal and console.width < PIPED_WIDTH:
         console.width = PIPED_WIDTH  # whole progress lines in a log, never cut at 80 columns
-    run_dir = Path(output_dir).resolve() / recipe.name
-    note = prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
-    if resume:
-        check_resume_has_steps_left(run_dir, recipe, recipe_path)
-    if note:
-        console.print(note, markup=False, highlight=False, soft_wrap=True)
-    if resume:
-        overrides = [*overrides, "logger.resume=true"]
-    metrics_path = run_dir / "metrics.jsonl"
-    # Show this run's steps only: a resumed run appends to the file it continues.
-    offset = metrics_path.stat().st_size if metrics_path.is_file() else 0
-    log_path = run_dir / LAUNCH_LOG
-    cmd = [sys.executable, "-m", "nemo_moe_metrics.launch", str(recipe_path)]
-    cmd += ["--nproc", str(nproc), "--output-dir", str(Path(output_dir).resolve()), *overrides]
+    return console
+
+
+def _say(console: Any, text: str) -> None:
+    # soft_wrap: paths and commands stay whole lines, to copy and paste.
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def _prepare_resume(run_dir: Path, recipe: Recipe, recipe_path: str | Path, console: Any) -> None:
+    """Make the records agree (what was cut and why is printed), then check steps are left."""
+    from nemo_moe_metrics.sinks import ResumeError, prepare_resume
+
+    try:
+        _, notes = prepare_resume(run_dir, table_every=recipe.logger.table_every)
+    except ResumeError as err:
+        raise ConfigError(str(err)) from None
+    for note in notes:
+        _say(console, f"resume: {note}")
+    check_resume_has_steps_left(run_dir, recipe, recipe_path)
+
+
+def _child_env(token: str) -> dict[str, str]:
     env = dict(os.environ)
     src_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
-    last: dict[str, Any] = {}
-    from nemo_moe_metrics.moe.alerts import AlertConsole
+    # The ranks end when this process does (processes.watch_launcher); rank 0 joins the lock.
+    env[processes.LAUNCHER_ENV] = processes.identity()
+    env[TOKEN_ENV] = token
+    return env
 
-    alert_console = AlertConsole(per_step=recipe.logger.alerts.max_lines_per_step)
-    started = time.time()
-    if recipe.algorithm == "grpo":
-        console.print(GRPO_LOSS_NOTE, markup=False, highlight=False, soft_wrap=True)
-    with (
-        log_path.open("a" if resume else "w") as log,
-        Progress(
+
+@dataclass
+class _Job:
+    """The launch process ``run`` starts and watches, and what it printed."""
+
+    cmd: list[str]
+    run_dir: Path
+    recipe: Recipe
+    env: dict[str, str]
+    resume: bool
+    returncode: int | None = None
+    started: float = 0.0
+    last: dict[str, Any] | None = None
+    stopped: int = 0  # processes stopped after a signal
+    last_words: str | None = None  # where the ranks record their errors (failures.py)
+    alerts: Any = None  # moe.alerts.AlertConsole: the alert lines rank 0 recorded, on the console
+
+    def _alert_console(self) -> Any:
+        if self.alerts is None:
+            from nemo_moe_metrics.moe.alerts import AlertConsole
+
+            self.alerts = AlertConsole(per_step=self.recipe.logger.alerts.max_lines_per_step)
+        return self.alerts
+
+    def supervise(self, console: Any, poll_s: float) -> int | None:
+        """Run the launch process with a progress bar until it ends: None, or the exit status
+        of a stopping signal after the whole job was stopped."""
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+        from rich.table import Column
+
+        metrics_path = self.run_dir / "metrics.jsonl"
+        # Show this run's steps only: a resumed run appends to the file it continues.
+        offset = metrics_path.stat().st_size if metrics_path.is_file() else 0
+        self.started = time.time()
+        if self.recipe.algorithm == "grpo":
+            _say(console, GRPO_LOSS_NOTE)
+        processes.become_subreaper()  # orphans of the job stay findable (and stoppable) here
+        columns = (
             TextColumn("[bold]{task.fields[name]}"),
             BarColumn(),
             # Piped output is 80 columns: the bar and the metrics give way, never the counts
@@ -584,63 +630,119 @@ def run_with_progress(
             TextColumn(
                 "{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis")
             ),
-            console=console,
-        ) as progress,
-    ):
-        task = progress.add_task(
-            "starting ranks...", total=recipe.training.max_steps, name=recipe.name
         )
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        while True:
-            done = proc.poll() is not None
-            rows, offset = _read_new_lines(metrics_path, offset)
-            for row in rows:  # alerts rank 0 recorded with the step (moe/alerts.py)
-                for line in alert_console.lines(row):
-                    progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
-            if rows:
-                last = rows[-1]
-                progress.update(
-                    task,
-                    completed=last["step"] + 1,
-                    description=describe_step(last, recipe.algorithm),
+        try:
+            with (
+                processes.signals_raise(),
+                (self.run_dir / LAUNCH_LOG).open("a" if self.resume else "w") as log,
+                Progress(*columns, console=console) as progress,
+            ):
+                task = progress.add_task(
+                    "starting ranks...", total=self.recipe.training.max_steps, name=self.recipe.name
                 )
-            if done:
-                break
-            time.sleep(poll_s)
-    if proc.returncode != 0:
-        # soft_wrap: paths and commands stay whole lines, to copy and paste.
-        report = failure_report(run_dir, proc.returncode, started)
-        console.print(report, markup=False, highlight=False, soft_wrap=True)
-        return proc.returncode
-    held = alert_console.closing_line(f"nemo-moe-metrics report {run_dir}")
-    if held:
-        console.print(held, markup=False, highlight=False, soft_wrap=True)
-    console.print(f"[green]done[/green]: {run_dir}  (last step {last.get('step')})", soft_wrap=True)
-    if metrics_path.is_file():
-        from nemo_moe_metrics.report import render_report
+                proc = subprocess.Popen(
+                    self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                    start_new_session=True,  # a terminal's Ctrl-C comes here; we stop the job
+                )  # fmt: skip
+                while True:
+                    done = proc.poll() is not None
+                    rows, offset = _read_new_lines(metrics_path, offset)
+                    for row in rows:  # alerts rank 0 recorded with the step (moe/alerts.py)
+                        for line in self._alert_console().lines(row):
+                            _say(progress.console, line)
+                    if rows:
+                        self.last = rows[-1]
+                        progress.update(
+                            task,
+                            completed=self.last["step"] + 1,
+                            description=describe_step(self.last, self.recipe.algorithm),
+                        )
+                    if done:
+                        break
+                    time.sleep(poll_s)
+        except (processes.Interrupted, KeyboardInterrupt) as stop:
+            signum = stop.signum if isinstance(stop, processes.Interrupted) else signal.SIGINT
+            with processes.signals_counted() as again:  # a second Ctrl-C: SIGKILL at once
+                self.stopped = processes.stop_descendants(grace_s=10.0, force=again)
+            return processes.Interrupted(signum).exit_status
+        self.returncode = proc.returncode
+        _stop_stragglers(ok=proc.returncode == 0)
+        return None
 
-        # The pictures and the summary a user looks at first (without the 'report' extra the
-        # summary alone, with a line naming the extra).
-        # soft_wrap: whole lines, never cut at the console width (80 columns when piped).
-        console.print(render_report(run_dir), markup=False, highlight=False, soft_wrap=True)
-    return 0
+    def interrupted_line(self, status: int, again: str) -> str:
+        """The one line a stopped run prints."""
+        from nemo_moe_metrics.sinks import read_resume_state
+
+        name = next((s.name for s, code in processes.SIGNAL_EXIT.items() if code == status), "")
+        last = read_resume_state(self.run_dir).last_step
+        kept = "no step was logged yet" if last is None else f"it keeps every step up to {last}"
+        return (
+            f"interrupted ({name or f'exit {status}'}): stopped the training job "
+            f"({self.stopped} process(es): launcher, torchrun, ranks); "
+            f"{self.run_dir}: {kept}; continue it with: {again}"
+        )
+
+    def finish(self, console: Any) -> int:
+        """Print the failure, or the summary of a run that succeeded; the exit status."""
+        assert self.returncode is not None
+        if self.returncode != 0:
+            words = Path(self.last_words) if self.last_words else None
+            _say(console, failure_report(self.run_dir, self.returncode, self.started, words))
+            return self.returncode
+        held = self._alert_console().closing_line(f"nemo-moe-metrics report {self.run_dir}")
+        if held:
+            _say(console, held)
+        last = (self.last or {}).get("step")
+        console.print(f"[green]done[/green]: {self.run_dir}  (last step {last})", soft_wrap=True)
+        if (self.run_dir / "metrics.jsonl").is_file():
+            from nemo_moe_metrics.report import ReportError, render_report
+
+            # The pictures and the summary a user looks at first (without the 'report' extra
+            # the summary alone, with a line naming the extra).
+            try:
+                _say(console, render_report(self.run_dir))
+            except ReportError as err:  # the training itself succeeded: say why, exit 0
+                _say(console, f"report skipped: {err}")
+        return 0
 
 
-def failure_report(run_dir: Path, returncode: int, since: float = 0.0) -> str:
-    """What a failed run prints: the first rank's exception, then where the logs are."""
+def _stop_stragglers(ok: bool) -> None:
+    """Processes of the job still running after the launch process ended (torchrun or a rank
+    left behind when it crashed; W&B's service finishing): given time after a success, then
+    stopped."""
+    deadline = time.monotonic() + (30.0 if ok else 2.0)
+    while processes.descendants(os.getpid()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    processes.stop_descendants(grace_s=5.0)
+
+
+def failure_report(
+    run_dir: Path, returncode: int, since: float = 0.0, last_words: Path | None = None
+) -> str:
+    """What a failed run prints: the failing rank's first error, then where the logs are.
+
+    The rank that failed first is named (:mod:`.failures`): a rank killed by a signal (out of
+    memory, ``kill -9``) as such, and the errors it caused on the other ranks ("Connection
+    closed by peer") after it, as consequences. ``last_words`` is the file the ranks recorded
+    their errors in (outside the run directory: it survives a full disk).
+    """
     lines = [f"run failed (exit {returncode})"]
     log = _latest_rank_log(run_dir, since)
-    failure = first_rank_failure(log) if log else None
     launch_log = run_dir / LAUNCH_LOG
-    if failure:
-        lines.append(failure.describe())
+    full = _disk_full_note(run_dir)
+    said = rank_failure_lines(log, read_failures(last_words))
+    if said and not said[0].startswith("no Python exception"):
+        lines += said
+    elif full:
+        lines.append(full)  # the ranks' own errors may be what could not be written
+        full = None
     elif log:
-        tail = log.read_text(errors="replace").splitlines()[-10:]
-        lines.append("no Python exception in the rank log (killed by a signal or out of memory?)")
-        lines += [f"  {line}" for line in tail]
+        lines += said + [f"  {line}" for line in _tail(log, 10)]
     elif launch_log.is_file():
         # The launcher itself failed (no rank started): its last lines say why.
-        lines += [f"  {line}" for line in launch_log.read_text(errors="replace").splitlines()[-10:]]
+        lines += [f"  {line}" for line in _tail(launch_log, 10)]
+    if full:
+        lines.append(full)
     if log:
         lines.append(f"rank log: {log}")
         hint = _status_hint(run_dir, log)
@@ -648,6 +750,30 @@ def failure_report(run_dir: Path, returncode: int, since: float = 0.0) -> str:
             lines.append(f"job status: {hint}")
     lines.append(f"launcher log: {launch_log}")
     return "\n".join(lines)
+
+
+def _tail(path: Path, n: int) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-n:]
+    except OSError as err:
+        return [f"(cannot read {path}: {err.strerror or err})"]
+
+
+def _disk_full_note(run_dir: Path, below: int = 1 << 20) -> str | None:
+    """A line when the run directory's file system is (nearly) full: then the ranks' own
+    error may be missing from their log, which could not be written either."""
+    try:
+        st = os.statvfs(run_dir)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if free >= below:
+        return None
+    return (
+        f"the run directory's file system is full ({free:,} bytes free at {run_dir}): writes "
+        "failed there (logs may be cut short). Free space or choose another --output-dir, "
+        "then continue with --resume"
+    )
 
 
 if __name__ == "__main__":

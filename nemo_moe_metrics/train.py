@@ -12,12 +12,16 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from nemo_moe_metrics import processes
 from nemo_moe_metrics.config import ConfigError, Recipe, dump_recipe, load_recipe
+from nemo_moe_metrics.failures import record_failure
 from nemo_moe_metrics.preflight import preflight
-from nemo_moe_metrics.sinks import ResumeState, build_sinks, read_resume_state
+from nemo_moe_metrics.run_dir import TOKEN_ENV, RunDirLock
+from nemo_moe_metrics.sinks import ResumeState, build_sinks, prepare_resume
 from nemo_moe_metrics.worker import PolicyMetrics
 
 
@@ -38,14 +42,29 @@ def train(recipe: Recipe, output_dir: str | Path) -> None:
     """
     import torch.distributed as dist
 
-    from nemo_moe_metrics.algorithms import run_algorithm
     from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
 
     output_dir = Path(output_dir)
     hooks = make_hooks(recipe)
     worker = MegatronPolicyWorker(recipe, hooks=hooks)
     rank = dist.get_rank()
-    state = _resume_state(output_dir, rank) if recipe.logger.resume else None
+    # Rank 0 writes the run directory: it owns it (or joins its launcher) before any write.
+    lock = own_run_dir(output_dir) if rank == 0 else None
+    try:
+        _train(recipe, output_dir, worker, hooks, rank)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(
+    recipe: Recipe, output_dir: Path, worker: Any, hooks: PolicyMetrics | None, rank: int
+) -> None:
+    import torch.distributed as dist
+
+    from nemo_moe_metrics.algorithms import run_algorithm
+
+    state = _resume_state(output_dir, rank, recipe) if recipe.logger.resume else None
     if state is not None and hooks is not None:
         hooks.resume_totals(state.total_tokens, state.total_seconds, state.total_flops)
     start_step = state.next_step if state is not None else 0
@@ -70,11 +89,15 @@ def train(recipe: Recipe, output_dir: str | Path) -> None:
     )
     try:
         run_algorithm(recipe, worker, sink.log, start_step=start_step)
-    finally:
+    except BaseException:
+        # No barrier: the other ranks are mid-step; a collective here would fail in turn and
+        # its error would hide this one. Leaving ends them (torchrun, or their collectives).
         sink.close()
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        raise
+    sink.close()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _refuse_a_logged_run(output_dir: Path, recipe: Recipe) -> None:
@@ -90,11 +113,33 @@ def _refuse_a_logged_run(output_dir: Path, recipe: Recipe) -> None:
         )
 
 
-def _resume_state(output_dir: Path, rank: int) -> ResumeState:
-    """Rank 0 reads the run directory; every rank gets the same state (one broadcast)."""
+def own_run_dir(output_dir: Path) -> RunDirLock:
+    """Rank 0's hold on the run directory: it joins the lock of the launcher that started the
+    job (``nemo-moe-metrics run`` passes its token), or takes it itself (a job started
+    another way, e.g. by Slurm); :class:`~nemo_moe_metrics.run_dir.RunDirBusyError` when
+    another run holds the directory."""
+    token = os.environ.get(TOKEN_ENV)
+    lock = RunDirLock(output_dir)
+    if token:
+        return lock.join(token)
+    lock.acquire(writer=True)
+    for note in lock.notes:
+        print(note, flush=True)
+    return lock
+
+
+def _resume_state(output_dir: Path, rank: int, recipe: Recipe) -> ResumeState:
+    """Rank 0 makes the run directory's records agree and reads where to continue (saying
+    what it cut, see :func:`~nemo_moe_metrics.sinks.prepare_resume`); every rank gets the same
+    state (one broadcast)."""
     import torch.distributed as dist
 
-    box = [read_resume_state(output_dir) if rank == 0 else None]
+    state = None
+    if rank == 0:
+        state, notes = prepare_resume(output_dir, table_every=recipe.logger.table_every)
+        for note in notes:
+            print(f"resume: {note}", flush=True)
+    box = [state]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -120,10 +165,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if "LOCAL_RANK" in os.environ:  # started by torchrun: end with it (and with `run`)
+        rank = os.environ.get("RANK", os.environ["LOCAL_RANK"])
+        processes.watch_launcher(os.environ.get(processes.LAUNCHER_ENV), label=f"rank {rank}")
     # Two CPU ranks on two cores: more intra-op threads per rank only oversubscribe.
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    train(recipe, args.output_dir)
+    try:
+        train(recipe, args.output_dir)
+    except BaseException as err:
+        record_failure(err)  # survives a full run directory (see failures.py)
+        raise
     return 0
 
 

@@ -232,8 +232,6 @@ def tiny_model(model_type: str, seed: int = 0, **changes: Any) -> Any:
     return family(model_type).model_class(tiny_config(model_type, **changes)).train()
 
 
-
-
 # -- the supported-models table (docs/en/models.md, docs/zh/models.md) -------------------------
 TABLE_HEADER = "| model type | model class | expert loads | aux loss | FLOPs | notes |"
 

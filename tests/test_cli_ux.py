@@ -317,7 +317,8 @@ def test_rerun_into_an_existing_run_directory_is_refused(tmp_path):
     assert proc.returncode == 2
     assert f"run directory {run_dir} already holds a run (metrics.jsonl)" in proc.stderr
     assert "pass --resume to continue it, --overwrite to delete it" in proc.stderr
-    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"], "nothing launched"
+    # Nothing launched; the run directory's lock (taken before deciding) is all that was added.
+    assert sorted(p.name for p in run_dir.iterdir()) == [".run.lock", "metrics.jsonl"]
 
 
 def test_resume_into_an_empty_directory_is_refused(tmp_path):

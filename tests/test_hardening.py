@@ -32,7 +32,7 @@ from nemo_moe_metrics.config import (
 )
 from nemo_moe_metrics.flops import get_flops_estimator
 from nemo_moe_metrics.sinks import METRICS_FILE, TENSORBOARD_DIR, build_sinks
-from nemo_moe_metrics.sinks.base import MultiSink
+from nemo_moe_metrics.sinks.base import MultiSink, SinkWriteError
 from nemo_moe_metrics.sinks.jsonl import JsonlSink
 from nemo_moe_metrics.throughput import StepMeter
 from nemo_moe_metrics.worker import PolicyMetrics
@@ -309,25 +309,29 @@ class _FillingDisk:
         return getattr(self.real, name)
 
 
-def test_disk_full_during_jsonl_write_warns_once_keeps_written_steps_and_resumes(tmp_path):
+def test_disk_full_during_jsonl_write_ends_the_run_naming_the_file_and_keeps_written_steps(
+    tmp_path,
+):
+    # A write that fails as on a full disk (tests/test_run_faults.py uses a real small tmpfs).
     path = tmp_path / METRICS_FILE
     jsonl = JsonlSink(path)
     line = len(json.dumps({"step": 0, mn.TOKENS: 0.0}, separators=(",", ":"))) + 1
     disk = _FillingDisk(jsonl._file, budget=2 * line + line // 2)  # 2.5 lines fit
     jsonl._file = disk
     other = JsonlSink(tmp_path / "other.jsonl")
-    sink = MultiSink([jsonl, other])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(5):
-            sink.log({mn.TOKENS: float(step)}, step)
-            if step == 3:
-                disk.budget = 10**6  # space freed (e.g. old checkpoints deleted)
-        sink.close()
-    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert len(messages) == 1, messages
-    assert "JsonlSink.log failed (OSError" in messages[0] and "No space left" in messages[0]
-    # Steps written before the disk filled are intact; the torn step 2 and the refused step 3
-    # are lost; step 4, after space came back, starts on its own line and is readable.
-    assert [r["step"] for r in _rows(path)] == [0, 1, 4]
-    assert [r["step"] for r in _rows(tmp_path / "other.jsonl")] == [0, 1, 2, 3, 4]
+    sink = MultiSink([other, jsonl])
+    sink.log({mn.TOKENS: 0.0}, 0)
+    sink.log({mn.TOKENS: 1.0}, 1)
+    with pytest.raises(SinkWriteError) as err:
+        sink.log({mn.TOKENS: 2.0}, 2)
+    text = str(err.value)
+    assert f"cannot write {path}: No space left on device (ENOSPC)" in text
+    assert "steps up to 1 are saved" in text and "--resume" in text
+    assert err.value.errno == errno.ENOSPC
+    # The run is over: the other sink was closed (flushed), later logs are refused.
+    assert jsonl._file.closed and other._file.closed
+    with pytest.raises(RuntimeError, match="after close"):
+        sink.log({mn.TOKENS: 3.0}, 3)
+    # What was written stays readable: the two whole lines; the torn third is skipped.
+    assert [r["step"] for r in _rows(path)] == [0, 1]
+    assert [r["step"] for r in _rows(tmp_path / "other.jsonl")] == [0, 1, 2]

@@ -181,18 +181,14 @@ def test_step_meter_resume_refuses_bad_totals(bad):
 
 
 def test_tensorboard_resume_hides_steps_an_earlier_process_wrote_ahead(tmp_path):
-    # TensorBoard got steps 0..4 on disk, the JSONL only 0..2 (TB alone was ahead).
-    tb_only = LoggerConfig(jsonl_enabled=False, wandb_enabled=False)
-    sink = build_sinks(tb_only, tmp_path, run_name="r")
+    # TensorBoard got steps 0..4 on disk, the JSONL only 0..2 (its last lines were lost).
+    cfg = LoggerConfig(wandb_enabled=False)
+    sink = build_sinks(cfg, tmp_path, run_name="r")
     for step in range(5):
         sink.log({mn.TOKENS: step}, step)
     sink.close()
-    # The same run, continued by a process that logs JSONL only.
-    jsonl_only = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False, resume=True)
-    sink = build_sinks(jsonl_only, tmp_path, run_name="r")
-    for step in range(3):
-        sink.log({mn.TOKENS: step}, step)
-    sink.close()
+    jsonl = tmp_path / "metrics.jsonl"
+    jsonl.write_text("".join(jsonl.read_text().splitlines(keepends=True)[:3]))
 
     resumed = LoggerConfig(wandb_enabled=False, resume=True)
     sink = build_sinks(resumed, tmp_path, run_name="r")
@@ -241,3 +237,115 @@ def test_table_every_zero_is_refused_by_name():
 
     with pytest.raises(ConfigError, match=r"logger\.table_every: .*greater than or equal to 1"):
         recipe_from_dict({"policy": {"model": {}}, "logger": {"table_every": 0}})
+
+
+# ------------------------------------------------------------ the records agree before resuming
+
+
+def _log(run_dir, steps, *, table_steps=None, cfg=None):
+    cfg = cfg or LoggerConfig(wandb_enabled=False, table_every=1)
+    sink = build_sinks(cfg, run_dir, run_name="r")
+    for step in steps:
+        metrics = {mn.TOKENS: 10.0 + step, mn.TOTAL_TOKENS: 100.0 * (step + 1)}
+        if table_steps is None or step in table_steps:
+            metrics[mn.EXPERT_LOADS] = [[1, e, step + e, 1.0] for e in range(4)]
+        sink.log(metrics, step)
+    sink.close()
+
+
+def _jsonl_steps(run_dir):
+    return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _raw_store_steps(run_dir):
+    from nemo_moe_metrics.sinks.store import scan_store
+
+    with store_path(run_dir).open("rb") as f:
+        return scan_store(f).steps
+
+
+def test_a_logged_step_whose_store_record_is_missing_is_logged_again(tmp_path):
+    from nemo_moe_metrics.sinks import prepare_resume
+
+    _log(tmp_path, range(6), table_steps={0, 1, 2, 3})  # steps 4, 5: their counts were lost
+    state, notes = prepare_resume(tmp_path, table_every=1)
+    assert state.next_step == 4 and state.total_tokens == 400.0
+    [note] = notes
+    assert "step(s) 4–5 have no record in expert_loads.bin" in note
+    assert "cut, and logged again from step 4" in note
+    assert _jsonl_steps(tmp_path) == [0, 1, 2, 3]
+    _log(tmp_path, range(4, 6), cfg=LoggerConfig(wandb_enabled=False, table_every=1, resume=True))
+    assert _jsonl_steps(tmp_path) == list(range(6))
+    assert _raw_store_steps(tmp_path) == list(range(6))
+
+
+def test_store_records_past_the_last_jsonl_step_are_cut_and_logged_again(tmp_path):
+    from nemo_moe_metrics.sinks import prepare_resume
+    from nemo_moe_metrics.sinks.store import ExpertLoadStore
+
+    _log(tmp_path, range(4))
+    with ExpertLoadStore(store_path(tmp_path)) as store:  # killed after the store, before JSONL
+        store.append(4, [1], np.array([[9, 9, 9, 9]]))
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step":4,"train_perf/tok')  # ... while writing its JSONL line
+    state, notes = prepare_resume(tmp_path, table_every=1)
+    assert state.next_step == 4
+    assert "cut a torn last line" in notes[0]
+    assert (
+        "expert_loads.bin: step(s) 4 stored after the last complete step of metrics.jsonl"
+        in (notes[1])
+    )
+    _log(tmp_path, [4, 5], cfg=LoggerConfig(wandb_enabled=False, table_every=1, resume=True))
+    assert _jsonl_steps(tmp_path) == list(range(6))  # no torn line left either
+    assert _raw_store_steps(tmp_path) == list(range(6))
+    counts = {s: c for s, _, c in read_expert_loads(store_path(tmp_path))}
+    assert counts[4].tolist() == [[4, 5, 6, 7]]  # the logged-again step, not the cut one
+
+
+def test_a_step_line_appended_by_hand_is_said_by_resume_and_report(tmp_path):
+    from nemo_moe_metrics.report import render_report
+    from nemo_moe_metrics.sinks import prepare_resume
+
+    _log(tmp_path, range(24))
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5}\n')
+    summary = render_report(tmp_path, out_dir=tmp_path / "pictures")
+    assert "run r: steps 0–5 (6 logged)" in summary
+    assert (
+        "skipped: metrics.jsonl: steps 5–23 (19 logged) superseded: line 25 logs step 5 again"
+        in summary
+    )
+    _, notes = prepare_resume(tmp_path, table_every=1)
+    assert "its last line logs step 5 after step 23" in notes[0]
+
+
+def test_resume_with_an_empty_jsonl_beside_tensorboard_steps_is_refused(tmp_path):
+    from nemo_moe_metrics.sinks import ResumeError, logged_run
+
+    _log(tmp_path, range(3), table_steps=set())
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert logged_run(tmp_path) == ["tensorboard"]  # a damaged run, not one that died early
+    with pytest.raises(ResumeError) as err:
+        build_sinks(LoggerConfig(wandb_enabled=False, resume=True), tmp_path, run_name="r")
+    assert f"--resume: {tmp_path / 'metrics.jsonl'} is empty, but logged steps remain in " in str(
+        err.value
+    )
+    assert "tensorboard/ (scalar events): the step to continue from is unknown" in str(err.value)
+    assert "Restore metrics.jsonl (from a backup), or start afresh with --overwrite" in str(
+        err.value
+    )
+
+
+def test_a_deleted_run_json_gets_its_run_id_back_from_the_wandb_folder(tmp_path):
+    _log(tmp_path, range(2))
+    run_id = json.loads((tmp_path / RUN_FILE).read_text())["run_id"]
+    (tmp_path / "wandb" / f"offline-run-20261204_101010-{run_id}").mkdir(parents=True)
+    (tmp_path / RUN_FILE).unlink()
+    with pytest.warns(RuntimeWarning, match=f"the run id {run_id} was recovered from wandb"):
+        _log(tmp_path, [2], cfg=LoggerConfig(wandb_enabled=False, resume=True))
+    assert json.loads((tmp_path / RUN_FILE).read_text())["run_id"] == run_id
+    (tmp_path / RUN_FILE).unlink()
+    for folder in (tmp_path / "wandb").iterdir():
+        folder.rmdir()
+    with pytest.warns(RuntimeWarning, match="W&B and MLflow .if on. start new runs"):
+        _log(tmp_path, [3], cfg=LoggerConfig(wandb_enabled=False, resume=True))

@@ -92,7 +92,8 @@ def test_resumed_run_appends_and_readers_drop_the_abandoned_steps(tmp_path):
             sink.log({mn.MAX_OVER_IDEAL: v}, step)
         sink.close()
     assert len(_lines(tmp_path / METRICS_FILE)) == 7  # appended, nothing overwritten
-    records = read_metrics(tmp_path / METRICS_FILE)
+    with pytest.warns(UserWarning, match="steps 2–3 .2 logged. superseded: line 5 logs step 2"):
+        records = read_metrics(tmp_path / METRICS_FILE)
     assert [(r["step"], r[mn.MAX_OVER_IDEAL]) for r in records] == [
         (0, 1.0),
         (1, 2.0),
@@ -110,7 +111,8 @@ def test_restart_earlier_than_the_last_step_discards_the_later_abandoned_steps(t
         for step, v in values.items():
             sink.log({mn.MAX_OVER_IDEAL: v}, step)
         sink.close()
-    records = read_metrics(tmp_path / METRICS_FILE)
+    with pytest.warns(UserWarning, match="steps 2–3 .2 logged. superseded"):
+        records = read_metrics(tmp_path / METRICS_FILE)
     assert [(r["step"], r[mn.MAX_OVER_IDEAL]) for r in records] == [(0, 1.0), (1, 2.0), (2, 30.0)]
 
 

@@ -13,17 +13,20 @@ import numpy as np
 import pytest
 
 from nemo_moe_metrics.sinks.store import (
+    FORMAT_VERSION,
     STORE_FILE,
     ExpertLoadSink,
     ExpertLoadStore,
     StoreError,
     read_expert_load_blocks,
     read_expert_loads,
+    scan_store,
     store_path,
     table_to_counts,
 )
 
 REPO = Path(__file__).resolve().parent.parent
+HEADER = 36  # bytes of a (version 2) record header
 
 
 def _counts(rng, layers, experts, tokens):
@@ -92,7 +95,7 @@ def test_step_window_does_not_decode_steps_outside_it(tmp_path):
     _write(path, range(4))
     # Garble the payload of step 0: a reader that decoded it would warn about its checksum.
     data = bytearray(path.read_bytes())
-    data[8 + 32 + 2] ^= 0xFF
+    data[8 + HEADER + 2] ^= 0xFF
     path.write_bytes(bytes(data))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -145,7 +148,8 @@ def test_resumed_store_appends_and_readers_drop_the_abandoned_steps(tmp_path):
     with ExpertLoadStore(path) as store:
         for step in (3, 4):
             store.append(step, [7], np.full((1, 2), 100 + step))
-    got = list(read_expert_loads(path))
+    with pytest.warns(UserWarning, match=r"step\(s\) 3–5 stored again later .a restart"):
+        got = list(read_expert_loads(path))
     assert [s for s, _, _ in got] == [0, 1, 2, 3, 4]
     assert got[3][2].tolist() == [[103, 103]]
     assert got[3][1].tolist() == [7]
@@ -342,9 +346,120 @@ def test_blocks_skip_a_record_failing_its_checksum_with_a_warning(tmp_path):
     path = store_path(tmp_path)
     _, written = _write(path, range(4))
     data = bytearray(path.read_bytes())
-    data[8 + 32 + 2] ^= 0xFF  # the payload of step 0
+    data[8 + HEADER + 2] ^= 0xFF  # the payload of step 0
     path.write_bytes(bytes(data))
     with pytest.warns(UserWarning, match="checksum"):
         blocks = list(read_expert_load_blocks(path, workers=2, prepare=lambda s, i, c: (s, c)))
     assert [s.tolist() for s, _ in blocks] == [[1, 2, 3]]
     assert all(np.array_equal(blocks[0][1][k], written[k + 1]) for k in range(3))
+
+
+# ------------------------------------------------------------------ damage costs one record
+
+
+def _offsets(path):
+    with path.open("rb") as f:
+        return {e.step: e.offset for e in scan_store(f).entries}
+
+
+@pytest.mark.parametrize(
+    ("where", "value"),
+    [(4, b"\xff\xff\xff\xff"), (24, b"\xff\xff\xff\x7f")],  # the step; the payload size
+    ids=["step", "payload_size"],
+)
+def test_four_bytes_overwritten_in_a_header_cost_that_record_only(tmp_path, where, value):
+    path = store_path(tmp_path)
+    ids, written = _write(path, range(20))
+    at = _offsets(path)[5] + where
+    data = bytearray(path.read_bytes())
+    data[at : at + 4] = value
+    path.write_bytes(bytes(data))
+    skipped = []
+    got = list(read_expert_loads(path, skipped=skipped))
+    assert [s for s, _, _ in got] == [s for s in range(20) if s != 5]
+    for step, _, counts in got:
+        np.testing.assert_array_equal(counts, written[step])
+    [said] = skipped
+    assert "between steps 4 and 6: a damaged record, skipped; every record after it is kept" in said
+    # A resumed writer keeps every intact record and appends after the last one.
+    size = path.stat().st_size
+    with pytest.warns(RuntimeWarning, match="between steps 4 and 6"):
+        store = ExpertLoadStore(path)
+    assert path.stat().st_size == size, "nothing cut"
+    store.append(20, ids, written[0])
+    store.close()
+    with pytest.warns(UserWarning, match="damaged record"):
+        assert [s for s, _, _ in read_expert_loads(path)][-3:] == [18, 19, 20]
+
+
+def _fixture_counts(step):
+    # tests/fixtures/expert_loads_v1.bin: written by the format-1 writer (commit bf2a8fe) as
+    # counts[i, e] = (step + 1) * 7**i * 100**step + 3 * e for layers 1, 3, 5 and 8 experts,
+    # steps 0..4 (1-, 2-, 4- and 8-byte counts).
+    return np.array(
+        [[(step + 1) * 7**i * 100**step + 3 * e for e in range(8)] for i in range(3)],
+        dtype=np.int64,
+    )
+
+
+FIXTURE_V1 = Path(__file__).parent / "fixtures" / "expert_loads_v1.bin"
+
+
+def test_a_store_written_by_the_first_format_reads_exactly(tmp_path):
+    assert FIXTURE_V1.read_bytes()[8:12] == b"ELR1"
+    got = list(read_expert_loads(FIXTURE_V1))
+    assert [s for s, _, _ in got] == [0, 1, 2, 3, 4]
+    for step, ids, counts in got:
+        assert ids.tolist() == [1, 3, 5]
+        np.testing.assert_array_equal(counts, _fixture_counts(step))
+    blocks = list(read_expert_load_blocks(FIXTURE_V1, workers=2))
+    assert [b[0].tolist() for b in blocks] == [[0, 1, 2, 3, 4]]
+
+
+def test_a_resumed_first_format_store_gets_new_records_and_reads_both(tmp_path):
+    path = store_path(tmp_path)
+    path.write_bytes(FIXTURE_V1.read_bytes())
+    with ExpertLoadStore(path) as store:
+        for step in (5, 6):
+            store.append(step, [1, 3, 5], _fixture_counts(step - 5) + 1)
+    with path.open("rb") as f:
+        versions = [e.version for e in scan_store(f).entries]
+    assert versions == [1, 1, 1, 1, 1, FORMAT_VERSION, FORMAT_VERSION]
+    got = {s: c for s, _, c in read_expert_loads(path)}
+    assert sorted(got) == list(range(7))
+    np.testing.assert_array_equal(got[4], _fixture_counts(4))
+    np.testing.assert_array_equal(got[6], _fixture_counts(1) + 1)
+
+
+def test_a_damaged_first_format_header_costs_its_record_only(tmp_path):
+    path = store_path(tmp_path)
+    data = bytearray(FIXTURE_V1.read_bytes())
+    at = _offsets(FIXTURE_V1)[2] + 24  # the payload size of step 2 (format 1 has no header CRC)
+    data[at : at + 4] = b"\x05\x00\x00\x00"
+    path.write_bytes(bytes(data))
+    skipped = []
+    assert [s for s, _, _ in read_expert_loads(path, skipped=skipped)] == [0, 1, 3, 4]
+    assert "between steps 1 and 3" in skipped[0]
+
+
+def test_random_bytes_and_cut_headers_are_named_not_a_traceback(tmp_path):
+    from nemo_moe_metrics.config import LoggerConfig
+    from nemo_moe_metrics.report import render_report
+    from nemo_moe_metrics.sinks import build_sinks
+
+    sink = build_sinks(LoggerConfig(wandb_enabled=False, table_every=1), tmp_path, run_name="r")
+    for step in range(3):
+        rows = [[la, e, 10 + step + e, 1.0] for la in (1, 2) for e in range(4)]
+        sink.log({"moe/expert_loads": rows, "train_perf/tokens": 1.0}, step)
+    sink.close()
+    store = store_path(tmp_path)
+    store.write_bytes(np.random.default_rng(0).bytes(5000))
+    text = render_report(tmp_path, out_dir=tmp_path / "pictures")
+    assert "is not an expert-load store (it does not start with" in text
+    assert "expert-load pictures (expert_load_heatmap.png" in text
+    assert "log them with" not in text, "the flags are on; they are not the problem"
+    store.write_bytes(b"NMME")  # cut short before its 8-byte header was whole
+    text = render_report(tmp_path, out_dir=tmp_path / "pictures")
+    assert f"{store} holds no readable record (4 bytes: cut short" in text
+    assert "skipped: expert_loads.bin: the file is shorter than its 8-byte header" in text
+    assert "log them with" not in text

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.report.pictures import save_figure
 from nemo_moe_metrics.report.reading import Line, RunInfo, last_values, read_line
 
 BIAS_FILE = "expert_bias.png"
@@ -80,7 +81,7 @@ def render_bias_next_to_load(
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.savefig(path)
+    save_figure(fig, path)
 
 
 def bias_report_lines(run: RunInfo, path: Path, lines: list[Line], out_dir: Path) -> list[str]:

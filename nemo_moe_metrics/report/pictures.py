@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics.report.reading import RunInfo
+from nemo_moe_metrics.report.reading import ReportError, RunInfo
 from nemo_moe_metrics.report.timeline import StepBins, Timeline
 
 HEATMAP_FILE = "expert_load_heatmap.png"
@@ -18,6 +19,23 @@ DRIFT_FILE = "routing_drift.png"
 MAX_OVER_IDEAL_FILE = "max_over_ideal.png"
 ROUTING_DISAGREEMENT_FILE = "routing_disagreement.png"
 _DPI = 110
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Write ``fig`` to ``path`` whole or not at all: into a temporary file beside it, renamed
+    over ``path`` when complete. A full disk leaves no cut or empty picture behind (an older
+    picture stays as it was) and raises :class:`ReportError` saying so."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png")
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise ReportError(
+            f"cannot write {path}: {err.strerror or err}; nothing was left half-written. "
+            "Free space on that disk, or write the pictures elsewhere with --out DIR"
+        ) from None
 
 
 def steps_label(steps: list[int]) -> str:
@@ -131,7 +149,7 @@ def render_heatmap(
         fontsize=10,
         loc="left",
     )
-    fig.savefig(path)
+    save_figure(fig, path)
 
 
 def bin_ratios(bins: StepBins, rows: list[int]) -> tuple[np.ndarray, np.ma.MaskedArray]:
@@ -175,7 +193,7 @@ def render_over_steps(
     lim: float,
     why: str,
 ) -> None:
-    over_steps_figure(run, timeline, rows, shown, lim, why).savefig(path)
+    save_figure(over_steps_figure(run, timeline, rows, shown, lim, why), path)
 
 
 def over_steps_figure(
@@ -324,7 +342,8 @@ def render_layer_series(
     ideal: float | None,
 ) -> None:
     """One line per layer over steps: many layers as a band, the worst in red, the mean black."""
-    layer_series_figure(run, steps, series, ylabel=ylabel, title=title, ideal=ideal).savefig(path)
+    fig = layer_series_figure(run, steps, series, ylabel=ylabel, title=title, ideal=ideal)
+    save_figure(fig, path)
 
 
 def layer_series_figure(

@@ -92,11 +92,13 @@ def _parse_line(raw: bytes, offset: int) -> Line:
     )
 
 
-def _drop_restarted(records: list[Any], step: int) -> None:
+def _drop_restarted(records: list[Any], step: int) -> list[int]:
     # A step that goes back means the run restarted from a checkpoint: the records logged at
     # or after that step before the restart belong to an abandoned timeline.
+    dropped = []
     while records and records[-1].step >= step:
-        records.pop()
+        dropped.append(records.pop().step)
+    return dropped
 
 
 def _in_window(step: int, window: Window | None) -> bool:
@@ -109,28 +111,51 @@ def window_text(window: Window) -> str:
     return f"{'' if window[0] is None else window[0]}:{'' if window[1] is None else window[1]}"
 
 
-def scan_jsonl(path: Path, window: Window | None) -> tuple[list[Line], tuple[int, int] | None]:
+def scan_jsonl(
+    path: Path, window: Window | None, skipped: list[str] | None = None
+) -> tuple[list[Line], tuple[int, int] | None]:
     """The logged steps of the run as it finally went, restricted to the window, and the
-    first/last step of the whole log."""
+    first/last step of the whole log. What was passed over (unreadable lines, steps that a
+    later line logged again) is said in ``skipped`` when given, else in a warning."""
     lines: list[Line] = []
-    torn = 0
+    torn: list[int] = []
     offset = 0
+    said: list[str] = []
     with path.open("rb") as f:
-        for raw in f:
+        for number, raw in enumerate(f, start=1):
             start, offset = offset, offset + len(raw)
             if not raw.strip():
                 continue
             try:
                 line = _parse_line(raw, start)
             except (ValueError, KeyError, TypeError):
-                torn += 1  # a line cut short by a crash; every completed line is still good
+                torn.append(number)  # a line cut short by a crash; the completed ones are good
                 continue
-            _drop_restarted(lines, line.step)
+            dropped = _drop_restarted(lines, line.step)
+            if dropped:
+                said.append(
+                    f"{path.name}: steps {_span(sorted(dropped))} ({len(dropped)} logged) "
+                    f"superseded: line {number} logs step {line.step} again (a restart from an "
+                    "earlier step, or a second writer); the later records are read"
+                )
             lines.append(line)
     if torn:
-        warnings.warn(f"{path}: skipped {torn} unreadable line(s) (torn by a crash?)", stacklevel=3)
+        shown = ", ".join(map(str, torn[:5])) + (", ..." if len(torn) > 5 else "")
+        said.insert(
+            0,
+            f"{path.name}: skipped {len(torn)} unreadable line(s) (line {shown}: torn by a crash?)",
+        )
+    for text in said:
+        if skipped is not None:
+            skipped.append(text)
+        else:
+            warnings.warn(f"{path.parent}: {text}", stacklevel=3)
     seen = (lines[0].step, lines[-1].step) if lines else None
     return [ln for ln in lines if _in_window(ln.step, window)], seen
+
+
+def _span(steps: list[int]) -> str:
+    return str(steps[0]) if len(steps) == 1 else f"{steps[0]}–{steps[-1]}"
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -199,9 +224,12 @@ def store_counts(
     return read_expert_loads(path, slice(lo, None if hi is None else hi + 1))
 
 
-def store_blocks(run_dir: Path, window: Window | None) -> Iterator[Any] | None:
+def store_blocks(
+    run_dir: Path, window: Window | None, skipped: list[str] | None = None
+) -> Iterator[Any] | None:
     """The store's logged steps as ``timeline.Block`` s of up to 32 steps, decoded and prepared
-    by up to two reader threads while the caller accumulates; None without a store."""
+    by up to two reader threads while the caller accumulates; None without a store. What the
+    reader skipped goes to ``skipped`` (see ``read_expert_load_blocks``)."""
     from nemo_moe_metrics.report.timeline import prepare_block
     from nemo_moe_metrics.sinks.store import read_expert_load_blocks, store_path
 
@@ -218,6 +246,7 @@ def store_blocks(run_dir: Path, window: Window | None) -> Iterator[Any] | None:
         slice(lo, None if hi is None else hi + 1),
         workers=max(1, min(2, cpus)),
         prepare=prepare_block,
+        skipped=skipped,
     )
 
 
@@ -310,6 +339,8 @@ class RunInfo:
     #: written by a recipe (``nemo-moe-metrics run``, ``train``): hints name recipe keys;
     #: False for a run logged through the Python API (hints name MetricsConfig fields)
     recipe: bool = True
+    #: the recipe's ``logger.table_every`` (None when run.json does not say)
+    table_every: int | None = None
 
     def hint(self, key: str) -> str:
         """How to turn on what ``key`` names, in the terms of whoever wrote the run."""
@@ -337,4 +368,11 @@ def run_info(run_dir: Path) -> RunInfo:
         topk=meta.get("moe_router_topk"),
         # A recipe's config is the whole Recipe dump; the API passes what it likes (or nothing).
         recipe=not meta or "algorithm" in (meta.get("config") or {}),
+        table_every=_table_every(meta),
     )
+
+
+def _table_every(meta: dict[str, Any]) -> int | None:
+    logger = (meta.get("config") or {}).get("logger") or {}
+    every = logger.get("table_every") if isinstance(logger, dict) else None
+    return every if isinstance(every, int) and every >= 1 else None

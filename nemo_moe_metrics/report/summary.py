@@ -42,6 +42,7 @@ from nemo_moe_metrics.report.reading import (
     window_text,
 )
 from nemo_moe_metrics.report.timeline import Timeline
+from nemo_moe_metrics.sinks.store import store_path
 
 DEFAULT_DEAD_STEPS = 10
 DEFAULT_WORST_LAYERS = 4
@@ -146,7 +147,8 @@ def render_report(
     if dead_steps < 1:
         raise ReportError(f"--dead-steps {dead_steps}: a streak is at least 1 logged step")
     run = run_info(run_dir)
-    lines_, seen = scan_jsonl(path, steps)
+    skipped: list[str] = []
+    lines_, seen = scan_jsonl(path, steps, skipped)
     if seen is None:
         raise ReportError(f"{path} holds no step records yet")
     if not lines_:
@@ -166,13 +168,12 @@ def render_report(
         )
 
     timeline = Timeline(keep_sum=steps is not None, dead_steps=dead_steps)
-    blocks = store_blocks(run_dir, steps)
-    if blocks is not None:
-        for block in blocks:
-            timeline.add_block(block)
-    else:
+    unreadable = _read_counts(run_dir, steps, timeline, skipped)
+    if unreadable is None and not store_path(run_dir).is_file():
         for step, layer_ids, counts in jsonl_table_counts(path, lines_, run.num_experts):
             timeline.add(step, layer_ids, counts)
+    skipped += _missing_from_store(run, lines_, timeline)
+    out += [f"skipped: {text}" for text in skipped]
 
     routed = last_values(path, lines_, [mn.ROUTED_TOKENS]).get(mn.ROUTED_TOKENS)
     if timeline.steps:
@@ -194,7 +195,7 @@ def render_report(
             "training forward inside the step): no expert-load balance to report, "
             f"{HEATMAP_FILE}, {OVER_STEPS_FILE} and {DRIFT_FILE} skipped"
         )
-    elif steps is not None and store_has_steps(run_dir):
+    elif steps is not None and unreadable is None and store_has_steps(run_dir):
         out.append(
             f"no stored expert-load step in {span} (the store holds a table every "
             f"{run.hint('table_every')} steps): {HEATMAP_FILE}, {OVER_STEPS_FILE}, {DRIFT_FILE} "
@@ -202,7 +203,8 @@ def render_report(
         )
     else:
         out.append(
-            "no expert-load counts in the run (no expert_loads.bin, no moe/expert_loads rows): "
+            unreadable
+            or "no expert-load counts in the run (no expert_loads.bin, no moe/expert_loads rows): "
             f"{HEATMAP_FILE}, {OVER_STEPS_FILE} and {DRIFT_FILE} skipped; log them with "
             + run.hint("table")
         )
@@ -254,6 +256,61 @@ def render_report(
     else:
         out.append("aux losses: not logged; enable " + run.hint("moe"))
     return "\n".join(out)
+
+
+def _read_counts(
+    run_dir: Path, steps: Window | None, timeline: Timeline, skipped: list[str]
+) -> str | None:
+    """Fill ``timeline`` from the store; a line saying why it holds nothing when it exists but
+    cannot be read (not a store; cut short before its first record), else None."""
+    from nemo_moe_metrics.sinks.store import FILE_HEADER_SIZE, StoreError
+
+    path = store_path(run_dir)
+    blocks = store_blocks(run_dir, steps, skipped)
+    if blocks is None:
+        return None
+    try:
+        for block in blocks:
+            timeline.add_block(block)
+    except StoreError as err:
+        return (
+            f"{err}: expert-load pictures ({HEATMAP_FILE}, {OVER_STEPS_FILE}, {DRIFT_FILE}) "
+            "skipped; the scalars below come from metrics.jsonl. Move the file aside if it is "
+            "not this run's store"
+        )
+    size = path.stat().st_size
+    if (
+        timeline.steps
+        or size == FILE_HEADER_SIZE
+        or (steps is not None and store_has_steps(run_dir))
+    ):
+        return None  # counts, or a store that no table step was written to yet (tables off)
+    return (
+        f"{path} holds no readable record ({size} bytes: cut short or damaged before its first "
+        f"complete step; see the skipped lines): {HEATMAP_FILE}, {OVER_STEPS_FILE} and "
+        f"{DRIFT_FILE} skipped"
+    )
+
+
+def _missing_from_store(run: RunInfo, lines: list[Line], timeline: Timeline) -> list[str]:
+    """Logged steps on the table cadence, from the store's first step on, that it lacks."""
+    if not timeline.steps or run.table_every is None:
+        return []
+    stored = set(timeline.steps)
+    first = timeline.steps[0]
+    missing = [
+        ln.step
+        for ln in lines
+        if ln.step >= first and ln.step % run.table_every == 0 and ln.step not in stored
+    ]
+    if not missing:
+        return []
+    from nemo_moe_metrics.sinks.store import STORE_FILE, steps_text
+
+    return [
+        f"{STORE_FILE}: no counts for logged step(s) {steps_text(missing)} (on the table "
+        f"cadence, table_every {run.table_every}): their records are missing or damaged"
+    ]
 
 
 def resolve_run_dir(given: Path) -> Path:

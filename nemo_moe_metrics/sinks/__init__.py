@@ -6,6 +6,9 @@ fans out to every enabled backend, or a do-nothing sink on ranks other than 0. I
 
 The local record is ``metrics.jsonl`` (scalars, every step) plus the expert-load store beside
 it (``expert_loads.bin``: the ``moe/expert_loads`` counts every ``logger.table_every`` steps).
+Each step goes to the JSONL last, so a step in ``metrics.jsonl`` is in every other sink too: a
+run killed mid-step is continued from its last JSONL line (:func:`prepare_resume`). A write
+that fails for lack of space or a disk error ends the run (:class:`SinkWriteError`).
 """
 
 from __future__ import annotations
@@ -21,10 +24,23 @@ from pathlib import Path
 from typing import Any
 
 from nemo_moe_metrics.config import LoggerConfig
-from nemo_moe_metrics.sinks.base import MultiSink, NullSink, Sink, split_tables, validate_metrics
+from nemo_moe_metrics.sinks.base import (
+    MultiSink,
+    NullSink,
+    Sink,
+    SinkWriteError,
+    split_tables,
+    validate_metrics,
+)
 from nemo_moe_metrics.sinks.jsonl import METRICS_FILE, JsonlSink
 from nemo_moe_metrics.sinks.mlflow import MLFLOW_ARTIFACTS_DIR, MLFLOW_DB
-from nemo_moe_metrics.sinks.resume import ResumeState, read_resume_state
+from nemo_moe_metrics.sinks.resume import (
+    ResumeError,
+    ResumeState,
+    prepare_resume,
+    read_resume_state,
+    recover_run_id,
+)
 from nemo_moe_metrics.sinks.store import STORE_FILE, ExpertLoadSink, store_path
 
 RUN_FILE = "run.json"
@@ -67,6 +83,9 @@ def logged_run(run_dir: Path) -> list[str]:
         if (run_dir / name).is_file() and (run_dir / name).stat().st_size > size
     ]
     if found or (run_dir / METRICS_FILE).is_file():
+        # An empty metrics.jsonl beside TensorBoard steps is a damaged run, not an early death.
+        if not found and _tensorboard_has_steps(run_dir / TENSORBOARD_DIR):
+            found.append(TENSORBOARD_DIR)
         return found
     found = [
         name
@@ -76,6 +95,12 @@ def logged_run(run_dir: Path) -> list[str]:
     if (run_dir / MLFLOW_DB).is_file():
         found.append(MLFLOW_DB)
     return found
+
+
+def _tensorboard_has_steps(log_dir: Path) -> bool:
+    from nemo_moe_metrics.sinks.tensorboard import logged_steps
+
+    return log_dir.is_dir() and bool(logged_steps(log_dir))
 
 
 def clear_run(run_dir: Path) -> list[str]:
@@ -100,12 +125,15 @@ __all__ = [
     "TENSORBOARD_DIR",
     "MultiSink",
     "NullSink",
+    "ResumeError",
     "ResumeState",
     "Sink",
+    "SinkWriteError",
     "RunExistsError",
     "build_sinks",
     "clear_run",
     "logged_run",
+    "prepare_resume",
     "read_resume_state",
     "run_metadata",
     "split_tables",
@@ -159,8 +187,19 @@ def build_sinks(
         clear_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if resume and resume_state is None:
-        resume_state = read_resume_state(run_dir)
+        resume_state, notes = prepare_resume(run_dir, table_every=logger_cfg.table_every)
+        for note in notes:
+            warnings.warn(note, RuntimeWarning, stacklevel=2)
     previous = _read_run_json(run_dir / RUN_FILE) if resume else {}
+    if (
+        resume
+        and not previous.get("run_id")
+        and resume_state
+        and resume_state.last_step is not None
+    ):
+        run_id, note = recover_run_id(run_dir)
+        previous = {"run_id": run_id} if run_id else {}
+        warnings.warn(note, RuntimeWarning, stacklevel=2)
     meta = run_metadata(run_name, config)
     # The run id (W&B's too) survives a resume; a run that does not resume gets a new one.
     meta["run_id"] = previous.get("run_id") or secrets.token_hex(4)
@@ -174,9 +213,10 @@ def build_sinks(
     next_step = resume_state.next_step if resume and resume_state is not None else None
 
     sinks: list[Sink] = []
+    jsonl: list[Sink] = []
     if logger_cfg.jsonl_enabled:
         # No guard: the local file is the record of last resort; failing to open it is fatal.
-        sinks.append(JsonlSink(run_dir / METRICS_FILE))
+        jsonl.append(JsonlSink(run_dir / METRICS_FILE))
         sinks.append(ExpertLoadSink(store_path(run_dir), table_every=logger_cfg.table_every))
     if logger_cfg.tensorboard_enabled:
         _try_add(sinks, "TensorBoard", lambda: _tensorboard(run_dir / TENSORBOARD_DIR, next_step))
@@ -198,7 +238,8 @@ def build_sinks(
             meta["mlflow_run_id"] = added.run_id
             meta["mlflow_tracking_uri"] = added.tracking_uri
             _write_json_atomic(run_dir / RUN_FILE, meta)
-    return MultiSink(sinks, monitor=_alert_monitor(logger_cfg))
+    # The JSONL goes last: a step it holds is complete in every sink (what resume relies on).
+    return MultiSink(sinks + jsonl, monitor=_alert_monitor(logger_cfg))
 
 
 def _alert_monitor(logger_cfg: LoggerConfig) -> Any:

@@ -10,6 +10,7 @@ its single synchronisation at the end of the step.
 
 from __future__ import annotations
 
+import errno
 import math
 import numbers
 import warnings
@@ -172,6 +173,44 @@ def _wants_tables(sink: object, step: int) -> bool:
         return True
 
 
+#: Write errors that end the run: the disk (or quota) is full, or it fails. Every later write
+#: would fail too, and logging on regardless would only lose steps silently.
+FATAL_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
+
+
+class SinkWriteError(OSError):
+    """A sink could not write its file (disk full, disk error): the run stops with this."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def sink_file(sink: object) -> str:
+    """The file or folder a sink writes, for messages (its type name when it has none)."""
+    for owner in (sink, getattr(sink, "store", None)):
+        for attr in ("path", "log_dir", "run_dir"):
+            value = getattr(owner, attr, None)
+            if value is not None:
+                return str(value)
+    return type(sink).__name__
+
+
+def _fatal_write_error(sink: object, err: OSError, last_step: int | None) -> SinkWriteError:
+    name = errno.errorcode.get(err.errno or 0, str(err.errno))
+    what = err.strerror or str(err)
+    saved = (
+        f"steps up to {last_step} are saved and stay readable"
+        if last_step is not None
+        else "no step was saved yet"
+    )
+    return SinkWriteError(
+        err.errno,
+        f"cannot write {err.filename or sink_file(sink)}: {what} ({name}); the run stops here "
+        f"and {saved}. Free space or fix the disk (or move the run directory to another "
+        "disk), then continue the run with --resume (logger.resume=true)",
+    )
+
+
 class StepMonitor(Protocol):
     """Looks at each step before the sinks do; returns extra metrics to log with it.
 
@@ -186,7 +225,10 @@ class StepMonitor(Protocol):
 
 
 class MultiSink:
-    """Fan one step out to several sinks; a failing sink warns once and never stops the others.
+    """Fan one step out to several sinks; a failing sink warns once and never stops the others,
+    except when it cannot write for lack of space or a disk error (:data:`FATAL_WRITE_ERRNOS`):
+    then the other sinks are closed (flushing what they hold) and :class:`SinkWriteError`,
+    naming the file, ends the run.
 
     An optional ``monitor`` (the alert monitor of ``logger.alerts``) sees each validated step
     first; the metrics it returns (``moe/alerts``) are logged with the step by every sink.
@@ -197,6 +239,7 @@ class MultiSink:
         self.monitor = monitor
         self._warned: set[int] = set()
         self._closed = False
+        self._last_step: int | None = None
 
     def log(self, metrics: Metrics, step: int) -> None:
         """Let the monitor add its keys, validate once, then hand the step to every sink.
@@ -225,6 +268,7 @@ class MultiSink:
                 self._guarded(sink, "log", clean, int(step), alerts)
             else:
                 self._guarded(sink, "log", clean, int(step))
+        self._last_step = int(step)
 
     def close(self) -> None:
         """Close every sink (each guarded the same way); closing twice is harmless."""
@@ -237,12 +281,23 @@ class MultiSink:
     def _guarded(self, sink: object, method: str, *args: object) -> object:
         try:
             return getattr(sink, method)(*args)
+        except OSError as err:
+            if err.errno in FATAL_WRITE_ERRNOS and not self._closed:
+                fatal = _fatal_write_error(sink, err, self._last_step)
+                self.close()  # flush what the others hold; failures while closing only warn
+                raise fatal from err
+            self._warn_once(sink, method, err)
         except Exception as err:  # one sink's failure must not cost the others their data
-            if id(sink) not in self._warned:
-                self._warned.add(id(sink))
-                warnings.warn(
-                    f"{type(sink).__name__}.{method} failed ({type(err).__name__}: {err}); the "
-                    "other sinks keep logging. Further failures of this sink are not reported.",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+            self._warn_once(sink, method, err)
+        return None
+
+    def _warn_once(self, sink: object, method: str, err: Exception) -> None:
+        if id(sink) in self._warned:
+            return
+        self._warned.add(id(sink))
+        warnings.warn(
+            f"{type(sink).__name__}.{method} failed ({type(err).__name__}: {err}); the "
+            "other sinks keep logging. Further failures of this sink are not reported.",
+            RuntimeWarning,
+            stacklevel=4,
+        )

@@ -89,3 +89,70 @@ def _ends_with_newline(path: Path) -> bool:
     with path.open("rb") as f:
         f.seek(-1, os.SEEK_END)
         return f.read(1) == b"\n"
+
+
+def line_step(raw: bytes) -> int | None:
+    """The step of one complete JSONL record, or None when the line is torn or not a record."""
+    try:
+        record = json.loads(raw)
+        step = record["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return None
+    return step
+
+
+def read_tail(path: Path, enough: int) -> tuple[list[tuple[int, int]], int]:
+    """The last complete records of ``path`` as ``(byte offset, step)``, last first, read from
+    the end until ``enough`` records were found (or the file's start); and where the file's
+    readable part ends (before a torn last line: a crash mid-write)."""
+    with Path(path).open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        chunk = 1 << 16
+        while True:
+            start = max(0, size - chunk)
+            f.seek(start)
+            data = f.read(size - start)
+            found, end = _tail_records(data, start, enough)
+            if len(found) >= enough or start == 0:
+                return found, end
+            chunk *= 4
+
+
+def _tail_records(data: bytes, start: int, enough: int) -> tuple[list[tuple[int, int]], int]:
+    lines: list[tuple[int, bytes]] = []
+    pos = start
+    for piece in data.split(b"\n"):
+        lines.append((pos, piece))
+        pos += len(piece) + 1
+    if start > 0:
+        lines = lines[1:]  # the first piece may be the end of a line that began earlier
+    found: list[tuple[int, int]] = []
+    end = start + len(data)
+    trailing = True  # unreadable lines at the very end are torn writes, cut by a resume
+    for offset, raw in reversed(lines):
+        if not raw.strip():
+            continue
+        step = line_step(raw)
+        if step is None:
+            if trailing:
+                end = offset
+            continue
+        trailing = False
+        found.append((offset, step))
+        if len(found) >= enough:
+            break
+    return found, end
+
+
+def cut_after(path: Path, offset: int) -> int:
+    """Truncate ``path`` to ``offset`` bytes (durably); returns how many bytes went."""
+    with Path(path).open("r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        if offset >= size:
+            return 0
+        f.truncate(offset)
+        f.flush()
+        os.fsync(f.fileno())
+    return size - offset

@@ -1,26 +1,35 @@
 """The expert-load store: each logged step's [MoE layers x experts] token counts, appended.
 
-``metrics.jsonl`` keeps scalars; the ``moe/expert_loads`` table goes here, about 50 KB per step
-at 94 x 256 instead of 870 KB of JSON rows. Written with numpy and the standard library's zlib
+``metrics.jsonl`` keeps scalars; the ``moe/expert_loads`` table goes here, about 57 KB per step
+at 94 x 256 instead of 630 KB of JSON rows. Written with numpy and the standard library's zlib
 (both already needed, nothing new to install): counts are stored in the smallest unsigned
 integer type that holds them, byte-shuffled (high bytes of all counts together, then the next
-bytes, ...: counts of one step share their high bytes, so zlib level 1 compresses them 2x in
-about 1 ms), and framed as one record per step.
+bytes, ...: counts of one step share their high bytes, so zlib level 1 compresses them in
+about 1 ms), and framed as one record per step. Every record decodes on its own, so a damaged
+record costs that step and nothing else (docs/en/storage.md says why no step is coded
+against another).
 
 File layout (little endian)::
 
     b"NMMELS1\\n"                                     file magic, once
-    then per step: 32-byte header + payload
+    then per step: a record header + payload; version 2 (written since format 2):
+        b"ELR2"  step:u64  layers:u32  experts:u32  itemsize:u8  codec:u8  flags:u16
+        payload_bytes:u32  crc32(payload):u32  crc32(header[:32]):u32       36 bytes
+    version 1 (earlier stores, still read):
         b"ELR1"  step:u64  layers:u32  experts:u32  itemsize:u8  codec:u8  pad:u16
-        payload_bytes:u32  crc32(header[:28] + payload):u32
-        payload = zlib(layer ids as int32, then the shuffled counts)
+        payload_bytes:u32  crc32(header[:28] + payload):u32                 32 bytes
+    payload (codec 1) = zlib(layer ids as int32, then the shuffled counts)
 
 Crash safety matches ``metrics.jsonl``: each record goes out in one ``write`` and is fsync'd
 before ``append`` returns, so every step whose log call returned can be read back after a
-``kill -9``. A record cut short by a crash (a torn tail) is skipped by readers with a warning
-and cut off by the next writer that opens the file (a resumed run), never fatal.
+``kill -9``. Damage never costs more than the damaged record: a record whose payload fails its
+checksum is skipped; a damaged header (version 2 headers carry their own checksum) is skipped
+by searching forward for the next valid record header, and everything after it is kept. A
+record cut short at the end of the file (a crash mid-write) is skipped by readers and cut off
+by the next writer that opens the file (a resumed run); nothing else is ever cut. Readers say
+what they skipped (a warning, or the ``skipped`` list they are given).
 
-The headers double as an index: ``read_expert_loads`` first walks the headers (32 bytes read
+The headers double as an index: ``read_expert_loads`` first walks the headers (36 bytes read
 per step, the payloads are skipped by seeking), then decodes only the steps asked for, one at
 a time, so reading a step window of a 10,000-step run neither decodes nor holds the rest.
 """
@@ -32,7 +41,7 @@ import struct
 import warnings
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
 from typing import Any
@@ -43,22 +52,35 @@ from nemo_moe_metrics.metric_names import EXPERT_LOADS
 from nemo_moe_metrics.sinks.base import Metrics
 
 STORE_FILE = "expert_loads.bin"
+#: The record version this code writes (1: the first format, still read).
+FORMAT_VERSION = 2
 
 _MAGIC = b"NMMELS1\n"
-_REC = b"ELR1"
-_HEADER = struct.Struct("<4sQIIBBHII")  # 32 bytes
+#: Bytes of the file header: a store of this size holds no record yet.
+FILE_HEADER_SIZE = len(_MAGIC)
+_TAGS = {b"ELR1": 1, b"ELR2": 2}
+_HEADER_V1 = struct.Struct("<4sQIIBBHII")  # 32 bytes
+_HEADER_V2 = struct.Struct("<4sQIIBBHIII")  # 36 bytes
+_HEADER_SIZE = {1: _HEADER_V1.size, 2: _HEADER_V2.size}
 _CODEC_ZLIB_SHUFFLE = 1
 _ITEMSIZES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # A header that claims more than this is garbage (a torn or foreign file), not a real step.
 _MAX_CELLS = 1 << 28
+_MAX_PAYLOAD = 8 * _MAX_CELLS + (1 << 20)
+# How far ahead of a damaged spot the reader looks for the next record header, per read.
+_SEARCH_CHUNK = 1 << 20
 
 __all__ = [
+    "FILE_HEADER_SIZE",
+    "FORMAT_VERSION",
     "STORE_FILE",
     "ExpertLoadSink",
     "ExpertLoadStore",
     "StoreError",
+    "StoreScan",
     "read_expert_load_blocks",
     "read_expert_loads",
+    "scan_store",
     "store_path",
 ]
 
@@ -82,41 +104,181 @@ class _Entry:
     codec: int
     payload_bytes: int
     crc: int
+    version: int = 1
+
+    @property
+    def header_size(self) -> int:
+        return _HEADER_SIZE[self.version]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.header_size + self.payload_bytes
 
 
-def _scan(f: Any, size: int) -> tuple[list[_Entry], int, str | None]:
-    """Walk the record headers: (complete records in file order, end of the last one, why the
-    walk stopped early or None). Payloads are skipped by seeking, not read."""
+@dataclass(frozen=True)
+class Gap:
+    """Bytes of the store that hold no readable record (damage, or a write cut short)."""
+
+    start: int
+    end: int
+    after_step: int | None  # the last readable record before it
+    before_step: int | None  # the first readable record after it (None: the end of the file)
+    step: int | None = None  # the step its header names, when the header is intact
+
+    def describe(self) -> str:
+        """What was skipped, in the terms of steps."""
+        size = f"{self.end - self.start} unreadable byte(s) at offset {self.start}"
+        if self.before_step is None:
+            which = f" (step {self.step})" if self.step is not None else ""
+            return f"a record cut short at the end of the file{which}: {size}, a crash mid-write"
+        around = (
+            f"between steps {self.after_step} and {self.before_step}"
+            if self.after_step is not None
+            else f"before step {self.before_step}"
+        )
+        return f"{size} {around}: a damaged record, skipped; every record after it is kept"
+
+
+@dataclass
+class StoreScan:
+    """The result of walking a store's record headers."""
+
+    entries: list[_Entry]  # readable headers, in file order
+    end: int  # where the last readable record ends
+    gaps: list[Gap] = field(default_factory=list)
+    torn_magic: bool = False  # the file is shorter than its 8-byte magic
+
+    @property
+    def tail(self) -> Gap | None:
+        """The gap at the end of the file (a write cut short), if any."""
+        return self.gaps[-1] if self.gaps and self.gaps[-1].before_step is None else None
+
+    @property
+    def steps(self) -> list[int]:
+        """The steps of the readable records, in file order."""
+        return [e.step for e in self.entries]
+
+
+def _parse_header(raw: bytes, offset: int) -> _Entry | None:
+    """The record header at ``offset`` if it is one (v2: its own checksum holds)."""
+    version = _TAGS.get(raw[:4])
+    if version is None or len(raw) < _HEADER_SIZE[version]:
+        return None
+    if version == 2:
+        tag, step, layers, experts, itemsize, codec, _fl, nbytes, crc, hcrc = _HEADER_V2.unpack(
+            raw[: _HEADER_V2.size]
+        )
+        if zlib.crc32(raw[:32]) != hcrc:
+            return None
+    else:
+        tag, step, layers, experts, itemsize, codec, _fl, nbytes, crc = _HEADER_V1.unpack(
+            raw[: _HEADER_V1.size]
+        )
+    if (
+        itemsize not in _ITEMSIZES
+        or codec != _CODEC_ZLIB_SHUFFLE
+        or layers * experts > _MAX_CELLS
+        or nbytes > _MAX_PAYLOAD
+    ):
+        return None
+    return _Entry(step, offset, layers, experts, itemsize, codec, nbytes, crc, version)
+
+
+def _read_header(f: Any, offset: int) -> _Entry | None:
+    f.seek(offset)
+    return _parse_header(f.read(_HEADER_V2.size), offset)
+
+
+def _verified(f: Any, e: _Entry, size: int) -> bool:
+    """A candidate record found by searching is taken only when it is whole and checks out."""
+    return e.end <= size and (e.version == 2 or _payload_ok(f, e))
+
+
+def _payload_ok(f: Any, e: _Entry) -> bool:
+    f.seek(e.offset)
+    raw = f.read(e.header_size + e.payload_bytes)
+    return _check(memoryview(raw), e)
+
+
+def _check(view: memoryview, e: _Entry) -> bool:
+    payload = view[e.header_size :]
+    if len(payload) != e.payload_bytes:
+        return False
+    if e.version == 1:
+        return zlib.crc32(payload, zlib.crc32(view[:28])) == e.crc
+    return zlib.crc32(payload) == e.crc
+
+
+def _search(f: Any, start: int, size: int) -> _Entry | None:
+    """The first valid, whole record header at or after ``start``."""
+    pos = start
+    while pos < size:
+        f.seek(pos)
+        chunk = f.read(_SEARCH_CHUNK + _HEADER_V2.size)
+        hits = sorted(j for tag in _TAGS for j in _find_all(chunk, tag) if j < _SEARCH_CHUNK)
+        for j in hits:
+            e = _read_header(f, pos + j)
+            if e is not None and _verified(f, e, size):
+                return e
+        pos += _SEARCH_CHUNK
+    return None
+
+
+def _find_all(data: bytes, tag: bytes) -> Iterator[int]:
+    i = data.find(tag)
+    while i >= 0:
+        yield i
+        i = data.find(tag, i + 1)
+
+
+def scan_store(f: Any, size: int | None = None) -> StoreScan:
+    """Walk the record headers of an open store (payloads are skipped by seeking, not read)
+    and say what is unreadable. Raises :class:`StoreError` when the file is not a store."""
+    size = os.fstat(f.fileno()).st_size if size is None else size
     f.seek(0)
     head = f.read(len(_MAGIC))
     if head != _MAGIC:
         if _MAGIC.startswith(head):  # empty, or the magic itself was torn
-            return [], len(head), ("torn file header" if head else None)
+            return StoreScan([], len(head), torn_magic=bool(head))
         raise StoreError(
             f"{getattr(f, 'name', 'file')} is not an expert-load store (it does not start with "
             f"{_MAGIC!r}); point the reader at the {STORE_FILE} file of a run directory"
         )
-    entries: list[_Entry] = []
+    scan = StoreScan([], len(_MAGIC))
     offset = len(_MAGIC)
     while offset < size:
-        f.seek(offset)
-        raw = f.read(_HEADER.size)
-        if len(raw) < _HEADER.size:
-            return entries, offset, "torn record header"
-        tag, step, layers, experts, itemsize, codec, _pad, nbytes, crc = _HEADER.unpack(raw)
-        if (
-            tag != _REC
-            or itemsize not in _ITEMSIZES
-            or codec != _CODEC_ZLIB_SHUFFLE
-            or layers * experts > _MAX_CELLS
-        ):
-            return entries, offset, "unreadable record header"
-        end = offset + _HEADER.size + nbytes
-        if end > size:
-            return entries, offset, "torn record"
-        entries.append(_Entry(step, offset, layers, experts, itemsize, codec, nbytes, crc))
-        offset = end
-    return entries, offset, None
+        e = _read_header(f, offset)
+        if e is not None and e.end <= size:
+            scan.entries.append(e)
+            offset = scan.end = e.end
+            continue
+        # Damage, or a write cut short: look for the next record; a version-1 header cannot
+        # prove its own size, so a v1 record just before the damage is checked (it may be the
+        # damaged one) and the search starts inside it.
+        start = offset
+        prev = scan.entries[-1] if scan.entries else None
+        if prev is not None and prev.version == 1 and not _payload_ok(f, prev):
+            scan.entries.pop()
+            start = prev.offset
+            scan.end = start
+        found = _search(f, start + 1, size)
+        after = scan.entries[-1].step if scan.entries else None
+        if found is None:
+            step = e.step if e is not None else None
+            scan.gaps.append(Gap(start, size, after, None, step))
+            break
+        scan.gaps.append(Gap(start, found.offset, after, found.step))
+        offset = found.offset
+    return scan
+
+
+def _scan(f: Any, size: int) -> tuple[list[_Entry], int, str | None]:
+    """``(readable records, end of the last one, why the walk stopped early or None)``."""
+    scan = scan_store(f, size)
+    why = "torn file header" if scan.torn_magic else None
+    if scan.gaps:
+        why = scan.gaps[-1].describe()
+    return scan.entries, scan.end, why
 
 
 def _decode(
@@ -127,18 +289,17 @@ def _decode(
     ``f`` is a binary file or a file descriptor (read with ``os.pread``: several threads may
     decode from one descriptor); the counts go into ``out`` (int64 ``[L, E]``) when given.
     """
-    n = _HEADER.size + e.payload_bytes
+    n = e.header_size + e.payload_bytes
     if isinstance(f, int):
         raw = os.pread(f, n, e.offset)
     else:
         f.seek(e.offset)
         raw = f.read(n)
     view = memoryview(raw)
-    payload = view[_HEADER.size :]
-    if len(payload) != e.payload_bytes or zlib.crc32(payload, zlib.crc32(view[:28])) != e.crc:
+    if not _check(view, e):
         return None
     try:
-        data = zlib.decompress(payload)
+        data = zlib.decompress(view[e.header_size :])
     except zlib.error:
         return None
     n_ids = 4 * e.layers
@@ -164,18 +325,21 @@ def _encode(step: int, layer_ids: np.ndarray, counts: np.ndarray) -> bytes:
     typed = counts.astype(np.dtype(_ITEMSIZES[itemsize]).newbyteorder("<"), copy=False)
     # Byte shuffle: all low bytes, then all next bytes, ... (high bytes are mostly equal).
     shuffled = np.ascontiguousarray(typed.reshape(-1).view(np.uint8).reshape(-1, itemsize).T)
-    payload = zlib.compress(layer_ids.astype("<i4").tobytes() + shuffled.tobytes(), 1)
+    packer = zlib.compressobj(1)
+    payload = packer.compress(layer_ids.astype("<i4").tobytes())
+    payload += packer.compress(shuffled) + packer.flush()
     L, E = counts.shape
-    head = _HEADER.pack(_REC, step, L, E, itemsize, _CODEC_ZLIB_SHUFFLE, 0, len(payload), 0)
-    crc = zlib.crc32(head[:28] + payload)
-    return head[:28] + struct.pack("<I", crc) + payload
+    fields = (b"ELR2", step, L, E, itemsize, _CODEC_ZLIB_SHUFFLE, 0, len(payload))
+    head = struct.pack("<4sQIIBBHII", *fields, zlib.crc32(payload))
+    return head + struct.pack("<I", zlib.crc32(head)) + payload
 
 
 class ExpertLoadStore:
     """Append one step's ``[layers x experts]`` integer counts (and layer ids) to ``path``.
 
-    Opening an existing store appends to it (a resumed run); a torn tail left by a crash is cut
-    off first. Each ``append`` is durable (written and fsync'd) before it returns.
+    Opening an existing store appends to it (a resumed run); a record cut short at its end by
+    a crash is cut off first (with a warning), and nothing before it. Each ``append`` is
+    durable (written and fsync'd) before it returns.
     """
 
     def __init__(self, path: Path, *, fsync: bool = True) -> None:
@@ -186,18 +350,18 @@ class ExpertLoadStore:
         try:
             with os.fdopen(os.dup(fd), "rb") as f:
                 size = os.fstat(fd).st_size
-                entries, end, why = _scan(f, size)
-                # The last complete record may still be garbage if the disk lied; check it.
-                while entries and _decode(f, entries[-1]) is None:
-                    end = entries.pop().offset
-                    why = why or "corrupt last record"
+                scan = scan_store(f, size)
+                end = _cut_point(f, scan, size)
+            for gap in scan.gaps:
+                if gap.before_step is not None:
+                    warnings.warn(f"{self.path}: {gap.describe()}", RuntimeWarning, stacklevel=2)
             if end < len(_MAGIC):
                 os.ftruncate(fd, 0)
                 os.write(fd, _MAGIC)
             elif end < size:
                 warnings.warn(
-                    f"{self.path}: cut {size - end} byte(s) of a record torn by a crash ({why}); "
-                    "every complete step is kept",
+                    f"{self.path}: cut {size - end} byte(s) at its end, a record torn by a "
+                    "crash; every complete step is kept",
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -254,8 +418,43 @@ class ExpertLoadStore:
         self.close()
 
 
+def _cut_point(f: Any, scan: StoreScan, size: int) -> int:
+    """Where a writer may cut the file: after the last record that decodes. Only the tail goes:
+    a record cut short, or last records failing their checksum (a machine crash can leave
+    zeros there); damage followed by readable records is left for readers to skip."""
+    if scan.torn_magic or size < len(_MAGIC):
+        return 0
+    end = scan.tail.start if scan.tail is not None else size
+    entries = list(scan.entries)
+    while entries and entries[-1].end == end and _decode(f, entries[-1]) is None:
+        end = entries.pop().offset
+    return max(end, len(_MAGIC))
+
+
+def cut_store_from(path: Path, step: int) -> list[int]:
+    """Cut the records at the end of the store whose step is ``>= step`` (a resumed run logs
+    them again); returns their steps. Records before a lower step stay (readers keep the
+    latest timeline), and so does a record cut short (the next writer cuts it)."""
+    with open(path, "r+b") as f:
+        scan = scan_store(f)
+        if scan.tail is not None:
+            return []
+        cut: list[int] = []
+        end = scan.end
+        for e in reversed(scan.entries):
+            if e.step < step or e.end != end:
+                break
+            cut.append(e.step)
+            end = e.offset
+        if cut:
+            f.truncate(end)
+            f.flush()
+            os.fsync(f.fileno())
+    return cut[::-1]
+
+
 def read_expert_loads(
-    path: Path, steps: slice | None = None
+    path: Path, steps: slice | None = None, *, skipped: list[str] | None = None
 ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
     """Yield ``(step, layer_ids int64 [L], counts int64 [L, E])`` in step order, one at a time.
 
@@ -263,41 +462,86 @@ def read_expert_loads(
     decoding the others; ``slice.step = k`` keeps every k-th logged step of that window. When a
     resumed run logged a step at or below one already stored, the earlier records from that
     step on are dropped (they belong to the timeline the restart abandoned), as for the JSONL.
-    A torn tail (crash mid-write) or a record failing its checksum is skipped with a warning.
+    What is skipped (a torn tail, a damaged record, one failing its checksum, steps a restart
+    superseded) is said in a warning each, or appended to ``skipped`` when it is given.
     """
     path = Path(path)
-    if steps is not None and not isinstance(steps, slice):
-        raise TypeError(f"steps must be a slice of step numbers or None, got {steps!r}")
-    if steps is not None and steps.step is not None and steps.step < 1:
-        raise ValueError(f"steps.step must be >= 1 (keep every k-th logged step), got {steps.step}")
+    _check_steps(steps)
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} not found; the expert-load store is written by runs with the JSONL sink "
             "on (logger.jsonl_enabled=true) and MoE metrics on (track_moe_metrics=true)"
         )
+    say = _teller(path, skipped)
     with path.open("rb") as f:
-        timeline = _index(f, path, steps)
-        bad = 0
+        timeline = _index(f, steps, say)
+        bad: list[int] = []
         for e in timeline:
             decoded = _decode(f, e)
             if decoded is None:
-                bad += 1
+                bad.append(e.step)
                 continue
             yield e.step, decoded[0], decoded[1]
-        if bad:
-            warnings.warn(f"{path}: skipped {bad} record(s) failing their checksum", stacklevel=2)
+        _say_bad(say, bad)
 
 
-def _index(f: Any, path: Path, steps: slice | None) -> list[_Entry]:
+def _check_steps(steps: slice | None) -> None:
+    if steps is not None and not isinstance(steps, slice):
+        raise TypeError(f"steps must be a slice of step numbers or None, got {steps!r}")
+    if steps is not None and steps.step is not None and steps.step < 1:
+        raise ValueError(f"steps.step must be >= 1 (keep every k-th logged step), got {steps.step}")
+
+
+def _teller(path: Path, skipped: list[str] | None) -> Callable[[str], None]:
+    def say(text: str) -> None:
+        if skipped is not None:
+            skipped.append(f"{path.name}: {text}")
+        else:
+            warnings.warn(f"{path}: {text}", stacklevel=4)
+
+    return say
+
+
+def _say_bad(say: Callable[[str], None], bad: list[int]) -> None:
+    if bad:
+        say(
+            f"skipped {len(bad)} record(s) failing their checksum (damaged): "
+            f"step(s) {steps_text(bad)}"
+        )
+
+
+def steps_text(steps: list[int], limit: int = 12) -> str:
+    """``3, 5, 9–14``: sorted steps, runs of consecutive ones joined."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][-1] + 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    parts = [f"{r[0]}" if len(r) == 1 else f"{r[0]}–{r[-1]}" for r in runs]
+    return ", ".join(parts[:limit]) + (
+        f", ... ({len(parts) - limit} more)" if len(parts) > limit else ""
+    )
+
+
+def _index(f: Any, steps: slice | None, say: Callable[[str], None]) -> list[_Entry]:
     """The records of the run as it finally went, in step order, restricted to ``steps``."""
-    entries, _end, why = _scan(f, os.fstat(f.fileno()).st_size)
-    if why:
-        warnings.warn(f"{path}: skipped a {why} at the end (crash mid-write?)", stacklevel=3)
+    scan = scan_store(f)
+    if scan.torn_magic:
+        say("the file is shorter than its 8-byte header (cut short before any record)")
+    for gap in scan.gaps:
+        say(gap.describe())
     timeline: list[_Entry] = []
-    for e in entries:
+    superseded: list[int] = []
+    for e in scan.entries:
         while timeline and timeline[-1].step >= e.step:
-            timeline.pop()
+            superseded.append(timeline.pop().step)
         timeline.append(e)
+    if superseded:
+        say(
+            f"step(s) {steps_text(sorted(superseded))} stored again later (a restart from an "
+            "earlier step): the later records are read"
+        )
     if steps is not None:
         lo, hi = steps.start, steps.stop
         timeline = [
@@ -313,6 +557,7 @@ def read_expert_load_blocks(
     block: int = 32,
     workers: int = 1,
     prepare: Callable[[np.ndarray, np.ndarray, np.ndarray], Any] | None = None,
+    skipped: list[str] | None = None,
 ) -> Iterator[Any]:
     """Like ``read_expert_loads``, but ``block`` logged steps at a time: yields ``(steps int64
     [K], layer_ids int64 [L], counts int64 [K, L, E])`` with ``K <= block``, in step order; a
@@ -320,19 +565,17 @@ def read_expert_load_blocks(
     threads decode blocks ahead of the consumer (zlib and numpy release the GIL, so decoding
     overlaps the caller's work); at most ``2 * workers`` blocks are held at a time.
     ``prepare(steps, layer_ids, counts)``, when given, runs on each block in the decoding
-    thread and its result is yielded instead.
+    thread and its result is yielded instead. ``skipped`` as for ``read_expert_loads``.
     """
     path = Path(path)
     if block < 1 or workers < 1:
         raise ValueError(f"block and workers must be >= 1, got {block} and {workers}")
-    if steps is not None and not isinstance(steps, slice):
-        raise TypeError(f"steps must be a slice of step numbers or None, got {steps!r}")
-    if steps is not None and steps.step is not None and steps.step < 1:
-        raise ValueError(f"steps.step must be >= 1 (keep every k-th logged step), got {steps.step}")
+    _check_steps(steps)
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found (no expert-load store)")
+    say = _teller(path, skipped)
     with path.open("rb") as f:
-        timeline = _index(f, path, steps)
+        timeline = _index(f, steps, say)
         # Blocks of records that share one shape (a change of shape starts a new block).
         groups: list[list[_Entry]] = []
         for e in timeline:
@@ -342,11 +585,11 @@ def read_expert_load_blocks(
             else:
                 groups.append([e])
         fd = f.fileno()
-        bad = 0
+        bad: list[int] = []
         if workers == 1:
             for g in groups:
-                decoded, n_bad = _decode_block(fd, g, prepare)
-                bad += n_bad
+                decoded, b = _decode_block(fd, g, prepare)
+                bad += b
                 yield from decoded
         else:
             from concurrent.futures import ThreadPoolExecutor
@@ -357,30 +600,30 @@ def read_expert_load_blocks(
                 ]
                 nxt = len(pending)
                 while pending:
-                    decoded, n_bad = pending.pop(0).result()
+                    decoded, b = pending.pop(0).result()
                     if nxt < len(groups):
                         pending.append(pool.submit(_decode_block, fd, groups[nxt], prepare))
                         nxt += 1
-                    bad += n_bad
+                    bad += b
                     yield from decoded
-        if bad:
-            warnings.warn(f"{path}: skipped {bad} record(s) failing their checksum", stacklevel=2)
+        _say_bad(say, bad)
 
 
 def _decode_block(
     fd: int, entries: list[_Entry], prepare: Callable[..., Any] | None = None
-) -> tuple[list[Any], int]:
+) -> tuple[list[Any], list[int]]:
     """Decode records of one shape into ``[K, L, E]``; split where the layer ids change."""
     e0 = entries[0]
     counts = np.empty((len(entries), e0.layers, e0.experts), dtype=np.int64)
     steps = np.empty(len(entries), dtype=np.int64)
     out: list[Any] = []
     ids: np.ndarray | None = None
-    start = k = bad = 0
+    start = k = 0
+    bad: list[int] = []
     for e in entries:
         decoded = _decode(fd, e, counts[k])
         if decoded is None:
-            bad += 1
+            bad.append(e.step)
             continue
         if ids is not None and not np.array_equal(decoded[0], ids):
             out.append((steps[start:k], ids, counts[start:k]))

@@ -1,0 +1,355 @@
+#!/usr/bin/env python
+"""Kill a real training job at random points, resume it, and count lost and duplicated steps.
+
+    python benchmarks/fault_injection.py --rounds 12                # the slow mode, N >= 10
+    python benchmarks/fault_injection.py --rounds 12 --seed 7 --json faults.json
+    python benchmarks/fault_injection.py --rounds 3 --faults kill-run,kill-rank,sigint
+
+Each round starts ``nemo-moe-metrics run`` on the tiny SFT recipe (2 torchrun ranks; the first
+round fresh, later ones with ``--resume``), waits a random time (from 0 s, during start-up, to
+a few steps in) and injects one fault, as a user's cluster would:
+
+- ``sigint``: Ctrl-C, to the run's process group as a terminal sends it (exit 130 expected);
+- ``sigterm``: SIGTERM to ``run`` (exit 143 expected), as ``scancel`` or ``kill`` sends it;
+- ``kill-run``: SIGKILL to ``run`` alone: the launcher's children must stop by themselves;
+- ``kill-rank``: SIGKILL to one rank (the OOM killer): the run must fail naming that rank;
+- ``kill-all``: SIGKILL to every process of the job at once (a lost node, a cgroup OOM kill);
+- ``disk-full`` (``--disk-full``, root: the run directory is a small tmpfs): a ballast file
+  fills the file system; the run must fail naming the file it could not write; the ballast
+  is removed before the next round.
+
+After each fault no process of the job may be left (checked by pid, within 15 s). After the
+last round a final ``--resume`` trains to ``training.max_steps``; then every step must be in
+``metrics.jsonl``, the expert-load store and TensorBoard exactly once: the report gives the
+lost and duplicated steps of each (0 and 0 expected) and each round's fault, exit status and
+whether what it printed met the expectation. Exits 1 when a step is lost or duplicated or an
+expectation failed. About 40 s a round on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+_REPO = Path(__file__).resolve().parent.parent
+if (_REPO / "nemo_moe_metrics").is_dir():
+    sys.path.insert(0, str(_REPO))
+
+from nemo_moe_metrics import processes  # noqa: E402
+
+RECIPE = _REPO / "examples" / "configs" / "sft_moe_tiny.yaml"
+NAME = "sft_moe_tiny"
+# W&B off: it cannot be read back step by step offline; every other sink is on.
+OVERRIDES = ["logger.wandb_enabled=false", "logger.table_every=1"]
+FAULTS = ("sigint", "sigterm", "kill-run", "kill-rank", "kill-all")
+
+
+@dataclass
+class Round:
+    """One fault: what was done, when, and what the run said."""
+
+    fault: str
+    logged_before: int  # complete JSONL lines when the fault was injected
+    delay_s: float
+    exit_status: int | None = None
+    stopped_s: float | None = None  # until no process of the job was left
+    left: list[int] = field(default_factory=list)  # processes still there after 15 s
+    expectation_met: bool = True
+    said: str = ""  # the run's last output lines
+
+
+class Job:
+    """One ``nemo-moe-metrics run`` in a session of its own, as a terminal would start it."""
+
+    def __init__(self, out: Path, max_steps: int, *, resume: bool, extra: list[str] = ()):
+        cmd = [sys.executable, "-m", "nemo_moe_metrics.cli", "run", str(RECIPE)]
+        cmd += [f"training.max_steps={max_steps}", *OVERRIDES, *extra, "--output-dir", str(out)]
+        if resume:
+            cmd.append("--resume")
+        env = {**os.environ, "PYTHONPATH": str(_REPO), "COLUMNS": "160"}
+        env.setdefault("HOME", str(out.parent))
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=_REPO,
+            start_new_session=True,
+        )
+        self.seen: set[int] = set()
+        self.identity = processes.identity(self.proc.pid)
+
+    def pids(self) -> list[int]:
+        """The run and every process below it now (remembered: a killed parent orphans them)."""
+        found = [self.proc.pid, *processes.descendants(self.proc.pid)]
+        self.seen.update(found)
+        return found
+
+    def ranks(self) -> list[int]:
+        """The pids of the rank processes, in rank order."""
+        ranks = []
+        for pid in self.pids():
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"nemo_moe_metrics.train" in cmdline:
+                rank = next((e[5:] for e in env if e.startswith(b"RANK=")), None)
+                if rank is not None:
+                    ranks.append((int(rank), pid))
+        return [pid for _, pid in sorted(ranks)]
+
+    def output(self, timeout: float = 300.0) -> tuple[int, str]:
+        """Wait for the run to end: its exit status and everything it printed."""
+        out, _ = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out
+
+    def marked(self) -> list[int]:
+        """Every process that inherited this run's launcher mark (its children's children too,
+        orphans included): what must be gone once the run is."""
+        mark = f"{processes.LAUNCHER_ENV}={self.identity}".encode()
+        found = []
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                with contextlib.suppress(OSError):
+                    if mark in Path(f"/proc/{name}/environ").read_bytes().split(b"\0"):
+                        found.append(int(name))
+        return found
+
+    def wait_gone(self, timeout: float = 15.0) -> tuple[float, list[int]]:
+        """Seconds until no process the job ever had is running; the ones left after that."""
+        start = time.monotonic()
+        while True:
+            left = [pid for pid in {*self.seen, *self.marked()} if processes.is_alive(pid)]
+            if not left or time.monotonic() - start > timeout:
+                return time.monotonic() - start, left
+            time.sleep(0.05)
+
+
+def logged(run_dir: Path) -> list[int]:
+    """Steps of the complete lines of ``metrics.jsonl`` (torn ones skipped)."""
+    path = run_dir / "metrics.jsonl"
+    steps = []
+    with contextlib.suppress(OSError):
+        for line in path.read_bytes().splitlines():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                steps.append(int(json.loads(line)["step"]))
+    return steps
+
+
+def wait_for_steps(job: Job, run_dir: Path, count: int, timeout: float = 240.0) -> int:
+    """Wait until ``metrics.jsonl`` holds ``count`` complete lines (or the run ended)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and job.proc.poll() is None:
+        job.pids()
+        n = len(logged(run_dir))
+        if n >= count:
+            return n
+        time.sleep(0.1)
+    return len(logged(run_dir))
+
+
+def inject(job: Job, fault: str, rng: random.Random) -> str:
+    """Do what the fault names to the running job; returns the fault done (``kill-rank``
+    before any rank started becomes ``kill-all``)."""
+    job.pids()
+    if fault == "sigint":
+        os.killpg(job.proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    elif fault == "sigterm":
+        os.kill(job.proc.pid, signal.SIGTERM)
+    elif fault == "kill-run":
+        os.kill(job.proc.pid, signal.SIGKILL)
+    elif fault == "kill-rank":
+        ranks = job.ranks()
+        if not ranks:  # not started yet: the fault becomes a kill of the whole job
+            fault = "kill-all"
+        else:
+            os.kill(ranks[rng.randrange(len(ranks))], signal.SIGKILL)
+    if fault == "kill-all":
+        for pid in job.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    return fault
+
+
+def expectation(fault: str, status: int, said: str) -> bool:
+    """Whether the run's exit status and last words match the fault it got."""
+    if "Traceback" in said:
+        return False
+    if fault == "sigint":
+        return status == 130 and "interrupted (SIGINT)" in said
+    if fault == "sigterm":
+        return status == 143 and "interrupted (SIGTERM)" in said
+    if fault == "kill-rank":
+        return status != 0 and ("was killed by SIGKILL" in said or "run failed" in said)
+    if fault == "disk-full":
+        return status != 0 and ("No space left on device" in said or "is full" in said)
+    return status == -signal.SIGKILL  # kill-run, kill-all: nothing is printed
+
+
+def sink_steps(run_dir: Path) -> dict[str, list[int]]:
+    """Every logged step as each sink holds it: raw JSONL lines, raw store records, and
+    TensorBoard's scalar events as TensorBoard reads them (events a resume hid are hidden)."""
+    from nemo_moe_metrics.sinks.store import scan_store, store_path
+
+    with store_path(run_dir).open("rb") as f:
+        stored = scan_store(f).steps
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tb = [e.step for e in acc.Scalars("train_perf/total_tokens")]
+    return {"metrics.jsonl": logged(run_dir), "expert_loads.bin": stored, "tensorboard": tb}
+
+
+def lost_and_duplicated(steps: list[int], max_steps: int) -> dict[str, list[int]]:
+    """Steps of ``0 .. max_steps - 1`` missing from ``steps``, and steps in it more than once."""
+    counts = collections.Counter(steps)
+    return {
+        "lost": [s for s in range(max_steps) if counts[s] == 0],
+        "duplicated": sorted(s for s, n in counts.items() if n > 1),
+    }
+
+
+def fill_disk(directory: Path) -> Path:
+    """A ballast file that leaves no free byte on ``directory``'s file system."""
+    ballast = directory / "ballast"
+    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for block in (1 << 20, 4096, 1):  # unbuffered: the last bytes go in too
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, b"\0" * block)
+    finally:
+        os.close(fd)
+    return ballast
+
+
+@contextlib.contextmanager
+def small_filesystem(size_mb: int) -> Any:
+    """A tmpfs of ``size_mb`` MB mounted on a temporary folder (root only); yields the folder,
+    or None where mounting is not allowed."""
+    where = Path(tempfile.mkdtemp(prefix="nmm_small_fs_"))
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(where)],
+            capture_output=True,
+        ).returncode
+        == 0
+    )
+    try:
+        yield where if mounted else None
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def run_round(out: Path, fault: str, rng: random.Random, max_steps: int) -> Round:
+    """Start (or resume) the run, inject ``fault`` at a random point, check what followed."""
+    run_dir = out / NAME
+    before = len(logged(run_dir))
+    job = Job(out, max_steps, resume=before > 0)
+    # From start-up (before any step) to a few steps in.
+    wait_for_steps(job, run_dir, before + rng.choice([0, 1, 2, 3]))
+    delay = rng.uniform(0.0, 1.5)
+    time.sleep(delay)
+    at_fault = len(logged(run_dir))
+    ballast = None
+    if fault == "disk-full":
+        ballast = fill_disk(out)
+    else:
+        fault = inject(job, fault, rng)
+    status, said = job.output()
+    stopped_s, left = job.wait_gone()
+    if ballast is not None:
+        ballast.unlink()
+    tail = "\n".join(said.strip().splitlines()[-6:])
+    return Round(
+        fault=fault,
+        logged_before=at_fault,
+        delay_s=delay,
+        exit_status=status,
+        stopped_s=stopped_s,
+        left=left,
+        expectation_met=expectation(fault, status, said) and not left,
+        said=tail,
+    )
+
+
+def run_faults(out: Path, faults: list[str], seed: int, max_steps: int) -> dict[str, Any]:
+    """The rounds, the final resume, and the lost/duplicated count of every sink."""
+    rng = random.Random(seed)
+    rounds = [run_round(out, fault, rng, max_steps) for fault in faults]
+    status, said = 0, "(every step was logged before the last fault)"
+    if len(set(logged(out / NAME))) < max_steps:
+        status, said = Job(out, max_steps, resume=bool(logged(out / NAME))).output()
+    steps = sink_steps(out / NAME)
+    result = {sink: lost_and_duplicated(s, max_steps) for sink, s in steps.items()}
+    return {
+        "rounds": [asdict(r) for r in rounds],
+        "final_exit_status": status,
+        "final_said": "\n".join(said.strip().splitlines()[-3:]),
+        "sinks": result,
+        "lost": sum(len(r["lost"]) for r in result.values()),
+        "duplicated": sum(len(r["duplicated"]) for r in result.values()),
+        "expectations_met": all(r.expectation_met for r in rounds) and status == 0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the rounds, print the report, optionally write it as JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=12, help="faults to inject (default 12)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--faults", help=f"comma-separated, in order (default: random of {FAULTS})")
+    parser.add_argument("--disk-full", action="store_true", help="add disk-full rounds (root)")
+    parser.add_argument("--max-steps", type=int, default=0, help="default: 6 per round + 4")
+    parser.add_argument("--json", type=Path, help="write the report here")
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    kinds = list(FAULTS) + (["disk-full"] if args.disk_full else [])
+    faults = (
+        args.faults.split(",") if args.faults else [rng.choice(kinds) for _ in range(args.rounds)]
+    )
+    max_steps = args.max_steps or 6 * len(faults) + 4
+    started = time.monotonic()
+    with small_filesystem(256) as small:
+        if "disk-full" in faults and small is None:
+            parser.error("disk-full rounds need root (a tmpfs is mounted for the run directory)")
+        out = small if small is not None else Path(tempfile.mkdtemp(prefix="nmm_faults_"))
+        report = run_faults(out, faults, args.seed, max_steps)
+    report["seconds"] = time.monotonic() - started
+    for i, r in enumerate(report["rounds"]):
+        print(
+            f"round {i + 1}: {r['fault']:<9} after {r['logged_before']:>3} logged steps: exit "
+            f"{r['exit_status']}, job gone in {r['stopped_s']:.1f} s"
+            + ("" if r["expectation_met"] else f"  EXPECTATION NOT MET:\n{r['said']}")
+        )
+    for sink, r in report["sinks"].items():
+        print(f"{sink:<17} lost {r['lost'] or 0}  duplicated {r['duplicated'] or 0}")
+    print(f"lost {report['lost']}, duplicated {report['duplicated']} ({report['seconds']:.0f} s)")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    ok = report["lost"] == 0 and report["duplicated"] == 0 and report["expectations_met"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
