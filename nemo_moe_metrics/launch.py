@@ -380,8 +380,9 @@ def slurm_dry_run(
 
     Long shell lines (the srun/torchrun command) are folded with ``\\`` continuations, so no line
     is longer than about 100 characters. Nothing is written: nemo-run's bookkeeping goes to a
-    temporary directory that is removed. ``recipe_path`` and ``output_dir`` are used as given:
-    on the cluster they are read relative to the packaged code directory.
+    temporary directory that is removed. The script shows what :func:`slurm_submit` submits:
+    the recipe relative to the packaged repository's root (or absolute, outside it) and the run
+    directory resolved here.
     """
     import contextlib
     import io
@@ -559,11 +560,15 @@ def _slurm_experiment(
     executor_kwargs: dict[str, Any],
     nemorun_home: Path | None = None,
 ) -> Any:
+    import contextlib
     import importlib
+    import io
 
     import nemo_run as run
+    from invoke.exceptions import UnexpectedExit
 
     from nemo_moe_metrics.preflight import slurm_rank_words
+    from nemo_moe_metrics.slurm import SlurmError
 
     recipe = load_recipe(recipe_path, overrides)
     nodes, per_node = executor_kwargs.get("nodes", 1), _ranks_per_node(executor_kwargs)
@@ -590,31 +595,29 @@ def _slurm_experiment(
     # The Slurm job is named after the recipe (nemo-run's default is "<account>-<account>.").
     executor.job_details.job_name = name
     script = train_script(_recipe_for_job(recipe_path), overrides, output_root / name)
-    with run.Experiment(name, executor=executor, log_level="WARN") as exp:
-        exp.add(script, name="train", tail_logs=False)
-        if dryrun:
-            exp.dryrun(log=False, delete_exp_dir=True)
-        else:
-            _submit_quietly(exp)
-    return exp
-
-
-def _submit_quietly(exp: Any) -> None:
-    """``exp.run(detach=True)`` without nemo-run's narration; sbatch's refusal as SlurmError."""
-    import contextlib
-    import io
-
-    from invoke.exceptions import UnexpectedExit
-
-    from nemo_moe_metrics.slurm import SlurmError
-
+    # nemo-run narrates on its console (stdout) and, leaving a detached experiment, asks sacct
+    # for the status (an error without accounting): not what this command shows.
     chatter = io.StringIO()
     try:
-        with contextlib.redirect_stdout(chatter):
-            exp.run(detach=True)
+        with (
+            contextlib.redirect_stdout(chatter),
+            run.Experiment(
+                name,
+                executor=executor,
+                log_level="WARN",
+                skip_status_at_exit=True,
+                enable_goodbye_message=False,
+            ) as exp,
+        ):
+            exp.add(script, name="train", tail_logs=False)
+            if dryrun:
+                exp.dryrun(log=False, delete_exp_dir=True)
+            else:
+                exp.run(detach=True)
     except UnexpectedExit as err:
         said = (err.result.stderr or err.result.stdout or "").strip()
         raise SlurmError(f"{err.result.command.split()[0]} refused the job: {said}") from None
+    return exp
 
 
 def main(argv: list[str] | None = None) -> int:
