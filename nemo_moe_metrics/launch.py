@@ -362,6 +362,9 @@ def slurm_executor(
         packager=run.GitArchivePackager(),  # ships the repository at HEAD to the cluster
         env_vars={**env, **(env_vars or {})},
         srun_args=None if torchrun else ["--label"],  # "N: " before each rank's lines
+        # nemo-run exports SLURM_UNBUFFEREDIO=1; unbuffered, srun labels arbitrary chunks and
+        # cuts a rank's traceback mid-line. Line-buffered output keeps one label per line.
+        setup_lines=None if torchrun else "unset SLURM_UNBUFFEREDIO",
         poll_estimated_start_time=False,  # follow_job reports the state instead
     )
     if torchrun:
