@@ -330,12 +330,7 @@ def slurm_executor(
 
     if launcher not in LAUNCHERS:
         raise ConfigError(f"--launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
-    per_node = ranks_per_node or gpus_per_node
-    if per_node < 1:
-        raise ConfigError(
-            "--gpus-per-node 0 runs on CPU nodes: say how many ranks each runs with "
-            "--ranks-per-node N"
-        )
+    per_node = _ranks_per_node({"ranks_per_node": ranks_per_node, "gpus_per_node": gpus_per_node})
     env = {"WANDB_MODE": "offline"}
     if not gpus_per_node:
         env["OMP_NUM_THREADS"] = "1"  # as `run` on CPU: more threads per rank oversubscribe
@@ -502,7 +497,13 @@ def slurm_submit(
 
 
 def _ranks_per_node(executor_kwargs: dict[str, Any]) -> int:
-    return executor_kwargs.get("ranks_per_node") or executor_kwargs.get("gpus_per_node", 8)
+    per_node = executor_kwargs.get("ranks_per_node") or executor_kwargs.get("gpus_per_node", 8)
+    if per_node < 1:
+        raise ConfigError(
+            "--gpus-per-node 0 runs on CPU nodes: say how many ranks each runs with "
+            "--ranks-per-node N"
+        )
+    return per_node
 
 
 def _cpu(executor_kwargs: dict[str, Any]) -> bool:

@@ -59,6 +59,10 @@ _STATE_MEANING = {
 }
 
 
+# Reasons the state and exit code already say.
+_OBVIOUS_REASONS = frozenset({"JobLaunchFailure", "NonZeroExitCode", "TimeLimit", "None"})
+
+
 class SlurmError(RuntimeError):
     """sbatch, scontrol or sacct failed; the message carries Slurm's own words."""
 
@@ -197,7 +201,15 @@ def explain(info: JobInfo) -> str:
     elif code == 2:
         detail = "a rank refused the recipe (configuration error, exit 2): see the rank error"
     elif code > 128:
-        detail = f"a process was killed by {_signal_name(code - 128)} (exit {code})"
+        detail = f"a process was ended by {_signal_name(code - 128)} (exit {code})"
+        if code - 128 in (signal.SIGTERM, signal.SIGKILL):
+            # srun --kill-on-bad-exit (and torchrun) stop every rank once one fails.
+            detail += (
+                ": when one rank fails the others are stopped, so the cause is usually the "
+                "first rank error below"
+            )
+            if code - 128 == signal.SIGKILL:
+                detail += " (otherwise: out of memory)"
     elif code:
         detail = f"a rank exited {code}: see the rank error below"
     if sig and sig != 53:
@@ -205,7 +217,7 @@ def explain(info: JobInfo) -> str:
         if sig == signal.SIGKILL:
             killed += " (memory limit, or the kill after the time limit's grace period)"
         detail = f"{detail}; {killed}" if detail else killed
-    if info.reason and info.reason != "JobLaunchFailure" and info.state not in ("CANCELLED",):
+    if info.reason and info.reason not in _OBVIOUS_REASONS and info.state != "CANCELLED":
         detail = f"{detail} (reason: {info.reason})" if detail else f"reason: {info.reason}"
     return f"{head}; {detail}" if detail else head
 
@@ -357,10 +369,10 @@ def follow_job(
     if failure:
         say(failure.describe())
     if logged_run(run_dir):
-        state = read_resume_state(run_dir)
+        last = read_resume_state(run_dir).last_step
         say(
-            f"{run_dir} keeps steps 0-{state.last_step} of {job.max_steps}: continue with the "
-            "same recipes/slurm.py command plus --resume"
+            f"{run_dir} keeps the steps up to {last} (of training.max_steps={job.max_steps}): "
+            "continue the run with the same recipes/slurm.py command plus --resume"
         )
     if log:
         say(f"rank log: {log}")

@@ -21,6 +21,7 @@ worker uses NCCL, the alltoall token dispatcher, and no CPU shims; ``--gpus-per-
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 
@@ -152,9 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     except SlurmError as err:
         print(f"error: {err}; nemo-run's files are in {args.job_dir}/", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `... --follow 12 | head`: the reader left; that is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as err:  # the cluster is unreachable, nemo-run failed to package, ...
+        doing = "following the job" if args.follow else "submitting to Slurm"
         print(
-            f"error: submitting to Slurm failed ({type(err).__name__}: {err}); "
+            f"error: {doing} failed ({type(err).__name__}: {err}); "
             f"nemo-run's files are in {args.job_dir}/",
             file=sys.stderr,
         )
