@@ -194,7 +194,9 @@ def two_node_job(slurm, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_node_srun_per_task_job_equals_the_local_run(two_node_job, main_job_run, tmp_path):
+def test_two_node_srun_per_task_job_equals_the_local_run(
+    slurm, two_node_job, main_job_run, tmp_path
+):
     proc, base = two_node_job
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id = _submitted_id(proc.stdout)
