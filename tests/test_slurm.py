@@ -312,20 +312,16 @@ def test_failed_job_shows_its_state_exit_code_and_first_rank_error(slurm, tmp_pa
 # --------------------------------------------------------------------------- no cluster needed
 
 
-def _dry_run(tmp_path, *args):
-    home = tmp_path / "home"
-    home.mkdir(exist_ok=True)
-    return subprocess.run(
-        [sys.executable, "recipes/slurm.py", RECIPE, *map(str, args)],
-        capture_output=True, text=True, cwd=ROOT, stdin=subprocess.DEVNULL, timeout=120,
-        env={**os.environ, "HOME": str(home), "PYTHONPATH": str(ROOT)},
+def test_cpu_dry_run_asks_for_cores_not_gpus_and_torchrun_starts_the_ranks(monkeypatch):
+    from nemo_moe_metrics.launch import slurm_dry_run
+
+    monkeypatch.setattr(sys, "stdin", open(os.devnull))  # noqa: SIM115
+    monkeypatch.chdir(ROOT)
+    text = slurm_dry_run(
+        RECIPE, [], "rel/runs", account="local", partition="debug", gpus_per_node=0,
+        ranks_per_node=2,
     )  # fmt: skip
-
-
-def test_cpu_dry_run_asks_for_cores_not_gpus_and_torchrun_starts_the_ranks(tmp_path):
-    proc = _dry_run(tmp_path, *CLUSTER, "--ranks-per-node", 2, "--output-dir", "rel/runs")
-    assert proc.returncode == 0, proc.stderr
-    text = proc.stdout.replace(" \\\n    ", " ")
+    text = text.replace(" \\\n    ", " ")
     assert "#SBATCH --cpus-per-task=2\n" in text and "#SBATCH --ntasks-per-node=1\n" in text
     assert "--gpus" not in text
     assert "export OMP_NUM_THREADS=1\n" in text
@@ -336,13 +332,16 @@ def test_cpu_dry_run_asks_for_cores_not_gpus_and_torchrun_starts_the_ranks(tmp_p
     assert f"--recipe {RECIPE} " in text
 
 
-def test_srun_per_task_dry_run_gives_every_rank_a_task_and_the_first_node_address(tmp_path):
-    proc = _dry_run(
-        tmp_path, *CLUSTER, "--nodes", 2, "--ranks-per-node", 1, "--launcher", "srun",
-        "--rdzv-port", 29999,
+def test_srun_per_task_dry_run_gives_every_rank_a_task_and_the_first_node_address(monkeypatch):
+    from nemo_moe_metrics.launch import slurm_dry_run
+
+    monkeypatch.setattr(sys, "stdin", open(os.devnull))  # noqa: SIM115
+    monkeypatch.chdir(ROOT)
+    text = slurm_dry_run(
+        RECIPE, [], "runs", account="local", partition="debug", gpus_per_node=0, nodes=2,
+        ranks_per_node=1, launcher="srun", rdzv_port=29999,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    text = proc.stdout.replace(" \\\n    ", " ")
+    text = text.replace(" \\\n    ", " ")
     assert "#SBATCH --nodes=2\n" in text and "#SBATCH --ntasks-per-node=1\n" in text
     assert "export MASTER_ADDR=$head_node_ip\nexport MASTER_PORT=29999\n" in text
     assert "unset SLURM_UNBUFFEREDIO\n" in text
@@ -351,15 +350,19 @@ def test_srun_per_task_dry_run_gives_every_rank_a_task_and_the_first_node_addres
 
 
 def test_cpu_nodes_need_ranks_per_node_and_paths_with_nemo_run_are_refused(tmp_path):
-    proc = _dry_run(tmp_path, *CLUSTER)
-    assert proc.returncode == 2
-    assert "--gpus-per-node 0 runs on CPU nodes: say how many ranks each runs with " in proc.stderr
-    proc = _dry_run(tmp_path, *CLUSTER, "--ranks-per-node", 2, "--job-dir", tmp_path / "nemo_run")
-    assert proc.returncode == 2
-    assert "contains '/nemo_run', which nemo-run rewrites in the sbatch script" in proc.stderr
-    proc = _dry_run(tmp_path, *CLUSTER, "--ranks-per-node", 3)
-    assert proc.returncode == 2
-    assert "--nodes 1 x --ranks-per-node 3 (3 ranks)" in proc.stderr
+    from nemo_moe_metrics.config import ConfigError, load_recipe
+    from nemo_moe_metrics.launch import _check_paths_survive_nemo_run, _ranks_per_node
+    from nemo_moe_metrics.preflight import preflight, slurm_rank_words
+
+    with pytest.raises(ConfigError, match="--gpus-per-node 0 runs on CPU nodes: say how many"):
+        _ranks_per_node({"gpus_per_node": 0, "ranks_per_node": None})
+    assert _ranks_per_node({"gpus_per_node": 8}) == 8
+    assert _ranks_per_node({"gpus_per_node": 0, "ranks_per_node": 2}) == 2
+    with pytest.raises(ConfigError, match="contains '/nemo_run', which nemo-run rewrites"):
+        _check_paths_survive_nemo_run(tmp_path / "jobs", tmp_path / "nemo_run_x" / "runs")
+    _check_paths_survive_nemo_run(tmp_path / "jobs", tmp_path / "runs")
+    with pytest.raises(ConfigError, match=r"--nodes 1 x --ranks-per-node 3 \(3 ranks\)"):
+        preflight(load_recipe(ROOT / RECIPE), 3, slurm_rank_words(1, 3, cpu=True))
 
 
 def test_an_uncommitted_recipe_inside_the_repository_is_refused(tmp_path, monkeypatch):
