@@ -32,6 +32,12 @@ RECIPE = "examples/configs/grpo_moe_tiny.yaml"
 STEPS = "training.max_steps=3"  # as the session's local main job (conftest.main_job_run)
 CLUSTER = ("--account", "local", "--partition", "debug", "--gpus-per-node", "0")
 REQUIRE = "NEMO_MOE_METRICS_REQUIRE_SLURM"
+# The jobs below, as docs/*/slurm.md shows them (paths and ports aside).
+ONE_NODE = (RECIPE, STEPS, *CLUSTER, "--nodes", "1", "--ranks-per-node", "2")
+TWO_NODES = (RECIPE, STEPS, *CLUSTER, "--nodes", "2", "--ranks-per-node", "1", "--launcher", "srun")
+PREEMPT_STEPS = 4
+PREEMPT = (RECIPE, f"training.max_steps={PREEMPT_STEPS}", *CLUSTER, "--nodes", "2")
+PREEMPT += ("--ranks-per-node", "1")
 # Values that depend on the wall clock; every other key must match the local run.
 TIMED = {
     "train_perf/seconds",
@@ -152,9 +158,8 @@ def one_node_job(slurm, tmp_path_factory):
     """1 node x 2 ranks under one torchrun (nemo-run's Torchrun launcher), followed to the end."""
     base = tmp_path_factory.mktemp("slurm_one_node")
     proc = _slurm_py(
-        slurm, base, RECIPE, STEPS, *CLUSTER, "--nodes", 1, "--ranks-per-node", 2,
-        "--rdzv-port", _free_port(), "--output-dir", base / "runs", "--job-dir", base / "jobs",
-        "--submit", "--wait",
+        slurm, base, *ONE_NODE, "--rdzv-port", _free_port(), "--output-dir", base / "runs",
+        "--job-dir", base / "jobs", "--submit", "--wait",
     )  # fmt: skip
     return proc, base
 
@@ -185,8 +190,7 @@ def two_node_job(slurm, tmp_path_factory):
     """2 nodes x 1 rank, one Slurm task per rank (srun), rendezvous at the first node."""
     base = tmp_path_factory.mktemp("slurm_two_nodes")
     proc = _slurm_py(
-        slurm, base, RECIPE, STEPS, *CLUSTER, "--nodes", 2, "--ranks-per-node", 1,
-        "--launcher", "srun", "--rdzv-port", _free_port(), "--output-dir", base / "runs",
+        slurm, base, *TWO_NODES, "--rdzv-port", _free_port(), "--output-dir", base / "runs",
         "--job-dir", base / "jobs", "--submit", "--wait",
     )  # fmt: skip
     return proc, base
@@ -236,10 +240,9 @@ def test_requeued_then_cancelled_job_resumes_with_every_step_once(slurm, tmp_pat
     # 2 nodes x 1 rank under torchrun (c10d rendezvous across the node daemons). Slurm
     # requeues it once (as after a preemption or a node failure: same job, restart 1), then
     # it is cancelled; `--resume` submits the rest.
-    max_steps = 4
+    max_steps = PREEMPT_STEPS
     args = (
-        RECIPE, f"training.max_steps={max_steps}", *CLUSTER, "--nodes", 2, "--ranks-per-node",
-        1, "--rdzv-port", _free_port(), "--output-dir", tmp_path / "runs", "--job-dir",
+        *PREEMPT, "--rdzv-port", _free_port(), "--output-dir", tmp_path / "runs", "--job-dir",
         tmp_path / "jobs",
     )  # fmt: skip
     run_dir = tmp_path / "runs" / "grpo_moe_tiny"
@@ -467,3 +470,49 @@ def test_rank_comes_from_slurm_only_inside_an_srun_step():
         rank_env_from_slurm(bare)
     one = {**bare, "SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}
     assert rank_env_from_slurm(one) == {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+
+
+def _page_commands(text: str) -> list[list[str]]:
+    """recipes/slurm.py commands of a docs page, without paths and ports (as the tests vary)."""
+    import shlex
+
+    commands = []
+    for line in text.replace("\\\n", " ").splitlines():
+        if not line.startswith("python recipes/slurm.py "):
+            continue
+        words = shlex.split(line.split("  #")[0], comments=True)[2:]
+        kept, skip = [], False
+        for word in words:
+            if skip:
+                skip = False
+            elif word in ("--output-dir", "--job-dir", "--rdzv-port"):
+                skip = True
+            else:
+                kept.append(word)
+        commands.append(kept)
+    return commands
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_the_slurm_page_shows_the_commands_these_tests_run(lang):
+    commands = _page_commands((ROOT / "docs" / lang / "slurm.md").read_text(encoding="utf-8"))
+    for args in (
+        [*ONE_NODE, "--submit", "--wait"],
+        [*TWO_NODES, "--submit", "--wait"],
+        [*PREEMPT, "--submit"],
+        [*PREEMPT, "--submit", "--resume", "--wait"],
+    ):
+        assert args in commands, " ".join(args)
+
+
+@pytest.mark.slow
+def test_sbatch_refusal_is_one_line_in_sbatch_words(slurm, tmp_path):
+    proc = _slurm_py(
+        slurm, tmp_path, *ONE_NODE, "--partition", "nope", "--output-dir", tmp_path / "runs",
+        "--job-dir", tmp_path / "jobs", "--submit",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(
+        "error: sbatch refused the job: sbatch: error: invalid partition specified: nope"
+    ), proc.stderr
+    assert "Traceback" not in proc.stderr
