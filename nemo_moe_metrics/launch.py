@@ -470,9 +470,7 @@ def slurm_submit(
     preflight(recipe, nodes * per_node, slurm_rank_words(nodes, per_node, _cpu(executor_kwargs)))
     _recipe_for_job(recipe_path, check_committed=True)
     run_dir = Path(output_dir).resolve() / recipe.name
-    note = prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
-    if note:
-        print(note, flush=True)
+    notes = [prepare_run_dir(run_dir, resume=resume, overwrite=overwrite), _uncommitted_note()]
     if resume:
         check_resume_has_steps_left(run_dir, recipe, recipe_path)
         overrides = [*overrides, "logger.resume=true"]
@@ -491,9 +489,22 @@ def slurm_submit(
         ranks_per_node=per_node,
         launcher=executor_kwargs.get("launcher", "torchrun"),
         algorithm=recipe.algorithm,
+        notes=[n for n in notes if n],
     )
     record.save(_job_dir(executor_kwargs))
     return record
+
+
+def _uncommitted_note() -> str | None:
+    """A note when the repository nemo-run packages (at HEAD) has uncommitted changes."""
+    changed = _git("status", "--porcelain", "--untracked-files=no")
+    if not changed:
+        return None
+    head = _git("rev-parse", "--short", "HEAD")
+    return (
+        f"note: the job runs the repository at HEAD ({head}); uncommitted changes to "
+        f"{len(changed.splitlines())} file(s) are not part of it"
+    )
 
 
 def _ranks_per_node(executor_kwargs: dict[str, Any]) -> int:

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -272,6 +272,7 @@ class SubmittedJob:
     ranks_per_node: int = 1
     launcher: str = "torchrun"
     algorithm: str | None = None  # grpo: the progress lines show the reward first
+    notes: list[str] = field(default_factory=list)  # what the submitter should know
 
     def save(self, job_dir: Path) -> Path:
         """Write ``<job_dir>/submitted/<job_id>.json``."""

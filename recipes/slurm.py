@@ -137,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         per_node = f"{job.ranks_per_node} rank{'s' if job.ranks_per_node > 1 else ''}"
         print(
+            *job.notes,
             f"submitted Slurm job {job.job_id}: {job.name} on {job.nodes} node(s) x {per_node} "
             f"({job.launcher})\nrun directory: {job.run_dir}\njob files: {job.job_files}",
+            sep="\n",
             flush=True,
         )
         if not args.wait:

@@ -98,6 +98,9 @@ class LocalSlurm:
 
     def write_config(self) -> None:
         """The munge key and a one-partition ``slurm.conf`` (CPU only, no accounting)."""
+        # Throwaway: an earlier cluster's jobs and name in the same directory are forgotten.
+        for old in ("state", "spool"):
+            shutil.rmtree(self.root / old, ignore_errors=True)
         for sub in ("munge", "state", "log", *(f"spool/{n}" for n in self.nodes)):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         # munged wants its socket's directories traversable by all and its key private.
@@ -235,18 +238,24 @@ class LocalSlurm:
 
     def stop(self) -> None:
         """Cancel every job on this cluster, then end the daemons started here."""
-        if self.conf.exists() and any(p.poll() is None for p in self.procs):
-            subprocess.run(
-                [_which("scancel") or "scancel", f"--partition={PARTITION}"],
-                capture_output=True, env={**os.environ, **self.env}, timeout=30,
-            )  # fmt: skip
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and self._jobs_left():
-                time.sleep(0.5)
+        if any(p.poll() is None for p in self.procs):
+            self.cancel_all()
         # Node daemons first, munge last: slurmd and slurmctld authenticate through it.
         for proc in reversed(self.procs):
             _end(proc.pid, proc)
         self.procs = []
+
+    def cancel_all(self, timeout_s: float = 20) -> None:
+        """scancel every job of the partition and wait until the controller lists none."""
+        if not self.conf.exists():
+            return
+        subprocess.run(
+            [_which("scancel") or "scancel", f"--partition={PARTITION}"],
+            capture_output=True, env={**os.environ, **self.env}, timeout=30,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self._jobs_left():
+            time.sleep(0.5)
 
     def _jobs_left(self) -> bool:
         proc = subprocess.run(
@@ -305,10 +314,7 @@ def main(argv: list[str]) -> int:
     if not pids_file.is_file():
         print(f"error: {pids_file} not found: no cluster started there", file=sys.stderr)
         return 1
-    subprocess.run(
-        [_which("scancel") or "scancel", f"--partition={PARTITION}"],
-        capture_output=True, env={**os.environ, **cluster.env}, timeout=30,
-    )  # fmt: skip
+    cluster.cancel_all()
     for pid in reversed(json.loads(pids_file.read_text())):
         _end(pid)
     pids_file.unlink()

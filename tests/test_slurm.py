@@ -153,15 +153,18 @@ def _assert_same_run(job_dir: Path, local_dir: Path, job_stdout: str, tmp_path: 
 # --------------------------------------------------------------------------- jobs
 
 
-@pytest.fixture(scope="module")
-def one_node_job(slurm, tmp_path_factory):
-    """1 node x 2 ranks under one torchrun (nemo-run's Torchrun launcher), followed to the end."""
-    base = tmp_path_factory.mktemp("slurm_one_node")
+def _submit_and_wait(cluster: LocalSlurm, base: Path, job: tuple[str, ...]):
     proc = _slurm_py(
-        slurm, base, *ONE_NODE, "--rdzv-port", _free_port(), "--output-dir", base / "runs",
+        cluster, base, *job, "--rdzv-port", _free_port(), "--output-dir", base / "runs",
         "--job-dir", base / "jobs", "--submit", "--wait",
     )  # fmt: skip
     return proc, base
+
+
+@pytest.fixture(scope="module")
+def one_node_job(slurm, tmp_path_factory):
+    """1 node x 2 ranks under one torchrun (nemo-run's Torchrun launcher), followed to the end."""
+    return _submit_and_wait(slurm, tmp_path_factory.mktemp("slurm_one_node"), ONE_NODE)
 
 
 @pytest.mark.slow
@@ -188,12 +191,7 @@ def test_one_node_torchrun_job_equals_the_local_run(one_node_job, main_job_run, 
 @pytest.fixture(scope="module")
 def two_node_job(slurm, tmp_path_factory):
     """2 nodes x 1 rank, one Slurm task per rank (srun), rendezvous at the first node."""
-    base = tmp_path_factory.mktemp("slurm_two_nodes")
-    proc = _slurm_py(
-        slurm, base, *TWO_NODES, "--rdzv-port", _free_port(), "--output-dir", base / "runs",
-        "--job-dir", base / "jobs", "--submit", "--wait",
-    )  # fmt: skip
-    return proc, base
+    return _submit_and_wait(slurm, tmp_path_factory.mktemp("slurm_two_nodes"), TWO_NODES)
 
 
 @pytest.mark.slow
