@@ -514,3 +514,42 @@ def test_sbatch_refusal_is_one_line_in_sbatch_words(slurm, tmp_path):
         "error: sbatch refused the job: sbatch: error: invalid partition specified: nope"
     ), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_job_slurm_has_forgotten_is_reported_from_its_batch_log(slurm, tmp_path, monkeypatch):
+    # scontrol forgets a job MinJobAge seconds after it ends, and this controller has no
+    # accounting (sacct: "Slurm accounting storage is disabled"): both are asked for real.
+    import io
+
+    from nemo_moe_metrics.slurm import SubmittedJob, follow_job, query_job
+
+    monkeypatch.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])
+    monkeypatch.setenv("PATH", slurm.env["PATH"])
+    sacct = _slurm_cmd(slurm, "sacct", "-j", "1")
+    assert "accounting storage is disabled" in sacct.stdout + sacct.stderr
+    assert query_job("999999") is None
+    files = tmp_path / "train"
+    files.mkdir()
+    (files / "sbatch_grpo_moe_tiny_999999.out").write_text("+ echo\njob exited with code 1\n")
+    job = SubmittedJob("999999", "grpo_moe_tiny", str(tmp_path / "run"), str(files), 3)
+    out = io.StringIO()
+    assert follow_job(job, out=out, poll_s=0.1) == 1
+    text = out.getvalue()
+    assert "job 999999 (grpo_moe_tiny): Slurm no longer knows it" in text
+    assert "its batch log says: job exited with code 1" in text
+
+
+def test_a_requeued_job_continues_only_a_run_it_logged(tmp_path, monkeypatch):
+    from nemo_moe_metrics.train import _requeued_run_resumes
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    assert _requeued_run_resumes(run_dir) == []
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert _requeued_run_resumes(run_dir) == []  # the first start logged nothing
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+    assert _requeued_run_resumes(run_dir) == ["logger.resume=true"]
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    assert _requeued_run_resumes(run_dir) == []
