@@ -629,9 +629,11 @@ def _slurm_experiment(
                 exp.dryrun(log=False, delete_exp_dir=True)
             else:
                 exp.run(detach=True)
-    except UnexpectedExit as err:
+    except UnexpectedExit as err:  # sbatch, or git/tar while packaging, said no
         said = (err.result.stderr or err.result.stdout or "").strip()
-        raise SlurmError(f"{err.result.command.split()[0]} refused the job: {said}") from None
+        command = err.result.command
+        what = "sbatch refused the job" if command.startswith("sbatch") else f"{command} failed"
+        raise SlurmError(f"{what}: {said}") from None
     return exp
 
 
