@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 SUBMITTED_DIR = "submitted"  # <job dir>/submitted/<job id>.json: what --follow reads
+UNREACHABLE_S = 300  # how long follow_job keeps asking a controller that does not answer
 
 # States after which the job will not run again (a requeued job goes back to PENDING instead).
 TERMINAL_STATES = frozenset(
@@ -155,7 +156,7 @@ def query_job(job_id: str, run: Runner = subprocess.run) -> JobInfo | None:
     """The job's state from scontrol, else from sacct; None when neither knows it.
 
     scontrol forgets a job ``MinJobAge`` seconds after it ends; sacct remembers it only where
-    accounting (slurmdbd) is configured.
+    accounting (slurmdbd) is configured. SlurmError when the controller cannot be asked.
     """
     kwargs: dict[str, Any] = {"capture_output": True, "text": True, "timeout": 60}
     proc = run(["scontrol", "show", "job", "-o", str(job_id)], **kwargs)
@@ -163,6 +164,9 @@ def query_job(job_id: str, run: Runner = subprocess.run) -> JobInfo | None:
         info = job_info_from_scontrol(proc.stdout)
         if info is not None:
             return info
+    elif "Invalid job id" not in proc.stderr:
+        said = (proc.stderr or proc.stdout).strip()
+        raise SlurmError(f"scontrol show job {job_id} failed: {said}")
     proc = run(["sacct", "-X", "-n", "-P", "-o", SACCT_FIELDS, "-j", str(job_id)], **kwargs)
     if proc.returncode == 0:
         return job_info_from_sacct(proc.stdout, str(job_id))
@@ -324,14 +328,29 @@ def follow_job(
     say = lambda text: print(text, file=out, flush=True)  # noqa: E731
     run_dir = Path(job.run_dir)
     metrics = run_dir / "metrics.jsonl"
-    offset, last_row, seen, info = job.jsonl_offset, None, None, None
-    algorithm = job.algorithm
-    while True:
-        info = query(job.job_id)
+    offset, last_row, seen, info, unreachable_since = job.jsonl_offset, None, None, None, None
+
+    def show_new_steps() -> None:
+        nonlocal offset, last_row
         rows, offset = _read_new_lines(metrics, offset)
         for row in rows:
             last_row = row
-            say(f"step {row['step'] + 1}/{job.max_steps}  {describe_step(row, algorithm)}".rstrip())
+            text = describe_step(row, job.algorithm)
+            say(f"step {row['step'] + 1}/{job.max_steps}  {text}".rstrip())
+
+    while True:
+        try:
+            info = query(job.job_id)
+        except SlurmError as err:  # the controller restarts, the network hiccups: ask again
+            if unreachable_since is None:
+                unreachable_since = time.monotonic()
+                say(f"{err}; asking again every {poll_s:g} s for {UNREACHABLE_S // 60} minutes")
+            elif time.monotonic() - unreachable_since > UNREACHABLE_S:
+                raise
+            time.sleep(poll_s)
+            continue
+        unreachable_since = None
+        show_new_steps()
         shown = None if info is None else (info.state, info.reason, info.nodes, info.restarts)
         if info is not None and shown != seen:
             where = f" on {info.nodes}" if info.nodes and info.state == "RUNNING" else ""
@@ -343,10 +362,7 @@ def follow_job(
         if info is None or info.terminal:
             break
         time.sleep(poll_s)
-    rows, offset = _read_new_lines(metrics, offset)
-    for row in rows:
-        last_row = row
-        say(f"step {row['step'] + 1}/{job.max_steps}  {describe_step(row, algorithm)}".rstrip())
+    show_new_steps()
     if info is None:
         say(
             f"job {job.job_id} ({job.name}): Slurm no longer knows it (scontrol forgets a job "

@@ -553,3 +553,31 @@ def test_a_requeued_job_continues_only_a_run_it_logged(tmp_path, monkeypatch):
     assert _requeued_run_resumes(run_dir) == ["logger.resume=true"]
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
     assert _requeued_run_resumes(run_dir) == []
+
+
+def test_a_controller_that_does_not_answer_is_asked_again_not_taken_for_a_finished_job(tmp_path):
+    # A real outage takes scontrol 18 s to report, so Slurm's answers are given here.
+    import io
+
+    from nemo_moe_metrics.slurm import JobInfo, SlurmError, SubmittedJob, follow_job, query_job
+
+    def down(cmd, **kwargs):
+        said = "slurm_load_jobs error: Unable to contact slurm controller (connect failure)\n"
+        return subprocess.CompletedProcess(cmd, 1, "", said)
+
+    with pytest.raises(SlurmError, match=r"scontrol show job 7 failed: .*connect failure"):
+        query_job("7", run=down)
+    answers = [SlurmError("scontrol show job 7 failed: connect failure"), JobInfo("7", "COMPLETED")]
+
+    def query(job_id):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    job = SubmittedJob("7", "grpo_moe_tiny", str(tmp_path / "run"), str(tmp_path), 3)
+    out = io.StringIO()
+    assert follow_job(job, out=out, poll_s=0.01, query=query, report=False) == 0
+    text = out.getvalue()
+    assert "connect failure; asking again every 0.01 s for 5 minutes" in text
+    assert "job 7 (grpo_moe_tiny): COMPLETED, ExitCode 0:0" in text
