@@ -581,3 +581,14 @@ def test_a_controller_that_does_not_answer_is_asked_again_not_taken_for_a_finish
     text = out.getvalue()
     assert "connect failure; asking again every 0.01 s for 5 minutes" in text
     assert "job 7 (grpo_moe_tiny): COMPLETED, ExitCode 0:0" in text
+
+
+def test_following_a_job_this_job_directory_never_submitted_names_the_ones_it_did(tmp_path):
+    from nemo_moe_metrics.slurm import SlurmError, SubmittedJob
+
+    SubmittedJob("12", "grpo_moe_tiny", "/runs/grpo_moe_tiny", "/jobs/x/train", 8).save(tmp_path)
+    assert SubmittedJob.load(tmp_path, "12").run_dir == "/runs/grpo_moe_tiny"
+    with pytest.raises(
+        SlurmError, match=r"no job 13 was submitted with --job-dir .*; jobs recorded there: 12$"
+    ):
+        SubmittedJob.load(tmp_path, "13")
