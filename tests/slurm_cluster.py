@@ -12,8 +12,8 @@ shows)::
     python tests/slurm_cluster.py stop /tmp/slurm-demo
 
 The daemons run in the foreground as children of the starting process when used from Python
-(``LocalSlurm`` stops them); ``start`` from the shell detaches them and ``stop`` ends them by
-the pids it recorded.
+(``LocalSlurm`` stops them, and they end with that process if it is killed); ``start`` from
+the shell detaches them and ``stop`` ends them by the pids it recorded.
 """
 
 from __future__ import annotations
@@ -182,6 +182,7 @@ class LocalSlurm:
                     subprocess.Popen(
                         cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                         stdin=subprocess.DEVNULL, start_new_session=True,
+                        preexec_fn=None if detach else _die_with_parent,
                     )
                 )  # fmt: skip
                 log.close()
@@ -270,6 +271,14 @@ class LocalSlurm:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the starting process dies (a test run killed by a timeout)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _end(pid: int, proc: subprocess.Popen | None = None, timeout_s: float = 10) -> None:
