@@ -25,7 +25,9 @@ LAST_WORDS_ENV = "NEMO_MOE_METRICS_LAST_WORDS"
 
 
 # torchrun prefixes rank output with "[defaultN]:", torch.distributed's own with "[rankN]: ".
-_RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(?:\[rank\d+\]: ?)?")
+# torchrun prefixes rank output with "[defaultN]:", torch.distributed's own with "[rankN]: ";
+# srun --label (one Slurm task per rank) with "N: ".
+_RANK_PREFIX = re.compile(r"^(?:\[default(\d+)\]:|\s*(\d+): )(?:\[rank\d+\]: ?)?")
 _FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+), in (.+)$')
 _CHAIN = ("The above exception was the direct cause", "During handling of the above exception")
 
@@ -81,7 +83,7 @@ def first_rank_failure(log: Path, rank: int | None = None) -> RankFailure | None
         m = _RANK_PREFIX.match(raw)
         if not m:
             continue
-        r, line = int(m[1]), raw[m.end() :]
+        r, line = int(m[1] or m[2]), raw[m.end() :]
         per_rank.setdefault(r, []).append(line)
         if (
             first_rank is None

@@ -37,18 +37,22 @@ class RankWords:
     use: Callable[[int], str] = _nproc
 
 
-def slurm_rank_words(nodes: int, gpus_per_node: int) -> RankWords:
-    """:class:`RankWords` for ``recipes/slurm.py``: ranks are ``--nodes`` x ``--gpus-per-node``."""
+def slurm_rank_words(nodes: int, per_node: int, cpu: bool = False) -> RankWords:
+    """:class:`RankWords` for ``recipes/slurm.py``: ranks are ``--nodes`` x ``--gpus-per-node``.
+
+    With ``cpu`` (``--gpus-per-node 0``) the ranks per node are ``--ranks-per-node``.
+    """
+    option, unit = ("--ranks-per-node", "ranks") if cpu else ("--gpus-per-node", "GPUs")
 
     def given(n: int) -> str:
-        return f"--nodes {nodes} x --gpus-per-node {gpus_per_node} ({n} GPUs)"
+        return f"--nodes {nodes} x {option} {per_node} ({n} {unit})"
 
     def use(n: int) -> str:
-        per_node = max(1, n // math.gcd(max(nodes, 1), n)) if n else 1
+        count = max(1, n // math.gcd(max(nodes, 1), n)) if n else 1
         with_nodes = f" with --nodes {nodes}" if nodes > 1 else ""
-        return f"--gpus-per-node {per_node}{with_nodes}"
+        return f"{option} {count}{with_nodes}"
 
-    return RankWords(name="--nodes x --gpus-per-node", given=given, use=use)
+    return RankWords(name=f"--nodes x {option}", given=given, use=use)
 
 
 def layout_problems(

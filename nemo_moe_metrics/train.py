@@ -145,6 +145,28 @@ def _resume_state(output_dir: Path, rank: int, recipe: Recipe) -> ResumeState:
     return box[0]
 
 
+def _requeued_run_resumes(output_dir: Path) -> list[str]:
+    """``["logger.resume=true"]`` when Slurm requeued this job and its first start logged steps.
+
+    nemo-run submits with ``sbatch --requeue``: after a node failure or a preemption Slurm
+    starts the same job again (``SLURM_RESTART_COUNT`` > 0), with the same command, into the
+    run directory its earlier start wrote. That run is this job's own, so it continues.
+    """
+    from nemo_moe_metrics.sinks import logged_run
+    from nemo_moe_metrics.slurm import requeue_count
+
+    restarts = requeue_count(os.environ)
+    if not restarts or not logged_run(output_dir):
+        return []
+    if os.environ.get("RANK", "0") == "0":
+        print(
+            f"Slurm requeued job {os.environ.get('SLURM_JOB_ID', '?')} (restart {restarts}): "
+            f"continuing its run in {output_dir}",
+            flush=True,
+        )
+    return ["logger.resume=true"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Arguments of the per-rank entrypoint."""
     parser = argparse.ArgumentParser(prog="python -m nemo_moe_metrics.train")
@@ -156,13 +178,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; a configuration error prints one line and exits with status 2."""
+    from nemo_moe_metrics.slurm import SlurmError, rank_env_from_slurm
+
     args = build_parser().parse_args(argv)
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
+        # One Slurm task per rank (srun without torchrun): the rank comes from Slurm.
+        os.environ.update(rank_env_from_slurm(os.environ))
+        overrides = [*args.overrides, *_requeued_run_resumes(Path(args.output_dir))]
+        recipe = load_recipe(args.recipe, overrides)
         # Launched by torchrun (locally or on Slurm): the same checks `check` and `run` make.
         world = os.environ.get("WORLD_SIZE")
         preflight(recipe, int(world) if world else None)
-    except ConfigError as err:
+    except (ConfigError, SlurmError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if "LOCAL_RANK" in os.environ:  # started by torchrun: end with it (and with `run`)

@@ -28,3 +28,15 @@ def test_exit_trap_keeps_the_verdict(tmp_path, verdict, expected):
     )
     proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == expected, proc.stderr
+
+
+def test_ci_installs_the_slurm_packages_the_test_cluster_needs_and_requires_it():
+    # tests/test_slurm.py skips without Slurm; in CI it must run, on the packages that
+    # tests/slurm_cluster.py would install itself.
+    from slurm_cluster import PACKAGES
+
+    text = CI_SCRIPT.read_text()
+    installed = re.search(r"apt-get install -y -q \\\n\s+--no-install-recommends ([^)\n]+)", text)
+    assert installed, ".ci/run no longer installs Slurm with apt-get; update this test"
+    assert installed[1].split() == list(PACKAGES)
+    assert re.search(r"^NEMO_MOE_METRICS_REQUIRE_SLURM=1 run_pytest pytest -q ", text, re.M)

@@ -442,7 +442,15 @@ def test_slurm_without_the_launch_extra_names_it(tmp_path):
 
 
 def test_slurm_submit_without_slurm_is_one_line(tmp_path):
-    proc = _slurm(tmp_path, *SLURM_ARGS, "--submit", f"--job-dir={tmp_path / 'jobs'}", path="/bin")
+    # A PATH without sbatch (CI installs Slurm, and /bin is /usr/bin on merged-/usr systems).
+    (tmp_path / "bin").mkdir()
+    proc = _slurm(
+        tmp_path,
+        *SLURM_ARGS,
+        "--submit",
+        f"--job-dir={tmp_path / 'jobs'}",
+        path=str(tmp_path / "bin"),
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "error: --submit needs Slurm (sbatch is not on PATH): run it on a Slurm login node; "
