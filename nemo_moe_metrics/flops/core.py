@@ -6,9 +6,9 @@ Conventions (stated once, used everywhere in this package):
 - Training FLOPs are ``3 x forward``: the backward pass computes the input gradient and the
   weight gradient, each as expensive as the forward matmul.
 - Counted: every matmul with a weight (projections, MLPs, experts actually routed to, routers,
-  gates, the lm_head), the attention score and value products, the Gated DeltaNet and Mamba-2
-  short convolutions and their recurrences (recurrent-equivalent, see ``linear_attention_core``
-  and ``mamba_core`` below).
+  gates, the lm_head), the attention score and value products, sparse-attention indexers, the
+  short convolutions of linear-attention, Mamba and short-conv mixers and the recurrences
+  (recurrent-equivalent, see ``linear_attention_core`` and ``mamba_core`` below).
 - Not counted: embedding lookups, norms, activations, softmax, rotary embeddings, residual
   adds, biases, the loss. They are memory-bound and together well under 1% of the total for
   the models this package targets.
@@ -34,24 +34,32 @@ LINEAR_ATTENTION_CORE = "linear_attention_core"
 MAMBA_PROJECTIONS = "mamba_projections"
 MAMBA_CONV = "mamba_conv"
 MAMBA_CORE = "mamba_core"
+SHORT_CONV_PROJECTIONS = "short_conv_projections"
+SHORT_CONV = "short_conv"
+INDEXER = "indexer"
 DENSE_MLP = "dense_mlp"
 ROUTER = "router"
 ROUTED_EXPERTS = "routed_experts"
 SHARED_EXPERTS = "shared_experts"
+OTHER_PROJECTIONS = "other_projections"
 LM_HEAD = "lm_head"
 COMPONENTS: tuple[str, ...] = (
     ATTENTION_PROJECTIONS,
     ATTENTION_CORE,
+    INDEXER,
     LINEAR_ATTENTION_PROJECTIONS,
     LINEAR_ATTENTION_CONV,
     LINEAR_ATTENTION_CORE,
     MAMBA_PROJECTIONS,
     MAMBA_CONV,
     MAMBA_CORE,
+    SHORT_CONV_PROJECTIONS,
+    SHORT_CONV,
     DENSE_MLP,
     ROUTER,
     ROUTED_EXPERTS,
     SHARED_EXPERTS,
+    OTHER_PROJECTIONS,
     LM_HEAD,
 )
 
@@ -64,6 +72,28 @@ GDN_CORE_MACS_PER_STATE_ELEMENT = 3.0
 # Recurrent-equivalent Mamba-2 (SSD) forward cost per token and head, in units of
 # head_dim * state_dim multiply-adds: write the x B^T outer product into the state, read h C.
 MAMBA_CORE_MACS_PER_STATE_ELEMENT = 2.0
+# Recurrent-equivalent linear attention without the delta rule (MiniMax's lightning attention):
+# write the k v^T outer product into the state, read S^T q.
+LINEAR_ATTENTION_MACS_PER_STATE_ELEMENT = 2.0
+
+
+@dataclass(frozen=True)
+class AttentionIndexer:
+    """A sparse-attention indexer (DeepSeek's lightning indexer): its own projections, and a
+    score for every causal query-key pair from which each query keeps its top keys.
+
+    A pair costs ``num_heads * (head_dim + 1)`` multiply-adds: one ``q . k`` per head, then the
+    per-head weighting of the scores. ``kv_compression``: the keys it scores are compressed,
+    one per ``kv_compression`` tokens (DeepSeek-V4). ``trained=False``: the implementation runs
+    it without gradients (transformers' DeepSeek-V3.2-style indexers run under ``no_grad``), so
+    its forward is counted once instead of three times.
+    """
+
+    projection_params: int
+    num_heads: int
+    head_dim: int
+    kv_compression: int = 1
+    trained: bool = True
 
 
 @dataclass(frozen=True)
@@ -71,7 +101,10 @@ class AttentionLayer:
     """A softmax attention layer: its projection weights and its score/value product sizes.
 
     ``window`` is the number of keys a query sees under a sliding window (itself included,
-    the Hugging Face convention); None means full causal attention.
+    the Hugging Face convention), or at most (the top-k keys of sparse attention); None means
+    full causal attention. ``kv_compression``: the keys are compressed, one per
+    ``kv_compression`` tokens (DeepSeek-V4's compressed attention; ``window`` still counts
+    tokens). ``indexer``: the sparse-attention indexer that picks the keys, if any.
     """
 
     projection_params: int
@@ -79,11 +112,18 @@ class AttentionLayer:
     qk_head_dim: int
     v_head_dim: int
     window: int | None = None
+    kv_compression: int = 1
+    indexer: AttentionIndexer | None = None
 
 
 @dataclass(frozen=True)
 class LinearAttentionLayer:
-    """A Gated DeltaNet layer: projections, depthwise causal conv, gated delta recurrence."""
+    """A linear-attention layer: projections, depthwise causal conv, a matrix-state recurrence.
+
+    Gated DeltaNet and Kimi Delta Attention (the delta rule: 3 state-sized multiply-adds per
+    token and value head); linear attention without the delta rule (MiniMax's lightning
+    attention, ``core_macs_per_state_element=2``, no conv: ``conv_channels=0``).
+    """
 
     projection_params: int
     conv_channels: int
@@ -91,6 +131,7 @@ class LinearAttentionLayer:
     num_value_heads: int
     key_head_dim: int
     value_head_dim: int
+    core_macs_per_state_element: float = GDN_CORE_MACS_PER_STATE_ELEMENT
 
 
 @dataclass(frozen=True)
@@ -103,6 +144,15 @@ class MambaLayer:
     num_heads: int
     head_dim: int
     state_dim: int
+
+
+@dataclass(frozen=True)
+class ShortConvLayer:
+    """A gated short-convolution mixer (LFM2): in/out projections around a depthwise causal conv."""
+
+    projection_params: int
+    conv_channels: int
+    conv_kernel: int
 
 
 @dataclass(frozen=True)
@@ -126,19 +176,25 @@ class MoEMLP:
     shared_params: int = 0
 
 
+Mixer = AttentionLayer | LinearAttentionLayer | MambaLayer | ShortConvLayer
+
+
 @dataclass(frozen=True)
 class Layer:
     """One decoder layer: a token mixer and/or a feed-forward block.
 
     A GPT-style layer has both; a hybrid model's layer (megatron-core ``HybridModel``, one layer
-    per pattern symbol) has only one of them, the other is None.
+    per pattern symbol) has only one of them, the other is None. ``other_params``: per-token
+    weight matmuls and convolutions outside both (hyper-connection mixing, per-layer input
+    projections, convolutions on the residual branch), component ``other_projections``.
     """
 
-    mixer: AttentionLayer | LinearAttentionLayer | MambaLayer | None
+    mixer: Mixer | None
     ffn: DenseMLP | MoEMLP | None
+    other_params: int = 0
 
     def __post_init__(self) -> None:
-        if self.mixer is None and self.ffn is None:
+        if self.mixer is None and self.ffn is None and not self.other_params:
             raise ValueError("a layer needs a token mixer, a feed-forward block, or both")
 
 
@@ -151,6 +207,9 @@ class ModelShape:
     layers: tuple[Layer, ...]
     vocab_size: int
     tied_embeddings: bool = False
+    #: Per-token weight matmuls outside the decoder layers and the lm_head (a final
+    #: hyper-connection collapse, per-layer input projections), component ``other_projections``.
+    other_params: int = 0
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -263,9 +322,9 @@ class FlopsEstimator:
     def __init__(self, shape: ModelShape) -> None:
         self.shape = shape
         per_token: dict[str, float] = {}
-        # Attention core per (heads x (qk + v) dims), grouped by window so each distinct
-        # window costs one vectorised reduction per call.
-        self._attention_groups: dict[int | None, float] = {}
+        # Per-pair widths (multiply-adds per attended pair) by window, then by component, so
+        # each distinct window costs one vectorised reduction per call.
+        self._pair_groups: dict[int | None, dict[str, float]] = {}
         for layer in shape.layers:
             mixer, ffn = layer.mixer, layer.ffn
             if mixer is None:
@@ -273,9 +332,9 @@ class FlopsEstimator:
             elif isinstance(mixer, AttentionLayer):
                 _add(per_token, ATTENTION_PROJECTIONS, mixer.projection_params)
                 width = mixer.num_heads * (mixer.qk_head_dim + mixer.v_head_dim)
-                self._attention_groups[mixer.window] = (
-                    self._attention_groups.get(mixer.window, 0.0) + width
-                )
+                self._add_pairs(mixer.window, ATTENTION_CORE, width / mixer.kv_compression)
+                if mixer.indexer is not None:
+                    self._add_indexer(per_token, mixer.indexer)
             elif isinstance(mixer, MambaLayer):
                 _add(per_token, MAMBA_PROJECTIONS, mixer.projection_params)
                 _add(per_token, MAMBA_CONV, mixer.conv_channels * mixer.conv_kernel)
@@ -287,13 +346,17 @@ class FlopsEstimator:
                     * mixer.head_dim
                     * mixer.state_dim,
                 )
+            elif isinstance(mixer, ShortConvLayer):
+                _add(per_token, SHORT_CONV_PROJECTIONS, mixer.projection_params)
+                _add(per_token, SHORT_CONV, mixer.conv_channels * mixer.conv_kernel)
             else:
                 _add(per_token, LINEAR_ATTENTION_PROJECTIONS, mixer.projection_params)
-                _add(per_token, LINEAR_ATTENTION_CONV, mixer.conv_channels * mixer.conv_kernel)
+                if mixer.conv_channels:
+                    _add(per_token, LINEAR_ATTENTION_CONV, mixer.conv_channels * mixer.conv_kernel)
                 _add(
                     per_token,
                     LINEAR_ATTENTION_CORE,
-                    GDN_CORE_MACS_PER_STATE_ELEMENT
+                    mixer.core_macs_per_state_element
                     * mixer.num_value_heads
                     * mixer.key_head_dim
                     * mixer.value_head_dim,
@@ -307,16 +370,28 @@ class FlopsEstimator:
                 _add(per_token, ROUTED_EXPERTS, ffn.top_k * ffn.expert_params)
                 if ffn.shared_params:
                     _add(per_token, SHARED_EXPERTS, ffn.shared_params)
+            if layer.other_params:
+                _add(per_token, OTHER_PROJECTIONS, layer.other_params)
+        if shape.other_params:
+            _add(per_token, OTHER_PROJECTIONS, shape.other_params)
         if shape.vocab_size:
             _add(per_token, LM_HEAD, shape.hidden_size * shape.vocab_size)
         # Per-token multiply-adds -> training FLOPs per token.
         scale = TRAINING_MULTIPLIER * FLOPS_PER_MAC
         self._per_token = {k: v * scale for k, v in per_token.items()}
-        self._components = [
-            c
-            for c in COMPONENTS
-            if c in per_token or (c == ATTENTION_CORE and self._attention_groups)
-        ]
+        paired = {c for group in self._pair_groups.values() for c in group}
+        self._components = [c for c in COMPONENTS if c in per_token or c in paired]
+
+    def _add_pairs(self, window: int | None, component: str, width: float) -> None:
+        group = self._pair_groups.setdefault(window, {})
+        group[component] = group.get(component, 0.0) + float(width)
+
+    def _add_indexer(self, per_token: dict[str, float], indexer: AttentionIndexer) -> None:
+        # Counted 3x like everything else; an indexer run without gradients only once.
+        passes = 1.0 if indexer.trained else 1.0 / TRAINING_MULTIPLIER
+        _add(per_token, INDEXER, passes * indexer.projection_params)
+        width = indexer.num_heads * (indexer.head_dim + 1) / indexer.kv_compression
+        self._add_pairs(None, INDEXER, passes * width)
 
     @property
     def components(self) -> list[str]:
@@ -328,15 +403,14 @@ class FlopsEstimator:
         lengths = validate_seq_lens(seq_lens)
         tokens = float(np.sum(lengths))
         pairs = [
-            attended_pairs(lengths, causal=causal, window=window)
-            for window in self._attention_groups
+            attended_pairs(lengths, causal=causal, window=window) for window in self._pair_groups
         ]
         return self.from_sums(tokens, pairs)
 
     @property
     def attention_windows(self) -> tuple[int | None, ...]:
         """The distinct attention windows (None = full), in the order :meth:`from_sums` takes."""
-        return tuple(self._attention_groups)
+        return tuple(self._pair_groups)
 
     def from_sums(self, tokens: float, pairs: Sequence[float]) -> FlopsBreakdown:
         """Training FLOPs from a batch's sums: its tokens and its attended pairs per window.
@@ -345,7 +419,7 @@ class FlopsEstimator:
         lengths for ``attention_windows[j]``), so sums taken on the device, or over ranks, give
         the same FLOPs as the lengths themselves.
         """
-        if len(pairs) != len(self._attention_groups):
+        if len(pairs) != len(self._pair_groups):
             raise ValueError(
                 f"from_sums needs one attended-pair sum per attention window "
                 f"{self.attention_windows}, got {len(pairs)}"
@@ -354,8 +428,9 @@ class FlopsEstimator:
         for key, flops_per_token in self._per_token.items():
             out[key] = flops_per_token * tokens
         scale = TRAINING_MULTIPLIER * FLOPS_PER_MAC
-        for width, pair_sum in zip(self._attention_groups.values(), pairs, strict=True):
-            out[ATTENTION_CORE] += scale * width * float(pair_sum)
+        for widths, pair_sum in zip(self._pair_groups.values(), pairs, strict=True):
+            for component, width in widths.items():
+                out[component] += scale * width * float(pair_sum)
         return FlopsBreakdown(total=float(sum(out.values())), by_component=out)
 
     def flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
@@ -369,11 +444,17 @@ class FlopsEstimator:
         shape = self.shape
         embedding = shape.hidden_size * shape.vocab_size * (1 if shape.tied_embeddings else 2)
         total = active = embedding
+        total += shape.other_params
+        active += shape.other_params
         for layer in shape.layers:
             mixer, ffn = layer.mixer, layer.ffn
-            mixer_params = 0 if mixer is None else mixer.projection_params
-            if isinstance(mixer, (LinearAttentionLayer, MambaLayer)):
+            mixer_params = layer.other_params
+            if mixer is not None:
+                mixer_params += mixer.projection_params
+            if isinstance(mixer, (LinearAttentionLayer, MambaLayer, ShortConvLayer)):
                 mixer_params += mixer.conv_channels * mixer.conv_kernel
+            if isinstance(mixer, AttentionLayer) and mixer.indexer is not None:
+                mixer_params += mixer.indexer.projection_params
             total += mixer_params
             active += mixer_params
             if ffn is None:
