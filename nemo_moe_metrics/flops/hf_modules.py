@@ -1,0 +1,557 @@
+"""FLOP shapes read from a built transformers model's modules: every family, no formula needed.
+
+:func:`model_shape` walks the decoder layers of a causal LM once and returns the same
+:class:`~nemo_moe_metrics.flops.core.ModelShape` the registered formulas build, so the estimate
+uses the same arithmetic and conventions (``flops/core.py``). What each kind of module adds:
+
+- every ``nn.Linear`` (and subclass) and every ``nn.Conv1d``: its weight's element count in
+  multiply-adds per token (a depthwise conv: channels x kernel);
+- routed experts (the module transformers calls as ``experts(hidden, top_k_index,
+  top_k_weights)``, or an ``...Experts`` module): their matmul weights / ``num_experts`` x
+  ``top_k``; the router (its weight, or its whole MLP); everything else in the MoE block is a
+  shared expert (with its gate);
+- softmax attention (a module with ``scaling``): its projections, and ``heads x (qk_head_dim +
+  v_head_dim)`` per attended pair with the module's sliding window; a DSA indexer sets the
+  window to its ``index_topk`` and adds its own cost (component ``indexer``);
+- Gated DeltaNet, Kimi Delta Attention, MiniMax lightning attention, Mamba-1, Mamba-2 and LFM2's
+  short convolutions: projections, conv and the recurrent-equivalent core of ``core.py``;
+- hyper-connections, per-layer input projections and other per-token matmuls outside the
+  mixer and feed-forward block: ``other_projections``.
+
+A decoder-layer parameter with two or more dimensions that no rule claims raises
+:class:`UnsupportedModelError` naming it: an unknown module is never silently costed as zero.
+The per-family exceptions (llama4's every-expert implementation, doge's product-key experts,
+jetmoe's attention experts, dbrx's expert GLU, DeepSeek-V4's compressed attention, ...) are
+named where they are handled below and in docs/en/flops.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_moe_metrics.flops.core import (
+    AttentionIndexer,
+    AttentionLayer,
+    DenseMLP,
+    FlopsEstimator,
+    Layer,
+    LINEAR_ATTENTION_MACS_PER_STATE_ELEMENT,
+    LinearAttentionLayer,
+    MambaLayer,
+    ModelShape,
+    MoEMLP,
+    ShortConvLayer,
+)
+from nemo_moe_metrics.flops.registry import UnknownModelTypeError
+
+
+class UnsupportedModelError(UnknownModelTypeError):
+    """The model holds a module whose FLOPs no rule of :mod:`hf_modules` knows."""
+
+
+_TOP_K_FIELDS = (
+    "top_k",
+    "num_experts_per_tok",
+    "experts_per_token",
+    "num_experts_per_token",
+    "moe_topk",
+    "moe_k",
+    "top_k_experts",
+    "moe_top_k",
+)
+_NUM_EXPERTS_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_ROUTER_CLASS_WORDS = ("Router", "Gating", "TopkGate")
+_ROUTER_NAMES = ("gate", "router", "router_gate")
+# Parameters with two or more dimensions that are not matmul weights (added, gathered, or
+# element-wise), by parameter name.
+_NOT_MATMUL = ("position_bias", "e_score_correction_bias", "A_log", "sinks")
+
+
+@dataclass
+class _Parts:
+    """What one decoder layer holds, in module order."""
+
+    mixers: list[Any] = field(default_factory=list)
+    ffns: list[DenseMLP | MoEMLP] = field(default_factory=list)
+    other: int = 0
+
+
+def is_routed_experts(module: Any) -> bool:
+    """transformers' experts interface, or an ``...Experts`` module holding expert weights."""
+    cls = type(module)
+    forward = getattr(cls, "forward", None)
+    code = getattr(forward, "__code__", None)
+    if code is not None and code.co_filename.replace("\\", "/").endswith("integrations/moe.py"):
+        return True
+    try:
+        import inspect
+
+        params = list(inspect.signature(forward).parameters)[1:4]
+    except (TypeError, ValueError):
+        params = []
+    if params[1:3] == ["top_k_index", "top_k_weights"]:
+        return True
+    name = cls.__name__
+    return name.endswith("Experts") and not name.endswith("SharedExperts")
+
+
+def _top_k(*sources: Any) -> int | None:
+    for source in sources:
+        for name in _TOP_K_FIELDS:
+            value = getattr(source, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def _num_experts(experts: Any, *sources: Any) -> int:
+    three_d = [p for p in experts.parameters(recurse=False) if p.dim() == 3]
+    if three_d:
+        return int(three_d[0].shape[0])
+    for source in (experts, *sources):
+        for name in _NUM_EXPERTS_FIELDS:
+            value = getattr(source, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    raise UnsupportedModelError(f"{type(experts).__name__}: cannot tell its number of experts")
+
+
+class _Walker:
+    """Reads one model: the text config, the decoder layers, the per-kind rules."""
+
+    def __init__(self, model: Any) -> None:
+        import torch
+
+        self.torch = torch
+        self.model = model
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(config, "get_text_config"):
+            raise UnsupportedModelError(
+                f"{type(model).__name__} has no transformers config; derive FLOPs from a "
+                "transformers causal LM (model.config) or register a formula"
+            )
+        self.config = config.get_text_config()
+        self.model_type = str(getattr(self.config, "model_type", type(model).__name__))
+
+    # ---- per-token weight matmuls --------------------------------------------------------
+    def weight_macs(self, module: Any, top_k: int | None = None) -> int:
+        """Multiply-adds per token of every weight matmul in ``module``'s subtree."""
+        return sum(self._own_macs(m, name, top_k) for name, m in _named_modules(module))
+
+    def _own_macs(self, module: Any, name: str, top_k: int | None) -> int:
+        """Multiply-adds per token of ``module``'s own parameters (its children excluded)."""
+        nn = self.torch.nn
+        cls = type(module).__name__
+        params = dict(module.named_parameters(recurse=False))
+        if isinstance(module, nn.Embedding):
+            return 0  # a lookup
+        if isinstance(module, (nn.Linear, nn.Conv1d)):
+            return int(module.weight.numel())
+        if "Norm" in cls:
+            return 0  # element-wise scales, whatever their shape
+        if is_routed_experts(module) and not name.rsplit(".", 1)[-1].startswith("shared"):
+            k = _top_k(module) or top_k
+            if k is None:
+                raise UnsupportedModelError(f"{cls}: cannot tell how many experts a token uses")
+            return int(round(k * _expert_weights(module) / _num_experts(module)))
+        total = 0
+        for pname, p in params.items():
+            if p.dim() < 2 or pname in _NOT_MATMUL:
+                continue
+            if any(word in cls for word in _ROUTER_CLASS_WORDS) or pname == "weight":
+                total += p.numel()  # a router's (or a linear-like module's) weight matrix
+            elif p.dim() == 3 and cls.endswith("SharedExperts"):
+                total += p.numel()  # shared experts stacked in one tensor: all of them run
+            else:
+                raise UnsupportedModelError(
+                    f"{self.model_type}: no FLOP rule for {cls}.{pname} {tuple(p.shape)}; "
+                    "register a formula with register_flops_estimator"
+                )
+        return total
+
+    # ---- the model -----------------------------------------------------------------------
+    def shape(self) -> ModelShape:
+        layers_list = _decoder_layers(self.model)
+        layers: list[Layer] = []
+        claimed = {id(m) for layer in layers_list for m in layer.modules()}
+        for layer in layers_list:
+            layers.extend(self._layer(layer))
+        head = self.model.get_output_embeddings()
+        if head is None:
+            raise UnsupportedModelError(f"{self.model_type}: the model has no output embeddings")
+        claimed |= {id(m) for m in head.modules()}
+        vocab, hidden = (int(d) for d in head.weight.shape)
+        other = 0
+        for name, module in _named_modules(self.model):
+            if id(module) in claimed or _is_tower(name):
+                continue
+            other += self._own_macs(module, name, None)
+        return ModelShape(
+            model_type=self.model_type,
+            hidden_size=hidden,
+            layers=tuple(layers),
+            vocab_size=vocab,
+            tied_embeddings=bool(getattr(self.config, "tie_word_embeddings", False)),
+            other_params=other,
+        )
+
+    def _layer(self, layer: Any) -> list[Layer]:
+        parts = _Parts()
+        self._visit(layer, "", parts, top=True)
+        out: list[Layer] = []
+        for i in range(max(len(parts.mixers), len(parts.ffns), 1)):
+            mixer = parts.mixers[i] if i < len(parts.mixers) else None
+            ffn = parts.ffns[i] if i < len(parts.ffns) else None
+            other = parts.other if i == 0 else 0
+            if mixer is None and ffn is None and not other:
+                continue
+            out.append(Layer(mixer, ffn, other))
+        return out
+
+    def _visit(self, module: Any, name: str, parts: _Parts, top: bool = False) -> None:
+        """Claim ``module``'s subtree for a mixer or feed-forward block, or recurse."""
+        children = dict(module.named_children())
+        if any(is_routed_experts(c) for c in children.values()) or type(module).__name__.endswith(
+            "CDMoE"
+        ):
+            self._moe(module, parts, top)
+            if not top:
+                return
+        mixer = None if top else self._mixer(module)
+        if mixer is not None:
+            parts.mixers.extend(mixer if isinstance(mixer, list) else [mixer])
+            return
+        if not top and _is_mlp_name(name):
+            parts.ffns.append(DenseMLP(self.weight_macs(module)))
+            return
+        parts.other += self._own_macs(module, name, None) if not top else 0
+        if top:
+            self._check_own(module)
+        for child_name, child in children.items():
+            if top and _claimed_by_moe(module, child):
+                continue
+            self._visit(child, child_name, parts)
+
+    def _check_own(self, module: Any) -> None:
+        for pname, p in module.named_parameters(recurse=False):
+            if p.dim() >= 2:
+                raise UnsupportedModelError(
+                    f"{self.model_type}: no FLOP rule for {type(module).__name__}.{pname} "
+                    f"{tuple(p.shape)}"
+                )
+
+    # ---- MoE -----------------------------------------------------------------------------
+    def _moe(self, block: Any, parts: _Parts, top: bool) -> None:
+        cls = type(block).__name__
+        if cls.endswith("CDMoE"):
+            parts.ffns.append(self._doge_cdmoe(block))
+            return
+        children = dict(block.named_children())
+        experts = [c for n, c in children.items() if is_routed_experts(c)]
+        routers = [c for n, c in children.items() if _is_router(n, c) and c not in experts]
+        top_k = _top_k(*routers, block, *experts, self.config)
+        if top_k is None:
+            raise UnsupportedModelError(f"{self.model_type}: {cls} has no top_k")
+        num_experts = _num_experts(experts[0], *routers, block, self.config)
+        expert_weights = sum(_expert_weights(e) for e in experts)
+        shared = 0
+        if not top:
+            for n, c in children.items():
+                if c in experts or c in routers:
+                    continue
+                shared += self.weight_macs(c)
+            shared += self._own_macs(block, "", None)
+        parts.ffns.append(
+            MoEMLP(
+                router_params=sum(self.weight_macs(r) for r in routers),
+                expert_params=int(expert_weights // num_experts),
+                num_experts=num_experts,
+                top_k=top_k,
+                shared_params=shared,
+            )
+        )
+
+    def _doge_cdmoe(self, block: Any) -> MoEMLP:
+        # Doge's product-key experts: each picked expert is one row of down_embed and one of
+        # up_embed (2 x hidden multiply-adds); gate/up/down_proj are a shared MLP.
+        shared = sum(
+            self.weight_macs(getattr(block, n)) for n in ("gate_proj", "up_proj", "down_proj")
+        )
+        return MoEMLP(
+            router_params=self.weight_macs(block.router_gate),
+            expert_params=int(block.down_embed.weight.shape[1] + block.up_embed.weight.shape[1]),
+            num_experts=int(block.num_experts),
+            top_k=int(block.top_k),
+            shared_params=shared,
+        )
+
+    # ---- token mixers --------------------------------------------------------------------
+    def _mixer(self, module: Any) -> Any:
+        cls = type(module).__name__
+        if cls.endswith("GatedDeltaNet"):
+            return self._gated_delta_net(module)
+        if cls.endswith("DeltaAttention"):
+            return self._kimi_delta_attention(module)
+        if cls.endswith("LightningAttention"):
+            return self._lightning_attention(module)
+        if hasattr(module, "A_log") and hasattr(module, "x_proj") and hasattr(module, "dt_proj"):
+            return self._mamba1(module)
+        if hasattr(module, "A_log") and hasattr(module, "in_proj") and hasattr(module, "n_groups"):
+            return self._mamba2(module)
+        if cls.endswith("ShortConv") and hasattr(module, "in_proj"):
+            conv = module.conv
+            return ShortConvLayer(
+                projection_params=self.weight_macs(module) - conv.weight.numel(),
+                conv_channels=int(conv.weight.shape[0]),
+                conv_kernel=int(conv.weight.shape[-1]),
+            )
+        if hasattr(module, "scaling") and not cls.endswith("Residual"):
+            return self._attention(module)
+        return None
+
+    def _conv_split(self, module: Any) -> tuple[int, int, int]:
+        """(projection MACs, conv channels, conv kernel) of a mixer with one depthwise conv."""
+        conv = module.conv1d
+        return (
+            self.weight_macs(module) - int(conv.weight.numel()),
+            int(conv.weight.shape[0]),
+            int(conv.weight.shape[-1]),
+        )
+
+    def _gated_delta_net(self, module: Any) -> LinearAttentionLayer:
+        projections, channels, kernel = self._conv_split(module)
+        return LinearAttentionLayer(
+            projection_params=projections,
+            conv_channels=channels,
+            conv_kernel=kernel,
+            num_value_heads=int(module.num_v_heads),
+            key_head_dim=int(module.head_k_dim),
+            value_head_dim=int(module.head_v_dim),
+        )
+
+    def _kimi_delta_attention(self, module: Any) -> LinearAttentionLayer:
+        # Kimi Delta Attention (kimi_linear, bailing_hybrid): the delta rule with a per-channel
+        # decay; the same 3 state-sized multiply-adds per token and head as Gated DeltaNet.
+        projections, channels, kernel = self._conv_split(module)
+        return LinearAttentionLayer(
+            projection_params=projections,
+            conv_channels=channels,
+            conv_kernel=kernel,
+            num_value_heads=int(module.num_heads),
+            key_head_dim=int(module.head_dim),
+            value_head_dim=int(module.head_dim),
+        )
+
+    def _lightning_attention(self, module: Any) -> LinearAttentionLayer:
+        # MiniMax's lightning attention: linear attention with a per-head decay, no conv.
+        return LinearAttentionLayer(
+            projection_params=self.weight_macs(module),
+            conv_channels=0,
+            conv_kernel=0,
+            num_value_heads=int(module.num_attention_heads),
+            key_head_dim=int(module.head_dim),
+            value_head_dim=int(module.head_dim),
+            core_macs_per_state_element=LINEAR_ATTENTION_MACS_PER_STATE_ELEMENT,
+        )
+
+    def _mamba1(self, module: Any) -> MambaLayer:
+        # Mamba-1 (jamba): a diagonal state of ssm_state_size per channel; as Mamba-2 with one
+        # channel per head: write x B into the state, read h C.
+        projections, channels, kernel = self._conv_split(module)
+        return MambaLayer(
+            projection_params=projections,
+            conv_channels=channels,
+            conv_kernel=kernel,
+            num_heads=int(module.intermediate_size),
+            head_dim=1,
+            state_dim=int(module.ssm_state_size),
+        )
+
+    def _mamba2(self, module: Any) -> MambaLayer:
+        projections, channels, kernel = self._conv_split(module)
+        return MambaLayer(
+            projection_params=projections,
+            conv_channels=channels,
+            conv_kernel=kernel,
+            num_heads=int(module.num_heads),
+            head_dim=int(module.head_dim),
+            state_dim=int(module.ssm_state_size),
+        )
+
+    def _attention(self, module: Any) -> AttentionLayer:
+        config = self.config
+        heads = _first_int(module, "num_heads", "num_attention_heads") or int(
+            config.num_attention_heads
+        )
+        qk = _first_int(module, "qk_head_dim", "head_dim")
+        v = _first_int(module, "v_head_dim", "head_dim")
+        if qk is None or v is None:
+            raise UnsupportedModelError(
+                f"{self.model_type}: {type(module).__name__} has no head_dim / qk_head_dim"
+            )
+        window = getattr(module, "sliding_window", None)
+        window = int(window) if isinstance(window, int) and window > 0 else None
+        indexer_module = getattr(module, "indexer", None)
+        indexer = None
+        projections = self.weight_macs(module, _top_k(*_experts_parents(module)))
+        if indexer_module is not None:
+            indexer_macs = self.weight_macs(indexer_module)
+            projections -= indexer_macs
+            indexer = AttentionIndexer(
+                projection_params=indexer_macs,
+                num_heads=int(_first_int(indexer_module, "n_heads", "num_heads")),
+                head_dim=int(indexer_module.head_dim),
+                trained=not _runs_without_grad(type(indexer_module).forward),
+            )
+            window = int(indexer_module.index_topk)
+        keep = getattr(module, "keep_window_size", None)
+        if isinstance(keep, int) and keep > 0:
+            window = keep  # doge: each query keeps its top keep_window_size keys
+        return AttentionLayer(projections, heads, qk, v, window, indexer=indexer)
+
+
+def _expert_weights(experts: Any) -> int:
+    """The matmul weights of all experts of an experts module (biases and norms left out)."""
+    return sum(
+        p.numel()
+        for module in experts.modules()
+        if "Norm" not in type(module).__name__
+        for n, p in module.named_parameters(recurse=False)
+        if p.dim() >= 2 and "bias" not in n
+    )
+
+
+def _experts_parents(module: Any) -> list[Any]:
+    return [m for m in module.modules() if any(is_routed_experts(c) for c in m.children())]
+
+
+def _first_int(module: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _runs_without_grad(function: Any) -> bool:
+    """Whether ``function`` is wrapped by ``torch.no_grad()`` (its decorator's closure)."""
+    import torch
+
+    while function is not None:
+        for cell in getattr(function, "__closure__", None) or ():
+            try:
+                contents = cell.cell_contents
+            except ValueError:
+                continue
+            # torch's decorator keeps the no_grad instance (its bound ``clone``) in a cell.
+            owner = getattr(contents, "__self__", contents)
+            if isinstance(owner, torch.no_grad) or owner is torch.no_grad:
+                return True
+        function = getattr(function, "__wrapped__", None)
+    return False
+
+
+def _is_router(name: str, module: Any) -> bool:
+    cls = type(module).__name__
+    return name in _ROUTER_NAMES or any(w in cls for w in _ROUTER_CLASS_WORDS)
+
+
+def _claimed_by_moe(layer: Any, child: Any) -> bool:
+    """At a decoder layer that is itself the MoE block (gemma4): its experts and router."""
+    children = dict(layer.named_children())
+    if not any(is_routed_experts(c) for c in children.values()):
+        return False
+    return is_routed_experts(child) or any(
+        c is child and _is_router(n, c) for n, c in children.items()
+    )
+
+
+def _is_mlp_name(name: str) -> bool:
+    base = name.rsplit(".", 1)[-1]
+    return base in ("mlp", "feed_forward", "ffn", "shared_mlp") or base.isdigit() is False and (
+        base.endswith("_mlp")
+    )
+
+
+def _is_tower(name: str) -> bool:
+    return any(word in name for word in ("vision", "audio", "visual", "multi_modal"))
+
+
+def _named_modules(module: Any) -> Iterator[tuple[str, Any]]:
+    return module.named_modules(remove_duplicate=False)
+
+
+def _decoder_layers(model: Any) -> list[Any]:
+    """The decoder layers: the first ModuleList of the classes transformers keeps unsplit."""
+    import torch
+
+    no_split = set(getattr(model, "_no_split_modules", None) or ())
+    best: list[Any] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.ModuleList) or _is_tower(name) or not len(module):
+            continue
+        if all(type(m).__name__ in no_split for m in module):
+            return list(module)
+        if len(module) > len(best) and "layers" in name.rsplit(".", 1)[-1]:
+            best = list(module)
+    if not best:
+        raise UnsupportedModelError(f"{type(model).__name__}: no decoder layers found")
+    return best
+
+
+def model_shape(model: Any) -> ModelShape:
+    """The :class:`ModelShape` of a built transformers causal LM, read from its modules."""
+    return _Walker(model).shape()
+
+
+def estimator_from_model(model: Any) -> FlopsEstimator:
+    """A :class:`FlopsEstimator` for a built transformers causal LM (any family)."""
+    return FlopsEstimator(model_shape(model))
+
+
+def estimator_from_config(config: Any) -> FlopsEstimator:
+    """A :class:`FlopsEstimator` for a transformers config: its model built on the meta device.
+
+    No memory is allocated and no weights are initialised; a 671B-parameter skeleton takes
+    well under a second.
+    """
+    return estimator_from_model(meta_model(config))
+
+
+def meta_model(config: Any) -> Any:
+    """The causal LM of ``config``'s model type, built on the meta device."""
+    import torch
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", None)
+    candidates = [config]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else None
+    if text is not None and text is not config:
+        candidates.insert(0, text)
+    for cfg in candidates:
+        class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(cfg, "model_type", None))
+        model_class = getattr(transformers, class_name, None) if class_name else None
+        if model_class is None:
+            continue
+        with torch.device("meta"):
+            return model_class._from_config(cfg)
+    raise UnknownModelTypeError(
+        f"transformers {transformers.__version__} has no causal LM for model_type "
+        f"{model_type!r}; register a FLOP formula with register_flops_estimator"
+    )
+
+
+__all__ = [
+    "UnsupportedModelError",
+    "estimator_from_config",
+    "estimator_from_model",
+    "is_routed_experts",
+    "meta_model",
+    "model_shape",
+]
+
+_ = math  # reserved for window arithmetic
