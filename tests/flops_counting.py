@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,12 +22,22 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 #: Kernel functions of transformers' modeling modules whose counter FLOPs are taken out, and
-#: the estimate component that stands for them (found in any modeling module defining them).
-KERNEL_FUNCTIONS: dict[str, str] = {
-    "torch_chunk_gated_delta_rule": "linear_attention_core",
-    "chunk_kimi_delta_attention": "linear_attention_core",
-    "mamba_scan_forward": "mamba_core",
-    "mamba2_scan_forward": "mamba_core",
+#: the estimate components that stand for them (found in any modeling module defining them).
+KERNEL_FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "torch_chunk_gated_delta_rule": ("linear_attention_core",),
+    "chunk_kimi_delta_attention": ("linear_attention_core",),
+    "mamba_scan_forward": ("mamba_core",),
+    "mamba2_scan_forward": ("mamba_core",),
+}
+#: Modules whose kernel is written inline in their forward (by class-name suffix), taken out
+#: whole: MiniMax's block-wise lightning attention (intra-block score matrices where the
+#: estimate counts the recurrent-equivalent state updates), and the indexers that score only
+#: some of the queries (Qwen4's QSA: its visible blocks; Kolibri 1.1: the queries that see more
+#: keys than the budget) where the estimate scores every pair the attention mode covers.
+KERNEL_MODULES: dict[str, tuple[str, ...]] = {
+    "LightningAttention": ("linear_attention_projections", "linear_attention_core"),
+    "QSAIndexer": ("indexer",),
+    "Kolibri1_1Indexer": ("indexer",),
 }
 
 
@@ -37,7 +48,7 @@ class KernelCall:
     function: Callable[..., Any]
     args: tuple
     kwargs: dict
-    component: str | None  # None: a 1-D convolution (its weight is in ``conv_weight``)
+    components: tuple[str, ...]  # empty: a 1-D convolution (its weight is in ``conv_weight``)
     conv_weight: torch.Tensor | None = None
 
 
@@ -112,21 +123,16 @@ def recording(modeling: Any) -> Iterator[list[KernelCall]]:
     depth = [0]
     patches: list[tuple[Any, str, Any]] = []
 
-    def recorder(function: Callable[..., Any], component: str | None) -> Callable[..., Any]:
+    def record(function: Callable[..., Any], components: tuple[str, ...], args, kwargs) -> None:
+        if depth[0] == 0:
+            weight = None
+            if not components:
+                weight = (args[1] if len(args) > 1 else kwargs["weight"]).detach()
+            calls.append(KernelCall(function, _snapshot(args), _snapshot(kwargs), components, weight))
+
+    def recorder(function: Callable[..., Any], components: tuple[str, ...]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if depth[0] == 0:
-                weight = None
-                if component is None:
-                    weight = args[1] if len(args) > 1 else kwargs["weight"]
-                calls.append(
-                    KernelCall(
-                        function,
-                        _snapshot(args),
-                        _snapshot(kwargs),
-                        component,
-                        weight.detach() if weight is not None else None,
-                    )
-                )
+            record(function, components, args, kwargs)
             depth[0] += 1
             try:
                 return function(*args, **kwargs)
@@ -135,14 +141,32 @@ def recording(modeling: Any) -> Iterator[list[KernelCall]]:
 
         return wrapper
 
-    for name, component in KERNEL_FUNCTIONS.items():
+    def module_recorder(forward: Callable[..., Any], components: tuple[str, ...]):
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            record(functools.partial(forward, self), components, args, kwargs)
+            depth[0] += 1
+            try:
+                return forward(self, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return wrapper
+
+    for name, components in KERNEL_FUNCTIONS.items():
         original = getattr(modeling, name, None)
         if original is not None:
             patches.append((modeling, name, original))
-            setattr(modeling, name, recorder(original, component))
+            setattr(modeling, name, recorder(original, components))
+    for cls in list(vars(modeling).values()):
+        if not isinstance(cls, type) or cls.__module__ != modeling.__name__:
+            continue
+        for suffix, components in KERNEL_MODULES.items():
+            if cls.__name__.endswith(suffix):
+                patches.append((cls, "forward", cls.forward))
+                cls.forward = module_recorder(cls.forward, components)
     functional = torch.nn.functional
     patches.append((functional, "conv1d", functional.conv1d))
-    functional.conv1d = recorder(functional.conv1d, None)
+    functional.conv1d = recorder(functional.conv1d, ())
     try:
         yield calls
     finally:

@@ -152,6 +152,8 @@ class _Walker:
             return int(module.weight.numel())
         if "Norm" in cls:
             return 0  # element-wise scales, whatever their shape
+        if cls.endswith(("HyperConnection", "HyperHead")) and ("fn" in params or "hc_fn" in params):
+            return self._hyper_connection(module, params)
         if is_routed_experts(module) and not name.rsplit(".", 1)[-1].startswith("shared"):
             k = _top_k(module) or top_k
             if k is None:
@@ -171,6 +173,17 @@ class _Walker:
                     "register a formula with register_flops_estimator"
                 )
         return total
+
+    def _hyper_connection(self, module: Any, params: dict[str, Any]) -> int:
+        # Hyper-connections (DeepSeek-V4, HY-V4): one projection of the hc_mult flattened
+        # streams to the mixing weights; DeepSeek-V4 also mixes the streams with an
+        # hc_mult x hc_mult matrix per token (its Sinkhorn "comb" weights), a matmul.
+        fn = params.get("fn", params.get("hc_fn"))
+        macs = int(fn.numel())
+        if hasattr(module, "hc_sinkhorn_iters"):
+            streams = int(module.hc_mult)
+            macs += streams * streams * int(fn.shape[1]) // streams
+        return macs
 
     # ---- the model -----------------------------------------------------------------------
     def shape(self) -> ModelShape:
@@ -394,23 +407,73 @@ class _Walker:
             )
         window = getattr(module, "sliding_window", None)
         window = int(window) if isinstance(window, int) and window > 0 else None
-        indexer_module = getattr(module, "indexer", None)
-        indexer = None
-        projections = self.weight_macs(module, _top_k(*_experts_parents(module)))
-        if indexer_module is not None:
-            indexer_macs = self.weight_macs(indexer_module)
-            projections -= indexer_macs
-            indexer = AttentionIndexer(
-                projection_params=indexer_macs,
-                num_heads=int(_first_int(indexer_module, "n_heads", "num_heads")),
-                head_dim=int(indexer_module.head_dim),
-                trained=not _runs_without_grad(type(indexer_module).forward),
-            )
-            window = int(indexer_module.index_topk)
         keep = getattr(module, "keep_window_size", None)
         if isinstance(keep, int) and keep > 0:
             window = keep  # doge: each query keeps its top keep_window_size keys
-        return AttentionLayer(projections, heads, qk, v, window, indexer=indexer)
+        projections = self.weight_macs(module, _top_k(*_experts_parents(module)))
+        indexer = None
+        indexer_module = getattr(module, "indexer", None)
+        if indexer_module is not None:
+            indexer, window = self._indexer(indexer_module, kv_compression=1, query_head_dim=qk)
+            projections -= indexer.projection_params
+        compressor = getattr(module, "compressor", None)
+        if compressor is None or not hasattr(compressor, "compress_rate"):
+            return AttentionLayer(projections, heads, qk, v, window, indexer=indexer)
+        # DeepSeek-V4: besides its sliding window, a query attends to compressed entries, one
+        # per compress_rate tokens (HCA: all of them; CSA: the indexer's top index_topk).
+        rate = int(compressor.compress_rate)
+        compressed_window = None
+        compressed_indexer = None
+        compressor_macs = self.weight_macs(compressor)
+        projections -= compressor_macs
+        inner = getattr(compressor, "indexer", None)
+        if inner is not None:
+            compressed_indexer, compressed_window = self._indexer(
+                inner, kv_compression=rate, query_head_dim=qk
+            )
+            compressor_macs -= compressed_indexer.projection_params
+        local = AttentionLayer(projections, heads, qk, v, window)
+        compressed = AttentionLayer(
+            compressor_macs,
+            heads,
+            qk,
+            v,
+            compressed_window,
+            kv_compression=rate,
+            indexer=compressed_indexer,
+        )
+        return [local, compressed]
+
+    def _indexer(
+        self, module: Any, kv_compression: int, query_head_dim: int
+    ) -> tuple[AttentionIndexer, int]:
+        """A sparse-attention indexer and the number of keys (tokens) a query keeps.
+
+        transformers' indexers return only top-k positions (DSA, DeepSeek-V4) or a mask
+        (Qwen4's QSA, Kolibri 1.1), so no gradient reaches them: their forward is counted once.
+        Kolibri 1.1's indexer has no weights: it scores with the attention's first query heads
+        and keeps its top keys plus sink and local tokens (its pool selection, which scores
+        block summaries once per pool, is not counted).
+        """
+        heads = _first_int(module, "n_heads", "num_heads", "index_n_heads")
+        head_dim = _first_int(module, "head_dim", "index_head_dim") or query_head_dim
+        compress = _first_int(module, "compress_ratio") or 1
+        keep = _first_int(module, "index_topk", "token_budget")
+        if keep is None and hasattr(module, "num_local_tokens"):
+            keep = int(module.topk) + int(module.num_local_tokens) + int(module.num_sink_tokens)
+        if heads is None or head_dim is None or keep is None:
+            raise UnsupportedModelError(
+                f"{self.model_type}: {type(module).__name__} has no heads / head_dim / top-k"
+            )
+        indexer = AttentionIndexer(
+            projection_params=self.weight_macs(module),
+            num_heads=heads,
+            head_dim=head_dim,
+            kv_compression=kv_compression * compress,
+            trained=False,
+        )
+        # index_topk counts compressed entries where the keys are compressed (DeepSeek-V4).
+        return indexer, keep * kv_compression
 
 
 def _expert_weights(experts: Any) -> int:
@@ -434,24 +497,6 @@ def _first_int(module: Any, *names: str) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
-
-
-def _runs_without_grad(function: Any) -> bool:
-    """Whether ``function`` is wrapped by ``torch.no_grad()`` (its decorator's closure)."""
-    import torch
-
-    while function is not None:
-        for cell in getattr(function, "__closure__", None) or ():
-            try:
-                contents = cell.cell_contents
-            except ValueError:
-                continue
-            # torch's decorator keeps the no_grad instance (its bound ``clone``) in a cell.
-            owner = getattr(contents, "__self__", contents)
-            if isinstance(owner, torch.no_grad) or owner is torch.no_grad:
-                return True
-        function = getattr(function, "__wrapped__", None)
-    return False
 
 
 def _is_router(name: str, module: Any) -> bool:
