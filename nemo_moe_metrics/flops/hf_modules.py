@@ -27,7 +27,7 @@ named where they are handled below and in docs/en/flops.md.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,11 +137,13 @@ class _Walker:
         self.model_type = str(getattr(self.config, "model_type", type(model).__name__))
 
     # ---- per-token weight matmuls --------------------------------------------------------
-    def weight_macs(self, module: Any, top_k: int | None = None) -> int:
+    def weight_macs(self, module: Any, top_k: int | None = None, heads: int | None = None) -> int:
         """Multiply-adds per token of every weight matmul in ``module``'s subtree."""
-        return sum(self._own_macs(m, name, top_k) for name, m in _named_modules(module))
+        return sum(self._own_macs(m, name, top_k, heads) for name, m in _named_modules(module))
 
-    def _own_macs(self, module: Any, name: str, top_k: int | None) -> int:
+    def _own_macs(
+        self, module: Any, name: str, top_k: int | None, heads: int | None = None
+    ) -> int:
         """Multiply-adds per token of ``module``'s own parameters (its children excluded)."""
         nn = self.torch.nn
         cls = type(module).__name__
@@ -150,8 +152,17 @@ class _Walker:
             return 0  # a lookup
         if isinstance(module, (nn.Linear, nn.Conv1d)):
             return int(module.weight.numel())
-        if "Norm" in cls:
+        if "Norm" in cls or cls.endswith(("Clip", "LogScale")):
             return 0  # element-wise scales, whatever their shape
+        if cls.endswith("AttentionResidual"):
+            return 0  # attention over the block states: _depth_attention
+        if cls.endswith(("RelativeLogits", "RelativePositionBias")):
+            # Inkling: per token and head, relative states (d_rel) times a bank of bias
+            # profiles (d_rel x rel_extent): one small matmul per head, whatever the length.
+            return int(params["proj"].numel()) * int(getattr(module, "num_heads", None) or heads)
+        if cls.endswith("DynamicShortConvolution"):
+            # Inkling 2: a depthwise conv whose taps are static weights plus per-token ones.
+            return int(params["static_weight"].numel())
         if cls.endswith(("HyperConnection", "HyperHead")) and ("fn" in params or "hc_fn" in params):
             return self._hyper_connection(module, params)
         if is_routed_experts(module) and not name.rsplit(".", 1)[-1].startswith("shared"):
@@ -188,10 +199,7 @@ class _Walker:
     # ---- the model -----------------------------------------------------------------------
     def shape(self) -> ModelShape:
         layers_list = _decoder_layers(self.model)
-        layers: list[Layer] = []
         claimed = {id(m) for layer in layers_list for m in layer.modules()}
-        for layer in layers_list:
-            layers.extend(self._layer(layer))
         head = self.model.get_output_embeddings()
         if head is None:
             raise UnsupportedModelError(f"{self.model_type}: the model has no output embeddings")
@@ -202,13 +210,28 @@ class _Walker:
             if id(module) in claimed or _is_tower(name):
                 continue
             other += self._own_macs(module, name, None)
+        per_layer = [self._layer(layer) for layer in layers_list]
+        order = _execution_order(self.config, len(layers_list))
+        depth, final_depth = _depth_attention(self.model, layers_list, order, hidden)
+        layers: list[Layer] = []
+        for step, (index, loop_pass) in enumerate(order):
+            first, *rest = per_layer[index]
+            extra = depth[step]
+            if loop_pass:  # Inkling 2 loops: passes after the first gate in the messages
+                extra += sum(
+                    self.weight_macs(m)
+                    for m in layers_list[index].children()
+                    if type(m).__name__.endswith("MessageGate")
+                )
+            layers.append(dataclasses.replace(first, other_params=first.other_params + extra))
+            layers.extend(rest)
         return ModelShape(
             model_type=self.model_type,
             hidden_size=hidden,
             layers=tuple(layers),
             vocab_size=vocab,
             tied_embeddings=bool(getattr(self.config, "tie_word_embeddings", False)),
-            other_params=other,
+            other_params=other + final_depth,
         )
 
     def _layer(self, layer: Any) -> list[Layer]:
@@ -244,7 +267,7 @@ class _Walker:
         if top:
             self._check_own(module)
         for child_name, child in children.items():
-            if top and _claimed_by_moe(module, child):
+            if top and (_claimed_by_moe(module, child) or type(child).__name__.endswith("MessageGate")):
                 continue
             self._visit(child, child_name, parts)
 
@@ -410,7 +433,7 @@ class _Walker:
         keep = getattr(module, "keep_window_size", None)
         if isinstance(keep, int) and keep > 0:
             window = keep  # doge: each query keeps its top keep_window_size keys
-        projections = self.weight_macs(module, _top_k(*_experts_parents(module)))
+        projections = self.weight_macs(module, _top_k(*_experts_parents(module)), heads)
         indexer = None
         indexer_module = getattr(module, "indexer", None)
         if indexer_module is not None:
@@ -485,6 +508,65 @@ def _expert_weights(experts: Any) -> int:
         for n, p in module.named_parameters(recurse=False)
         if p.dim() >= 2 and "bias" not in n
     )
+
+
+def _execution_order(config: Any, num_layers: int) -> list[tuple[int, int]]:
+    """(decoder layer, loop pass) in the order the model runs them.
+
+    Inkling 2 loops run layers ``loop_layer_index_start`` to ``loop_layer_index_end - 1``
+    ``loop_num_passes`` times; every other model runs each layer once.
+    """
+    start = getattr(config, "loop_layer_index_start", None)
+    end = getattr(config, "loop_layer_index_end", None)
+    passes = int(getattr(config, "loop_num_passes", 1) or 1)
+    if start is None or end is None or passes <= 1 or not 0 <= start < end <= num_layers:
+        return [(i, 0) for i in range(num_layers)]
+    order = [(i, 0) for i in range(start)]
+    for loop_pass in range(passes):
+        order += [(i, loop_pass) for i in range(start, end)]
+    return order + [(i, 0) for i in range(end, num_layers)]
+
+
+def _depth_attention(
+    model: Any, layers: list[Any], order: list[tuple[int, int]], hidden: int
+) -> tuple[list[int], int]:
+    """Inkling 2's attention residuals: per-token multiply-adds of each executed layer's
+    attention over the stack of block states (learned queries, no projections), and of the
+    model's final one.
+
+    A query over ``n`` stacked states costs ``2 * hidden * n`` (scores and weighted sum). The
+    stack grows by one at every block boundary (``n_layers_per_attn_res_block``); a loop pass
+    after the first restarts from the pre-loop stack and first reads messages (4 queries) from
+    the states the previous pass added. Zero for every other family.
+    """
+    macs = [0] * len(order)
+    if not any(hasattr(layers[i], "mlp_input") for i, _ in order):
+        return macs, 0
+
+    def cost(residual: Any, keys: int) -> int:
+        query = residual.query
+        queries = 1 if query.dim() == 1 else int(query.shape[-2])
+        return 2 * queries * hidden * keys
+
+    loop_start = next((i for i, loop_pass in order if loop_pass), None)
+    states, pre_loop, pass_end = 0, 0, 0
+    message = getattr(getattr(model, "model", model), "message_input", None)
+    for step, (index, loop_pass) in enumerate(order):
+        layer = layers[index]
+        if index == loop_start and loop_pass == 0:
+            pre_loop = states
+        if loop_pass and order[step - 1][1] != loop_pass:  # a new pass starts over
+            pass_end, states = states, pre_loop
+        if loop_pass and message is not None:
+            # The states the previous pass added after its first, plus the partial one.
+            macs[step] += cost(message, pass_end - pre_loop)
+        if getattr(layer, "attention_input", None) is not None:
+            macs[step] += cost(layer.attention_input, states + 1)
+        boundary = bool(getattr(layer, "is_block_boundary", False))
+        macs[step] += cost(layer.mlp_input, states + boundary + 1)
+        states += boundary
+    final = getattr(getattr(model, "model", model), "final_input", None)
+    return macs, cost(final, states + 1) if final is not None else 0
 
 
 def _experts_parents(module: Any) -> list[Any]:
@@ -599,4 +681,3 @@ __all__ = [
     "model_shape",
 ]
 
-_ = math  # reserved for window arithmetic
