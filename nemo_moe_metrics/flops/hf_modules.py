@@ -634,18 +634,62 @@ def model_shape(model: Any) -> ModelShape:
     return _Walker(model).shape()
 
 
-def estimator_from_model(model: Any) -> FlopsEstimator:
-    """A :class:`FlopsEstimator` for a built transformers causal LM (any family)."""
-    return FlopsEstimator(model_shape(model))
+def estimator_from_model(model: Any, *, vocab_size: int | None = None) -> FlopsEstimator:
+    """A :class:`FlopsEstimator` for a built transformers causal LM (any family).
+
+    ``vocab_size`` replaces the lm_head width read from the model (0 leaves it out).
+    """
+    shape = model_shape(model)
+    if vocab_size is not None:
+        if vocab_size < 0:
+            raise ValueError(f"vocab_size must be >= 0, got {vocab_size}")
+        shape = dataclasses.replace(shape, vocab_size=int(vocab_size))
+    return FlopsEstimator(shape)
 
 
-def estimator_from_config(config: Any) -> FlopsEstimator:
+def estimator_from_config(config: Any, *, vocab_size: int | None = None) -> FlopsEstimator:
     """A :class:`FlopsEstimator` for a transformers config: its model built on the meta device.
 
     No memory is allocated and no weights are initialised; a 671B-parameter skeleton takes
     well under a second.
     """
-    return estimator_from_model(meta_model(config))
+    return estimator_from_model(meta_model(config), vocab_size=vocab_size)
+
+
+def is_whole(model: Any) -> bool:
+    """Whether ``model``'s linear layers hold their full weight shapes here.
+
+    False under wrappers that shard or offload parameters in place (FSDP1 flat parameters,
+    DeepSpeed ZeRO-3), whose modules then show empty weights; DTensor parameters (FSDP2,
+    tensor parallel) report their global shape and count as whole.
+    """
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            weight = getattr(module, "weight", None)
+            if weight is None or tuple(weight.shape) != (module.out_features, module.in_features):
+                return False
+    return True
+
+
+def transformers_config(config: Any) -> Any:
+    """``config`` as a transformers ``PretrainedConfig`` (a config.json dict is loaded with
+    ``AutoConfig.for_model``); KeyError when transformers does not know its model_type."""
+    if hasattr(config, "to_dict") and hasattr(config, "model_type"):
+        return config
+    from transformers import AutoConfig
+
+    fields = dict(config)
+    model_type = fields.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise KeyError("the config has no model_type")
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except ValueError as err:
+        if "Unrecognized" in str(err) or model_type in str(err):
+            raise KeyError(model_type) from err
+        raise
 
 
 def meta_model(config: Any) -> Any:
@@ -666,9 +710,8 @@ def meta_model(config: Any) -> Any:
             continue
         with torch.device("meta"):
             return model_class._from_config(cfg)
-    raise UnknownModelTypeError(
-        f"transformers {transformers.__version__} has no causal LM for model_type "
-        f"{model_type!r}; register a FLOP formula with register_flops_estimator"
+    raise KeyError(
+        f"transformers {transformers.__version__} has no causal LM for model_type {model_type!r}"
     )
 
 
@@ -677,7 +720,9 @@ __all__ = [
     "estimator_from_config",
     "estimator_from_model",
     "is_routed_experts",
+    "is_whole",
     "meta_model",
     "model_shape",
+    "transformers_config",
 ]
 
