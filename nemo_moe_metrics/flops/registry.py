@@ -155,9 +155,16 @@ def _from_transformers_modules(
             # A wrapper hid the modules (sharded or offloaded parameters): read the config.
     try:
         hf_config = hf_modules.transformers_config(config)
+        return hf_modules.estimator_from_config(hf_config, vocab_size=vocab_size)
     except KeyError as err:  # transformers does not know this model_type
         raise _unknown(model_type) from err
-    return hf_modules.estimator_from_config(hf_config, vocab_size=vocab_size)
+    except UnknownModelTypeError:
+        raise
+    except Exception as err:  # the config class or the model rejected the fields
+        raise ValueError(
+            f"model_type {model_type!r} has no FLOP formula, and transformers could not build "
+            f"its model from this config to read the FLOPs from: {err}"
+        ) from err
 
 
 def try_get_flops_estimator(
