@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.flops.core import pairs_per_sequence
 from nemo_moe_metrics.host_read import Pending, read_once
 
 #: ``estimator(seq_lens: np.ndarray[int64], causal: bool) -> obj with .total`` (training FLOPs).
@@ -607,14 +608,6 @@ def _length_sums(
     lens = torch.cat([p.to(device) for p in parts])
     cols = [lens.sum()]
     for window in windows:
-        if not causal:
-            pairs = lens * lens
-        elif window is None:
-            pairs = lens * (lens + 1) // 2
-        else:
-            # The first min(L, w) queries see i+1 keys; the remaining ones see exactly w.
-            inside = lens.clamp(max=int(window))
-            pairs = inside * (inside + 1) // 2 + (lens - inside) * int(window)
-        cols.append(pairs.sum())
+        cols.append(pairs_per_sequence(lens, causal=causal, window=window).sum())
     check = torch.stack([(lens < 0).sum(), lens.min(), torch.zeros_like(lens[0])])
     return torch.stack(cols).to(torch.float64), check

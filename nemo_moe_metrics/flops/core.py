@@ -78,15 +78,44 @@ LINEAR_ATTENTION_MACS_PER_STATE_ELEMENT = 2.0
 
 
 @dataclass(frozen=True)
+class ChunkedWindow:
+    """Chunked attention (Llama 4): the sequence is cut into chunks of ``size`` tokens and a
+    query sees the keys of its own chunk up to itself."""
+
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.size <= 0:
+            raise ValueError(f"a chunked window needs size > 0, got {self.size}")
+
+
+@dataclass(frozen=True)
+class CompressedWindow:
+    """Compressed keys (DeepSeek-V4's compressed attention): one key per ``rate`` tokens. The
+    query at position ``t`` (0-based) sees the keys of the complete blocks up to it,
+    ``floor((t+1) / rate)`` of them, or at most ``keep`` (the top-k an indexer picks)."""
+
+    rate: int
+    keep: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.rate <= 0 or (self.keep is not None and self.keep <= 0):
+            raise ValueError(f"a compressed window needs rate > 0 and keep > 0, got {self}")
+
+
+Window = int | ChunkedWindow | CompressedWindow | None
+
+
+@dataclass(frozen=True)
 class AttentionIndexer:
     """A sparse-attention indexer (DeepSeek's lightning indexer): its own projections, and a
     score for every causal query-key pair from which each query keeps its top keys.
 
     A pair costs ``num_heads * (head_dim + 1)`` multiply-adds: one ``q . k`` per head, then the
     per-head weighting of the scores. ``kv_compression``: the keys it scores are compressed,
-    one per ``kv_compression`` tokens (DeepSeek-V4). ``trained=False``: the implementation runs
-    it without gradients (transformers' DeepSeek-V3.2-style indexers run under ``no_grad``), so
-    its forward is counted once instead of three times.
+    one per ``kv_compression`` tokens (DeepSeek-V4, Qwen4's QSA blocks; see
+    :class:`CompressedWindow`). ``trained=False``: no gradient reaches it (transformers'
+    indexers only return the positions they pick), so its forward is counted once, not 3 times.
     """
 
     projection_params: int
@@ -101,18 +130,16 @@ class AttentionLayer:
     """A softmax attention layer: its projection weights and its score/value product sizes.
 
     ``window`` is the number of keys a query sees under a sliding window (itself included,
-    the Hugging Face convention), or at most (the top-k keys of sparse attention); None means
-    full causal attention. ``kv_compression``: the keys are compressed, one per
-    ``kv_compression`` tokens (DeepSeek-V4's compressed attention; ``window`` still counts
-    tokens). ``indexer``: the sparse-attention indexer that picks the keys, if any.
+    the Hugging Face convention), or at most (the top-k keys of sparse attention), or a
+    :class:`ChunkedWindow` or :class:`CompressedWindow`; None means full causal attention.
+    ``indexer``: the sparse-attention indexer that picks the keys, if any.
     """
 
     projection_params: int
     num_heads: int
     qk_head_dim: int
     v_head_dim: int
-    window: int | None = None
-    kv_compression: int = 1
+    window: Window = None
     indexer: AttentionIndexer | None = None
 
 
@@ -296,20 +323,41 @@ def validate_seq_lens(seq_lens: Any) -> np.ndarray:
     return arr.astype(np.float64)
 
 
-def attended_pairs(lengths: np.ndarray, *, causal: bool, window: int | None) -> float:
+def attended_pairs(lengths: np.ndarray, *, causal: bool, window: Window) -> float:
     """Query-key pairs whose score (and value product) is computed, summed over sequences.
 
     Non-causal: the full ``L x L`` block per sequence. Causal: ``L(L+1)/2``. Causal with a
-    sliding window of ``w`` keys (self included): ``sum_i min(i+1, w)``.
+    sliding window of ``w`` keys (self included): ``sum_i min(i+1, w)``; chunked attention
+    with chunks of ``c``: ``c(c+1)/2`` per full chunk plus ``r(r+1)/2`` for the last ``r``;
+    compressed keys (rate ``m``, at most ``k``): ``sum_i min(floor((i+1)/m), k)``, and
+    ``L x floor(L/m)`` without the causal mask.
     """
+    return float(np.sum(pairs_per_sequence(lengths, causal=causal, window=window)))
+
+
+def pairs_per_sequence(lengths: Any, *, causal: bool, window: Window) -> Any:
+    """:func:`attended_pairs` per sequence, element-wise on a numpy array or a torch integer
+    tensor (the same arithmetic serves the device-side sums of ``throughput.py``)."""
+    if isinstance(window, CompressedWindow):
+        rate = int(window.rate)
+        entries = lengths // rate
+        if not causal:
+            return lengths * entries
+        # sum over levels v = 1..q of the queries that see at least v entries: L + 1 - v*rate.
+        seen = entries if window.keep is None else entries.clip(max=int(window.keep))
+        return seen * (lengths + 1) - rate * (seen * (seen + 1) // 2)
     if not causal:
-        return float(np.sum(lengths * lengths))
+        return lengths * lengths
     if window is None:
-        return float(np.sum(lengths * (lengths + 1.0) / 2.0))
-    w = float(window)
-    inside = np.minimum(lengths, w)
+        return lengths * (lengths + 1) // 2  # L(L+1) is even: exact in floats too
+    if isinstance(window, ChunkedWindow):
+        size = int(window.size)
+        full, rest = lengths // size, lengths % size
+        return full * (size * (size + 1) // 2) + rest * (rest + 1) // 2
+    w = int(window)
     # The first min(L, w) queries see i+1 keys; the remaining ones see exactly w.
-    return float(np.sum(inside * (inside + 1.0) / 2.0 + (lengths - inside) * w))
+    inside = lengths.clip(max=w)
+    return inside * (inside + 1) // 2 + (lengths - inside) * w
 
 
 class FlopsEstimator:
@@ -324,7 +372,7 @@ class FlopsEstimator:
         per_token: dict[str, float] = {}
         # Per-pair widths (multiply-adds per attended pair) by window, then by component, so
         # each distinct window costs one vectorised reduction per call.
-        self._pair_groups: dict[int | None, dict[str, float]] = {}
+        self._pair_groups: dict[Window, dict[str, float]] = {}
         for layer in shape.layers:
             mixer, ffn = layer.mixer, layer.ffn
             if mixer is None:
@@ -332,7 +380,7 @@ class FlopsEstimator:
             elif isinstance(mixer, AttentionLayer):
                 _add(per_token, ATTENTION_PROJECTIONS, mixer.projection_params)
                 width = mixer.num_heads * (mixer.qk_head_dim + mixer.v_head_dim)
-                self._add_pairs(mixer.window, ATTENTION_CORE, width / mixer.kv_compression)
+                self._add_pairs(mixer.window, ATTENTION_CORE, width)
                 if mixer.indexer is not None:
                     self._add_indexer(per_token, mixer.indexer)
             elif isinstance(mixer, MambaLayer):
@@ -382,7 +430,7 @@ class FlopsEstimator:
         paired = {c for group in self._pair_groups.values() for c in group}
         self._components = [c for c in COMPONENTS if c in per_token or c in paired]
 
-    def _add_pairs(self, window: int | None, component: str, width: float) -> None:
+    def _add_pairs(self, window: Window, component: str, width: float) -> None:
         group = self._pair_groups.setdefault(window, {})
         group[component] = group.get(component, 0.0) + float(width)
 
@@ -390,8 +438,9 @@ class FlopsEstimator:
         # Counted 3x like everything else; an indexer run without gradients only once.
         passes = 1.0 if indexer.trained else 1.0 / TRAINING_MULTIPLIER
         _add(per_token, INDEXER, passes * indexer.projection_params)
-        width = indexer.num_heads * (indexer.head_dim + 1) / indexer.kv_compression
-        self._add_pairs(None, INDEXER, passes * width)
+        width = indexer.num_heads * (indexer.head_dim + 1)
+        window = None if indexer.kv_compression == 1 else CompressedWindow(indexer.kv_compression)
+        self._add_pairs(window, INDEXER, passes * width)
 
     @property
     def components(self) -> list[str]:
@@ -408,7 +457,7 @@ class FlopsEstimator:
         return self.from_sums(tokens, pairs)
 
     @property
-    def attention_windows(self) -> tuple[int | None, ...]:
+    def attention_windows(self) -> tuple[Window, ...]:
         """The distinct attention windows (None = full), in the order :meth:`from_sums` takes."""
         return tuple(self._pair_groups)
 

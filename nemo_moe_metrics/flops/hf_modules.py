@@ -33,17 +33,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_moe_metrics.flops.core import (
+    LINEAR_ATTENTION_MACS_PER_STATE_ELEMENT,
     AttentionIndexer,
     AttentionLayer,
+    ChunkedWindow,
+    CompressedWindow,
     DenseMLP,
     FlopsEstimator,
     Layer,
-    LINEAR_ATTENTION_MACS_PER_STATE_ELEMENT,
     LinearAttentionLayer,
     MambaLayer,
     ModelShape,
     MoEMLP,
     ShortConvLayer,
+    Window,
 )
 from nemo_moe_metrics.flops.registry import UnknownModelTypeError
 
@@ -428,8 +431,7 @@ class _Walker:
             raise UnsupportedModelError(
                 f"{self.model_type}: {type(module).__name__} has no head_dim / qk_head_dim"
             )
-        window = getattr(module, "sliding_window", None)
-        window = int(window) if isinstance(window, int) and window > 0 else None
+        window = self._window(module)
         keep = getattr(module, "keep_window_size", None)
         if isinstance(keep, int) and keep > 0:
             window = keep  # doge: each query keeps its top keep_window_size keys
@@ -445,27 +447,41 @@ class _Walker:
         # DeepSeek-V4: besides its sliding window, a query attends to compressed entries, one
         # per compress_rate tokens (HCA: all of them; CSA: the indexer's top index_topk).
         rate = int(compressor.compress_rate)
-        compressed_window = None
+        keep = None
         compressed_indexer = None
         compressor_macs = self.weight_macs(compressor)
         projections -= compressor_macs
         inner = getattr(compressor, "indexer", None)
         if inner is not None:
-            compressed_indexer, compressed_window = self._indexer(
-                inner, kv_compression=rate, query_head_dim=qk
-            )
+            compressed_indexer, keep = self._indexer(inner, kv_compression=rate, query_head_dim=qk)
             compressor_macs -= compressed_indexer.projection_params
         local = AttentionLayer(projections, heads, qk, v, window)
         compressed = AttentionLayer(
-            compressor_macs,
-            heads,
-            qk,
-            v,
-            compressed_window,
-            kv_compression=rate,
-            indexer=compressed_indexer,
+            compressor_macs, heads, qk, v, CompressedWindow(rate, keep), indexer=compressed_indexer
         )
         return [local, compressed]
+
+    def _window(self, module: Any) -> Window:
+        """The keys a query of this attention module sees: the module's own ``sliding_window``
+        where it has the attribute (None there means full attention), else its layer type in
+        the config (``layer_types``, Llama 4's ``chunked_attention``), else the config's
+        ``sliding_window`` for every layer (Mistral-style), unless ``use_sliding_window`` is off."""
+        if hasattr(module, "sliding_window"):
+            window = module.sliding_window
+            return int(window) if isinstance(window, int) and window > 0 else None
+        config = self.config
+        layer_types = getattr(config, "layer_types", None)
+        index = getattr(module, "layer_idx", None)
+        sliding = getattr(config, "sliding_window", None)
+        if layer_types is not None and isinstance(index, int) and index < len(layer_types):
+            layer_type = layer_types[index]
+            if layer_type == "chunked_attention":
+                return ChunkedWindow(int(config.attention_chunk_size))
+            if "sliding" not in layer_type:
+                return None
+        elif getattr(config, "use_sliding_window", True) is False:
+            return None
+        return int(sliding) if isinstance(sliding, int) and sliding > 0 else None
 
     def _indexer(
         self, module: Any, kv_compression: int, query_head_dim: int
@@ -495,8 +511,8 @@ class _Walker:
             kv_compression=kv_compression * compress,
             trained=False,
         )
-        # index_topk counts compressed entries where the keys are compressed (DeepSeek-V4).
-        return indexer, keep * kv_compression
+        # Where the keys are compressed (DeepSeek-V4) index_topk counts compressed entries.
+        return indexer, keep
 
 
 def _expert_weights(experts: Any) -> int:
