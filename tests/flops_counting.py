@@ -41,6 +41,27 @@ KERNEL_MODULES: dict[str, tuple[str, ...]] = {
 }
 
 
+class _NoModuleTracking:
+    """Stands in for FlopCounterMode's module tracker: every count goes to "Global" only."""
+
+    parents = ("Global",)
+
+    def __enter__(self) -> _NoModuleTracking:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class TotalFlopCounter(FlopCounterMode):
+    """``FlopCounterMode`` counting the total only: the same per-op formulas, without the
+    module tracker, whose hooks on every module call take most of the counter's time."""
+
+    def __init__(self) -> None:
+        super().__init__(display=False)
+        self.mod_tracker = _NoModuleTracking()
+
+
 @dataclasses.dataclass
 class KernelCall:
     """One recorded kernel call: what to run again alone, and what it stands for."""
@@ -50,6 +71,7 @@ class KernelCall:
     kwargs: dict
     components: tuple[str, ...]  # empty: a 1-D convolution (its weight is in ``conv_weight``)
     conv_weight: torch.Tensor | None = None
+    tokens: int = 0  # the length of the sequence being run when the call was made
 
 
 @dataclasses.dataclass
@@ -107,7 +129,7 @@ def _main_output(value: Any) -> torch.Tensor | None:
 def count_alone(call: KernelCall) -> float:
     """Counter FLOPs of one recorded call run again alone: forward + backward."""
     args, kwargs = _restore(call.args), _restore(call.kwargs)
-    counter = FlopCounterMode(display=False)
+    counter = TotalFlopCounter()
     with counter:
         out = _main_output(call.function(*args, **kwargs))
         if out is not None and out.requires_grad:
@@ -116,9 +138,10 @@ def count_alone(call: KernelCall) -> float:
 
 
 @contextlib.contextmanager
-def recording(modeling: Any) -> Iterator[list[KernelCall]]:
+def recording(modeling: Any, tokens: list[int]) -> Iterator[list[KernelCall]]:
     """Record the kernel calls of ``modeling`` (a transformers modeling module) and every 1-D
-    convolution while the block runs; nested calls inside a recorded one are not recorded."""
+    convolution while the block runs; nested calls inside a recorded one are not recorded.
+    ``tokens[0]`` is the length of the sequence being run (set by the caller)."""
     calls: list[KernelCall] = []
     depth = [0]
     patches: list[tuple[Any, str, Any]] = []
@@ -128,7 +151,9 @@ def recording(modeling: Any) -> Iterator[list[KernelCall]]:
             weight = None
             if not components:
                 weight = (args[1] if len(args) > 1 else kwargs["weight"]).detach()
-            calls.append(KernelCall(function, _snapshot(args), _snapshot(kwargs), components, weight))
+            call = KernelCall(function, _snapshot(args), _snapshot(kwargs), components, weight)
+            call.tokens = tokens[0]
+            calls.append(call)
 
     def recorder(function: Callable[..., Any], components: tuple[str, ...]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -181,9 +206,11 @@ def count_training_step(model: Any, lengths: list[int], seed: int = 0) -> StepCo
     modeling = importlib.import_module(type(model).__module__)
     generator = torch.Generator().manual_seed(seed)
     vocab = int(model.config.get_text_config().vocab_size)
-    counter = FlopCounterMode(display=False)
-    with recording(modeling) as calls, counter:
+    counter = TotalFlopCounter()
+    current = [0]
+    with recording(modeling, current) as calls, counter:
         for n in lengths:
+            current[0] = n
             ids = torch.randint(1, vocab, (1, n), generator=generator)
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     model.zero_grad(set_to_none=True)

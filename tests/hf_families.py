@@ -230,6 +230,21 @@ def tiny_model(model_type: str, seed: int = 0, **changes: Any) -> Any:
     return family(model_type).model_class(tiny_config(model_type, **changes)).train()
 
 
+_SHARED: dict[str, Any] = {}
+
+
+def shared_tiny_model(model_type: str, **changes: Any) -> Any:
+    """``tiny_model(model_type, **changes)``, built once per process and shared by the tests.
+
+    For tests that only read the model or run forward and backward (and zero the gradients
+    they make); a test that changes weights or modules builds its own with :func:`tiny_model`.
+    """
+    key = f"{model_type}|{sorted(changes.items())!r}"
+    if key not in _SHARED:
+        _SHARED[key] = tiny_model(model_type, **changes)
+    return _SHARED[key]
+
+
 if __name__ == "__main__":
     for f in moe_families():
         print(f"{f.model_type:22s} {f.model_class.__name__:34s} {f.config_class.__name__}")

@@ -672,15 +672,19 @@ def estimator_from_config(config: Any, *, vocab_size: int | None = None) -> Flop
     return estimator_from_model(meta_model(config), vocab_size=vocab_size)
 
 
-def is_whole(model: Any) -> bool:
-    """Whether ``model``'s linear layers hold their full weight shapes here.
+def is_readable(model: Any) -> bool:
+    """Whether FLOPs can be read from ``model``: a transformers model (it has a config with a
+    text config) whose linear layers hold their full weight shapes here.
 
     False under wrappers that shard or offload parameters in place (FSDP1 flat parameters,
     DeepSpeed ZeRO-3), whose modules then show empty weights; DTensor parameters (FSDP2,
-    tensor parallel) report their global shape and count as whole.
+    tensor parallel) report their global shape and are readable.
     """
     import torch
 
+    config = getattr(model, "config", None)
+    if not hasattr(config, "get_text_config") or not hasattr(model, "modules"):
+        return False
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             weight = getattr(module, "weight", None)
@@ -694,9 +698,13 @@ def transformers_config(config: Any) -> Any:
     ``AutoConfig.for_model``); KeyError when transformers does not know its model_type."""
     if hasattr(config, "to_dict") and hasattr(config, "model_type"):
         return config
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
 
     fields = dict(config)
+    # config.json stores inf and nan as {"__float__": "Infinity"}; from_pretrained decodes them.
+    decode = getattr(PretrainedConfig, "_decode_special_floats", None)
+    if decode is not None:
+        fields = decode(fields)
     model_type = fields.pop("model_type", None)
     if not isinstance(model_type, str):
         raise KeyError("the config has no model_type")
@@ -736,7 +744,7 @@ __all__ = [
     "estimator_from_config",
     "estimator_from_model",
     "is_routed_experts",
-    "is_whole",
+    "is_readable",
     "meta_model",
     "model_shape",
     "transformers_config",

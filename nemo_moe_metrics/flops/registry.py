@@ -146,13 +146,11 @@ def _from_transformers_modules(
         from nemo_moe_metrics.flops import hf_modules
     except ImportError as err:  # no torch / transformers: only the formulas are available
         raise _unknown(model_type) from err
-    if model is not None and hf_modules.is_whole(model):
-        try:
-            return hf_modules.estimator_from_model(model, vocab_size=vocab_size)
-        except UnknownModelTypeError:
-            if not hasattr(config, "to_dict") and not isinstance(config, Mapping):
-                raise
-            # A wrapper hid the modules (sharded or offloaded parameters): read the config.
+    if model is not None and hf_modules.is_readable(model):
+        # The model that runs, custom modules included; a module no rule knows is an error
+        # (UnsupportedModelError), not a guess from the stock architecture.
+        return hf_modules.estimator_from_model(model, vocab_size=vocab_size)
+    # No model, or a wrapper that sharded or offloaded its weights in place: the config.
     try:
         hf_config = hf_modules.transformers_config(config)
         return hf_modules.estimator_from_config(hf_config, vocab_size=vocab_size)
