@@ -383,6 +383,17 @@ def _attended(model: Any) -> Iterator[list[float]]:
         modeling.eager_attention_forward = original
 
 
+def _qsa_tail(config: Any) -> float:
+    """Qwen4's QSA keeps whole blocks of indexer_compress_ratio keys plus the query's partial
+    last block, so a query sees up to compress_ratio - 1 keys beyond the indexer_budget the
+    estimate counts: at most that share of the kept keys."""
+    return (config.indexer_compress_ratio - 1) / config.indexer_budget
+
+
+#: Relative tolerance of the causal check where the estimate's window is an approximation.
+MASK_TOLERANCE: dict[str, Callable[[Any], float]] = {"qwen4_exp_text": _qsa_tail}
+
+
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_causal_attention_core_counts_the_pairs_the_masks_keep(model_type):
     model = flops_model(model_type)
@@ -393,7 +404,8 @@ def test_causal_attention_core_counts_the_pairs_the_masks_keep(model_type):
             model(input_ids=torch.randint(1, vocab, (1, n), generator=generator), use_cache=False)
     estimate = estimator_from_model(model)(LENGTHS, causal=True).by_component
     assert kept[0] > 0
-    assert estimate["attention_core"] == pytest.approx(6.0 * kept[0], rel=1e-12)
+    tolerance = MASK_TOLERANCE.get(model_type, lambda config: 1e-12)(model.config)
+    assert estimate["attention_core"] == pytest.approx(6.0 * kept[0], rel=tolerance)
 
 
 # ---- configs without a model; registered formulas --------------------------------------------

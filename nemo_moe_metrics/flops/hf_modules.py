@@ -28,6 +28,7 @@ named where they are handled below and in docs/en/flops.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -432,9 +433,12 @@ class _Walker:
                 f"{self.model_type}: {type(module).__name__} has no head_dim / qk_head_dim"
             )
         window = self._window(module)
-        keep = getattr(module, "keep_window_size", None)
-        if isinstance(keep, int) and keep > 0:
-            window = keep  # doge: each query keeps its top keep_window_size keys
+        if self._layer_type(module) == "indexed_attention" and getattr(module, "indexer", None) is None:
+            # HY-V4: a layer whose indexer is "shared" reuses an earlier layer's top-k keys.
+            window = _first_int(self.config, "index_topk") or window
+        keep = _first_int(module, "keep_window_size")
+        if keep is not None:  # doge: each query keeps its top keep_window_size visible keys
+            window = keep if not isinstance(window, int) else min(window, keep)
         projections = self.weight_macs(module, _top_k(*_experts_parents(module)), heads)
         indexer = None
         indexer_module = getattr(module, "indexer", None)
@@ -461,27 +465,40 @@ class _Walker:
         )
         return [local, compressed]
 
-    def _window(self, module: Any) -> Window:
-        """The keys a query of this attention module sees: the module's own ``sliding_window``
-        where it has the attribute (None there means full attention), else its layer type in
-        the config (``layer_types``, Llama 4's ``chunked_attention``), else the config's
-        ``sliding_window`` for every layer (Mistral-style), unless ``use_sliding_window`` is off."""
-        if hasattr(module, "sliding_window"):
-            window = module.sliding_window
-            return int(window) if isinstance(window, int) and window > 0 else None
-        config = self.config
-        layer_types = getattr(config, "layer_types", None)
+    def _layer_type(self, module: Any) -> str | None:
+        """The config's ``layer_types`` entry of an attention module's layer, if any."""
+        layer_types = getattr(self.config, "layer_types", None) or ()
         index = getattr(module, "layer_idx", None)
-        sliding = getattr(config, "sliding_window", None)
-        if layer_types is not None and isinstance(index, int) and index < len(layer_types):
-            layer_type = layer_types[index]
-            if layer_type == "chunked_attention":
-                return ChunkedWindow(int(config.attention_chunk_size))
-            if "sliding" not in layer_type:
-                return None
-        elif getattr(config, "use_sliding_window", True) is False:
+        return layer_types[index] if isinstance(index, int) and index < len(layer_types) else None
+
+    def _window(self, module: Any) -> Window:
+        """The keys a query of this attention module sees, as the model's masks decide:
+
+        1. a module's ``is_sliding`` flag (with its or the config's ``sliding_window``);
+        2. a module's own ``sliding_window`` attribute (None there: full attention);
+        3. its layer type in the config: ``chunked_attention`` (Llama 4), and, when the
+           config's ``layer_types`` name sliding layers, sliding or full by layer;
+        4. otherwise the config's ``sliding_window`` on every layer (the Mistral convention:
+           Mixtral, MiniMax), unless ``use_sliding_window`` is off or the modeling code never
+           builds a sliding-window mask (Nemotron-H's config has the field, unused).
+        """
+        config = self.config
+        size = _first_int(module, "sliding_window") or _first_int(
+            config, "sliding_window", "sliding_window_size"
+        )
+        if hasattr(module, "is_sliding"):
+            return size if module.is_sliding else None
+        if hasattr(module, "sliding_window"):
+            return _first_int(module, "sliding_window")
+        layer_types = list(getattr(config, "layer_types", None) or ())
+        layer_type = self._layer_type(module)
+        if layer_type == "chunked_attention":
+            return ChunkedWindow(int(config.attention_chunk_size))
+        if "sliding_attention" in layer_types:
+            return size if layer_type == "sliding_attention" else None
+        if getattr(config, "use_sliding_window", True) is False:
             return None
-        return int(sliding) if isinstance(sliding, int) and sliding > 0 else None
+        return size if _builds_sliding_masks(type(module).__module__) else None
 
     def _indexer(
         self, module: Any, kv_compression: int, query_head_dim: int
@@ -583,6 +600,18 @@ def _depth_attention(
         states += boundary
     final = getattr(getattr(model, "model", model), "final_input", None)
     return macs, cost(final, states + 1) if final is not None else 0
+
+
+@functools.cache
+def _builds_sliding_masks(modeling_module: str) -> bool:
+    """Whether a modeling module's code mentions sliding windows at all."""
+    import importlib
+    import inspect
+
+    try:
+        return "sliding_window" in inspect.getsource(importlib.import_module(modeling_module))
+    except (OSError, TypeError, ImportError):
+        return True  # no source to read: trust the config
 
 
 def _experts_parents(module: Any) -> list[Any]:
