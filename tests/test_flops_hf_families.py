@@ -86,9 +86,12 @@ FLOPS_OVERRIDES: dict[str, dict[str, Any]] = {
         index_n_heads=4,
         index_head_dim=16,
         index_topk=2,
+        o_lora_rank=8,  # default 1024: most of the tiny model's time
     ),
     # Indexed (sparse) attention layers; the tiny config has sliding layers only.
-    "kolibri1_1": dict(layer_types=["sliding_attention", "indexed_attention"] * 2, index_layers=[1]),
+    "kolibri1_1": dict(
+        layer_types=["sliding_attention", "indexed_attention"] * 2, index_layers=[1]
+    ),
     # Chunked attention with chunks shorter than the sequences (default 8192).
     "llama4_text": dict(attention_chunk_size=8),
     # Small Gated DeltaNet heads (defaults: 16 x 128 keys, 32 x 128 values).
@@ -308,7 +311,10 @@ def _recurrent_macs(module: Any) -> tuple[str, int] | None:
     state-space mixer, from the module's own sizes (docs/en/flops.md)."""
     name = type(module).__name__
     if name.endswith("GatedDeltaNet"):  # S^T k, the delta update, S^T q
-        return "linear_attention_core", 3 * module.num_v_heads * module.head_k_dim * module.head_v_dim
+        return (
+            "linear_attention_core",
+            3 * module.num_v_heads * module.head_k_dim * module.head_v_dim,
+        )
     if name.endswith("DeltaAttention"):  # Kimi Delta Attention: the same three
         return "linear_attention_core", 3 * module.num_heads * module.head_dim**2
     if name.endswith("LightningAttention"):  # k v^T into the state, S^T q

@@ -145,9 +145,7 @@ class _Walker:
         """Multiply-adds per token of every weight matmul in ``module``'s subtree."""
         return sum(self._own_macs(m, name, top_k, heads) for name, m in _named_modules(module))
 
-    def _own_macs(
-        self, module: Any, name: str, top_k: int | None, heads: int | None = None
-    ) -> int:
+    def _own_macs(self, module: Any, name: str, top_k: int | None, heads: int | None = None) -> int:
         """Multiply-adds per token of ``module``'s own parameters (its children excluded)."""
         nn = self.torch.nn
         cls = type(module).__name__
@@ -239,40 +237,57 @@ class _Walker:
         )
 
     def _layer(self, layer: Any) -> list[Layer]:
+        """One decoder layer as Layers: its mixers paired in order with its feed-forward blocks
+        (longcat_flash has two of each and an MoE block; gemma4 a dense MLP beside its MoE)."""
         parts = _Parts()
-        self._visit(layer, "", parts, top=True)
+        children = dict(layer.named_children())
+        if _holds_experts(layer):
+            # gemma4: the experts and their router are the decoder layer's own children.
+            block = self._moe(layer, shared_members=False)
+            parts.ffns.append(block)
+            children = {n: c for n, c in children.items() if not _in_moe(n, c)}
+        self._check_own(layer)
+        shared = 0
+        for name, child in children.items():
+            if type(child).__name__.endswith("MessageGate"):
+                continue  # runs in Inkling 2 loop passes after the first only: see shape()
+            if name.startswith("shared"):
+                shared += self.weight_macs(child)  # granitemoe*: beside the MoE block
+                continue
+            self._visit(child, name, parts)
+        if shared:
+            moe = [i for i, ffn in enumerate(parts.ffns) if isinstance(ffn, MoEMLP)]
+            if moe:
+                ffn = parts.ffns[moe[0]]
+                parts.ffns[moe[0]] = dataclasses.replace(
+                    ffn, shared_params=ffn.shared_params + shared
+                )
+            else:
+                parts.ffns.append(DenseMLP(shared))
         out: list[Layer] = []
         for i in range(max(len(parts.mixers), len(parts.ffns), 1)):
             mixer = parts.mixers[i] if i < len(parts.mixers) else None
             ffn = parts.ffns[i] if i < len(parts.ffns) else None
             other = parts.other if i == 0 else 0
-            if mixer is None and ffn is None and not other:
-                continue
-            out.append(Layer(mixer, ffn, other))
+            if mixer is not None or ffn is not None or other:
+                out.append(Layer(mixer, ffn, other))
         return out
 
-    def _visit(self, module: Any, name: str, parts: _Parts, top: bool = False) -> None:
-        """Claim ``module``'s subtree for a mixer or feed-forward block, or recurse."""
-        children = dict(module.named_children())
-        if any(is_routed_experts(c) for c in children.values()) or type(module).__name__.endswith(
-            "CDMoE"
-        ):
-            self._moe(module, parts, top)
-            if not top:
-                return
-        mixer = None if top else self._mixer(module)
+    def _visit(self, module: Any, name: str, parts: _Parts) -> None:
+        """Claim ``module``'s subtree for a mixer or a feed-forward block, or count its own
+        weights as other projections and look at its children."""
+        if _holds_experts(module) or type(module).__name__.endswith("CDMoE"):
+            parts.ffns.append(self._moe(module))
+            return
+        mixer = self._mixer(module)
         if mixer is not None:
             parts.mixers.extend(mixer if isinstance(mixer, list) else [mixer])
             return
-        if not top and _is_mlp_name(name):
+        if _is_dense_mlp(name, module):
             parts.ffns.append(DenseMLP(self.weight_macs(module)))
             return
-        parts.other += self._own_macs(module, name, None) if not top else 0
-        if top:
-            self._check_own(module)
-        for child_name, child in children.items():
-            if top and (_claimed_by_moe(module, child) or type(child).__name__.endswith("MessageGate")):
-                continue
+        parts.other += self._own_macs(module, name, None)
+        for child_name, child in module.named_children():
             self._visit(child, child_name, parts)
 
     def _check_own(self, module: Any) -> None:
@@ -284,34 +299,30 @@ class _Walker:
                 )
 
     # ---- MoE -----------------------------------------------------------------------------
-    def _moe(self, block: Any, parts: _Parts, top: bool) -> None:
+    def _moe(self, block: Any, shared_members: bool = True) -> MoEMLP:
+        """A MoE block: its routed experts, its router(s), and (``shared_members``) everything
+        else it holds as shared experts."""
         cls = type(block).__name__
         if cls.endswith("CDMoE"):
-            parts.ffns.append(self._doge_cdmoe(block))
-            return
+            return self._doge_cdmoe(block)
         children = dict(block.named_children())
-        experts = [c for n, c in children.items() if is_routed_experts(c)]
+        experts = [c for c in children.values() if is_routed_experts(c)]
         routers = [c for n, c in children.items() if _is_router(n, c) and c not in experts]
         top_k = _top_k(*routers, block, *experts, self.config)
         if top_k is None:
             raise UnsupportedModelError(f"{self.model_type}: {cls} has no top_k")
         num_experts = _num_experts(experts[0], *routers, block, self.config)
-        expert_weights = sum(_expert_weights(e) for e in experts)
         shared = 0
-        if not top:
-            for n, c in children.items():
-                if c in experts or c in routers:
-                    continue
-                shared += self.weight_macs(c)
-            shared += self._own_macs(block, "", None)
-        parts.ffns.append(
-            MoEMLP(
-                router_params=sum(self.weight_macs(r) for r in routers),
-                expert_params=int(expert_weights // num_experts),
-                num_experts=num_experts,
-                top_k=top_k,
-                shared_params=shared,
+        if shared_members:
+            shared = self._own_macs(block, "", None) + sum(
+                self.weight_macs(c) for c in children.values() if c not in experts + routers
             )
+        return MoEMLP(
+            router_params=sum(self.weight_macs(r) for r in routers),
+            expert_params=sum(_expert_weights(e) for e in experts) // num_experts,
+            num_experts=num_experts,
+            top_k=top_k,
+            shared_params=shared,
         )
 
     def _doge_cdmoe(self, block: Any) -> MoEMLP:
@@ -433,7 +444,10 @@ class _Walker:
                 f"{self.model_type}: {type(module).__name__} has no head_dim / qk_head_dim"
             )
         window = self._window(module)
-        if self._layer_type(module) == "indexed_attention" and getattr(module, "indexer", None) is None:
+        if (
+            self._layer_type(module) == "indexed_attention"
+            and getattr(module, "indexer", None) is None
+        ):
             # HY-V4: a layer whose indexer is "shared" reuses an earlier layer's top-k keys.
             window = _first_int(self.config, "index_topk") or window
         keep = _first_int(module, "keep_window_size")
@@ -631,21 +645,18 @@ def _is_router(name: str, module: Any) -> bool:
     return name in _ROUTER_NAMES or any(w in cls for w in _ROUTER_CLASS_WORDS)
 
 
-def _claimed_by_moe(layer: Any, child: Any) -> bool:
-    """At a decoder layer that is itself the MoE block (gemma4): its experts and router."""
-    children = dict(layer.named_children())
-    if not any(is_routed_experts(c) for c in children.values()):
-        return False
-    return is_routed_experts(child) or any(
-        c is child and _is_router(n, c) for n, c in children.items()
-    )
+def _holds_experts(module: Any) -> bool:
+    return any(is_routed_experts(c) for c in module.children())
 
 
-def _is_mlp_name(name: str) -> bool:
-    base = name.rsplit(".", 1)[-1]
-    return base in ("mlp", "feed_forward", "ffn", "shared_mlp") or base.isdigit() is False and (
-        base.endswith("_mlp")
-    )
+def _in_moe(name: str, module: Any) -> bool:
+    """A decoder layer's own experts or router (gemma4)."""
+    return is_routed_experts(module) or _is_router(name, module)
+
+
+def _is_dense_mlp(name: str, module: Any) -> bool:
+    cls = type(module).__name__
+    return name in ("mlp", "feed_forward", "ffn") or cls.endswith(("MLP", "Mlp", "FeedForward"))
 
 
 def _is_tower(name: str) -> bool:
@@ -778,4 +789,3 @@ __all__ = [
     "model_shape",
     "transformers_config",
 ]
-
