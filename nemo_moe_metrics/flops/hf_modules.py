@@ -29,9 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from nemo_moe_metrics.flops.core import (
     LINEAR_ATTENTION_MACS_PER_STATE_ELEMENT,
@@ -91,8 +95,6 @@ def is_routed_experts(module: Any) -> bool:
     if code is not None and code.co_filename.replace("\\", "/").endswith("integrations/moe.py"):
         return True
     try:
-        import inspect
-
         params = list(inspect.signature(forward).parameters)[1:4]
     except (TypeError, ValueError):
         params = []
@@ -127,9 +129,6 @@ class _Walker:
     """Reads one model: the text config, the decoder layers, the per-kind rules."""
 
     def __init__(self, model: Any) -> None:
-        import torch
-
-        self.torch = torch
         self.model = model
         config = getattr(model, "config", None)
         if config is None or not hasattr(config, "get_text_config"):
@@ -147,7 +146,7 @@ class _Walker:
 
     def _own_macs(self, module: Any, name: str, top_k: int | None, heads: int | None = None) -> int:
         """Multiply-adds per token of ``module``'s own parameters (its children excluded)."""
-        nn = self.torch.nn
+        nn = torch.nn
         cls = type(module).__name__
         params = dict(module.named_parameters(recurse=False))
         if isinstance(module, nn.Embedding):
@@ -194,8 +193,8 @@ class _Walker:
         fn = params.get("fn", params.get("hc_fn"))
         macs = int(fn.numel())
         if hasattr(module, "hc_sinkhorn_iters"):
-            streams = int(module.hc_mult)
-            macs += streams * streams * int(fn.shape[1]) // streams
+            # [hc_mult x hc_mult] @ [hc_mult x hidden]; fn's input is hc_mult x hidden wide.
+            macs += int(module.hc_mult) * int(fn.shape[1])
         return macs
 
     # ---- the model -----------------------------------------------------------------------
@@ -619,9 +618,6 @@ def _depth_attention(
 @functools.cache
 def _builds_sliding_masks(modeling_module: str) -> bool:
     """Whether a modeling module's code mentions sliding windows at all."""
-    import importlib
-    import inspect
-
     try:
         return "sliding_window" in inspect.getsource(importlib.import_module(modeling_module))
     except (OSError, TypeError, ImportError):
@@ -669,8 +665,6 @@ def _named_modules(module: Any) -> Iterator[tuple[str, Any]]:
 
 def _decoder_layers(model: Any) -> list[Any]:
     """The decoder layers: the first ModuleList of the classes transformers keeps unsplit."""
-    import torch
-
     no_split = set(getattr(model, "_no_split_modules", None) or ())
     best: list[Any] = []
     for name, module in model.named_modules():
@@ -720,8 +714,6 @@ def is_readable(model: Any) -> bool:
     DeepSpeed ZeRO-3), whose modules then show empty weights; DTensor parameters (FSDP2,
     tensor parallel) report their global shape and are readable.
     """
-    import torch
-
     config = getattr(model, "config", None)
     if not hasattr(config, "get_text_config") or not hasattr(model, "modules"):
         return False
@@ -758,7 +750,6 @@ def transformers_config(config: Any) -> Any:
 
 def meta_model(config: Any) -> Any:
     """The causal LM of ``config``'s model type, built on the meta device."""
-    import torch
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
