@@ -342,15 +342,17 @@ class _Walker:
     def _mixer(self, module: Any) -> Any:
         cls = type(module).__name__
         if cls.endswith("GatedDeltaNet"):
-            return self._gated_delta_net(module)
+            return self._delta_rule(
+                module, module.num_v_heads, module.head_k_dim, module.head_v_dim
+            )
         if cls.endswith("DeltaAttention"):
-            return self._kimi_delta_attention(module)
+            return self._delta_rule(module, module.num_heads, module.head_dim, module.head_dim)
         if cls.endswith("LightningAttention"):
             return self._lightning_attention(module)
         if hasattr(module, "A_log") and hasattr(module, "x_proj") and hasattr(module, "dt_proj"):
-            return self._mamba1(module)
+            return self._mamba(module, module.intermediate_size, 1)  # Mamba-1
         if hasattr(module, "A_log") and hasattr(module, "in_proj") and hasattr(module, "n_groups"):
-            return self._mamba2(module)
+            return self._mamba(module, module.num_heads, module.head_dim)  # Mamba-2
         if cls.endswith("ShortConv") and hasattr(module, "in_proj"):
             conv = module.conv
             return ShortConvLayer(
@@ -371,28 +373,17 @@ class _Walker:
             int(conv.weight.shape[-1]),
         )
 
-    def _gated_delta_net(self, module: Any) -> LinearAttentionLayer:
+    def _delta_rule(self, module: Any, heads: int, key_dim: int, value_dim: int) -> Any:
+        """Gated DeltaNet, and Kimi Delta Attention (kimi_linear, bailing_hybrid: the delta rule
+        with a per-channel decay): 3 state-sized multiply-adds per token and value head."""
         projections, channels, kernel = self._conv_split(module)
         return LinearAttentionLayer(
             projection_params=projections,
             conv_channels=channels,
             conv_kernel=kernel,
-            num_value_heads=int(module.num_v_heads),
-            key_head_dim=int(module.head_k_dim),
-            value_head_dim=int(module.head_v_dim),
-        )
-
-    def _kimi_delta_attention(self, module: Any) -> LinearAttentionLayer:
-        # Kimi Delta Attention (kimi_linear, bailing_hybrid): the delta rule with a per-channel
-        # decay; the same 3 state-sized multiply-adds per token and head as Gated DeltaNet.
-        projections, channels, kernel = self._conv_split(module)
-        return LinearAttentionLayer(
-            projection_params=projections,
-            conv_channels=channels,
-            conv_kernel=kernel,
-            num_value_heads=int(module.num_heads),
-            key_head_dim=int(module.head_dim),
-            value_head_dim=int(module.head_dim),
+            num_value_heads=int(heads),
+            key_head_dim=int(key_dim),
+            value_head_dim=int(value_dim),
         )
 
     def _lightning_attention(self, module: Any) -> LinearAttentionLayer:
@@ -407,27 +398,16 @@ class _Walker:
             core_macs_per_state_element=LINEAR_ATTENTION_MACS_PER_STATE_ELEMENT,
         )
 
-    def _mamba1(self, module: Any) -> MambaLayer:
-        # Mamba-1 (jamba): a diagonal state of ssm_state_size per channel; as Mamba-2 with one
-        # channel per head: write x B into the state, read h C.
+    def _mamba(self, module: Any, heads: int, head_dim: int) -> MambaLayer:
+        """Mamba-2 (SSD), or Mamba-1 (jamba) as Mamba-2 with one channel per head (a diagonal
+        state of ssm_state_size per channel): write x B into the state, read h C."""
         projections, channels, kernel = self._conv_split(module)
         return MambaLayer(
             projection_params=projections,
             conv_channels=channels,
             conv_kernel=kernel,
-            num_heads=int(module.intermediate_size),
-            head_dim=1,
-            state_dim=int(module.ssm_state_size),
-        )
-
-    def _mamba2(self, module: Any) -> MambaLayer:
-        projections, channels, kernel = self._conv_split(module)
-        return MambaLayer(
-            projection_params=projections,
-            conv_channels=channels,
-            conv_kernel=kernel,
-            num_heads=int(module.num_heads),
-            head_dim=int(module.head_dim),
+            num_heads=int(heads),
+            head_dim=int(head_dim),
             state_dim=int(module.ssm_state_size),
         )
 
