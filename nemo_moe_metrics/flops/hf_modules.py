@@ -60,6 +60,10 @@ class UnsupportedModelError(UnknownModelTypeError):
     """The model holds a module whose FLOPs no rule of :mod:`hf_modules` knows."""
 
 
+class NotInTransformersError(UnknownModelTypeError):
+    """The installed transformers has no causal LM for the config's model_type."""
+
+
 _TOP_K_FIELDS = (
     "top_k",
     "num_experts_per_tok",
@@ -160,7 +164,10 @@ class _Walker:
         if cls.endswith(("RelativeLogits", "RelativePositionBias")):
             # Inkling: per token and head, relative states (d_rel) times a bank of bias
             # profiles (d_rel x rel_extent): one small matmul per head, whatever the length.
-            return int(params["proj"].numel()) * int(getattr(module, "num_heads", None) or heads)
+            count = _first_int(module, "num_heads") or heads
+            if "proj" not in params or count is None:
+                raise UnsupportedModelError(f"{self.model_type}: {cls} without proj or heads")
+            return int(params["proj"].numel()) * count
         if cls.endswith("DynamicShortConvolution"):
             # Inkling 2: a depthwise conv whose taps are static weights plus per-token ones.
             return int(params["static_weight"].numel())
@@ -707,7 +714,7 @@ def is_readable(model: Any) -> bool:
 
 def transformers_config(config: Any) -> Any:
     """``config`` as a transformers ``PretrainedConfig`` (a config.json dict is loaded with
-    ``AutoConfig.for_model``); KeyError when transformers does not know its model_type."""
+    ``AutoConfig.for_model``); NotInTransformersError when transformers does not know its type."""
     if hasattr(config, "to_dict") and hasattr(config, "model_type"):
         return config
     from transformers import AutoConfig, PretrainedConfig
@@ -719,13 +726,12 @@ def transformers_config(config: Any) -> Any:
         fields = decode(fields)
     model_type = fields.pop("model_type", None)
     if not isinstance(model_type, str):
-        raise KeyError("the config has no model_type")
-    try:
-        return AutoConfig.for_model(model_type, **fields)
-    except ValueError as err:
-        if "Unrecognized" in str(err) or model_type in str(err):
-            raise KeyError(model_type) from err
-        raise
+        raise NotInTransformersError("the config has no model_type")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise NotInTransformersError(f"transformers does not know model_type {model_type!r}")
+    return AutoConfig.for_model(model_type, **fields)
 
 
 def meta_model(config: Any) -> Any:
@@ -745,12 +751,13 @@ def meta_model(config: Any) -> Any:
             continue
         with torch.device("meta"):
             return model_class._from_config(cfg)
-    raise KeyError(
+    raise NotInTransformersError(
         f"transformers {transformers.__version__} has no causal LM for model_type {model_type!r}"
     )
 
 
 __all__ = [
+    "NotInTransformersError",
     "UnsupportedModelError",
     "estimator_from_config",
     "estimator_from_model",

@@ -144,7 +144,7 @@ def _from_transformers_modules(
     """The estimate read from a transformers model's modules: ``model``, else a meta skeleton."""
     try:
         from nemo_moe_metrics.flops import hf_modules
-    except ImportError as err:  # no torch / transformers: only the formulas are available
+    except ImportError as err:  # no torch: only the formulas are available
         raise _unknown(model_type) from err
     if model is not None and hf_modules.is_readable(model):
         # The model that runs, custom modules included; a module no rule knows is an error
@@ -154,7 +154,7 @@ def _from_transformers_modules(
     try:
         hf_config = hf_modules.transformers_config(config)
         return hf_modules.estimator_from_config(hf_config, vocab_size=vocab_size)
-    except KeyError as err:  # transformers does not know this model_type
+    except (hf_modules.NotInTransformersError, ImportError) as err:
         raise _unknown(model_type) from err
     except UnknownModelTypeError:
         raise
