@@ -465,6 +465,22 @@ def test_shipped_real_configs_formula_equals_the_meta_skeleton(name):
     assert skeleton.parameter_counts() == formula.parameter_counts()
 
 
+@pytest.mark.parametrize("model_type", ["gemma4", "llama4", "inkling2"])
+def test_a_multimodal_model_costs_its_text_decoder(model_type):
+    # Attaching a vision-language model reads the same text decoder as its causal LM; vision
+    # and audio towers are not counted.
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    config = transformers.AutoConfig.for_model(model_type)  # full size, on the meta device
+    model_class = getattr(transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[model_type])
+    with torch.device("meta"):
+        multimodal = model_class._from_config(config)
+    for causal in (True, False):
+        got = estimator_from_model(multimodal)([4096, 100], causal=causal).by_component
+        want = estimator_from_model(meta_model(config))([4096, 100], causal=causal).by_component
+        assert got == pytest.approx(want, rel=1e-12)
+
+
 # ---- errors, attach, CLI --------------------------------------------------------------------
 def test_a_module_without_a_rule_is_named_not_costed_as_zero():
     model = tiny_config("glm4_moe")

@@ -206,7 +206,7 @@ class _Walker:
 
     # ---- the model -----------------------------------------------------------------------
     def shape(self) -> ModelShape:
-        layers_list = _decoder_layers(self.model)
+        text_model, layers_list = _decoder_layers(self.model)
         claimed = {id(m) for layer in layers_list for m in layer.modules()}
         head = self.model.get_output_embeddings()
         if head is None:
@@ -220,7 +220,7 @@ class _Walker:
             other += self._own_macs(module, name, None)
         per_layer = [self._layer(layer) for layer in layers_list]
         order = _execution_order(self.config, len(layers_list))
-        depth, final_depth = _depth_attention(self.model, layers_list, order, hidden)
+        depth, final_depth = _depth_attention(text_model, layers_list, order, hidden)
         layers: list[Layer] = []
         for step, (index, loop_pass) in enumerate(order):
             first, *rest = per_layer[index]
@@ -561,7 +561,7 @@ def _execution_order(config: Any, num_layers: int) -> list[tuple[int, int]]:
 
 
 def _depth_attention(
-    model: Any, layers: list[Any], order: list[tuple[int, int]], hidden: int
+    text_model: Any, layers: list[Any], order: list[tuple[int, int]], hidden: int
 ) -> tuple[list[int], int]:
     """Inkling 2's attention residuals: per-token multiply-adds of each executed layer's
     attention over the stack of block states (learned queries, no projections), and of the
@@ -583,7 +583,7 @@ def _depth_attention(
 
     loop_start = next((i for i, loop_pass in order if loop_pass), None)
     states, pre_loop, pass_end = 0, 0, 0
-    message = getattr(getattr(model, "model", model), "message_input", None)
+    message = getattr(text_model, "message_input", None)
     for step, (index, loop_pass) in enumerate(order):
         layer = layers[index]
         if index == loop_start and loop_pass == 0:
@@ -598,7 +598,7 @@ def _depth_attention(
         boundary = bool(getattr(layer, "is_block_boundary", False))
         macs[step] += cost(layer.mlp_input, states + boundary + 1)
         states += boundary
-    final = getattr(getattr(model, "model", model), "final_input", None)
+    final = getattr(text_model, "final_input", None)
     return macs, cost(final, states + 1) if final is not None else 0
 
 
@@ -650,18 +650,20 @@ def _named_modules(module: Any) -> Iterator[tuple[str, Any]]:
     return module.named_modules(remove_duplicate=False)
 
 
-def _decoder_layers(model: Any) -> list[Any]:
-    """The decoder layers: the first ModuleList of the classes transformers keeps unsplit."""
+def _decoder_layers(model: Any) -> tuple[Any, list[Any]]:
+    """The text model and its decoder layers: the first ModuleList of the classes transformers
+    keeps unsplit (else the longest one named ``layers``), outside any vision or audio tower."""
     no_split = set(getattr(model, "_no_split_modules", None) or ())
-    best: list[Any] = []
+    best: tuple[Any, list[Any]] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.ModuleList) or _is_tower(name) or not len(module):
             continue
+        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         if all(type(m).__name__ in no_split for m in module):
-            return list(module)
-        if len(module) > len(best) and "layers" in name.rsplit(".", 1)[-1]:
-            best = list(module)
-    if not best:
+            return owner, list(module)
+        if "layers" in name.rsplit(".", 1)[-1] and (best is None or len(module) > len(best[1])):
+            best = owner, list(module)
+    if best is None:
         raise UnsupportedModelError(f"{type(model).__name__}: no decoder layers found")
     return best
 
