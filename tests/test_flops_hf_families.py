@@ -56,6 +56,9 @@ MODEL_TYPES = [f.model_type for f in moe_families()]
 # One training step over two sequences. Odd, unequal lengths: no window, chunk or compression
 # rate of the tiny configs divides them, so partial blocks are exercised.
 LENGTHS = [17, 26]
+#: The training step counted under FlopCounterMode: one sequence (per-sequence accounting of
+#: packed batches is checked in test_flops.py and test_flops_transformers.py).
+STEP = [26]
 
 _SMALL_LINEAR = dict(
     linear_num_key_heads=2,
@@ -243,7 +246,7 @@ def _indexer_head_weighting(model: Any, step: StepCount, estimate: Any) -> tuple
     for module in model.modules():
         if type(module).__name__.endswith("V4Indexer"):
             rate = module.compress_rate
-            macs += sum(module.num_heads * n * (n // rate) for n in LENGTHS)
+            macs += sum(module.num_heads * n * (n // rate) for n in STEP)
     return -2.0 * macs, 0.0
 
 
@@ -255,7 +258,7 @@ def _zero_token_value(model: Any, step: StepCount, estimate: Any) -> tuple[float
         for m in model.modules()
         if type(m).__name__.endswith("CCAProjection")
     )
-    return 0.0, -per_sequence * len(LENGTHS)
+    return 0.0, -per_sequence * len(STEP)
 
 
 ADJUSTMENTS: dict[str, Adjustment] = {
@@ -289,9 +292,9 @@ def _dynamic_conv_taps(model: Any) -> Iterator[list[float]]:
 
 def _expected_and_counted(model_type: str) -> tuple[float, float]:
     model = flops_model(model_type)
-    estimate = estimator_from_model(model)(LENGTHS, causal=False)
+    estimate = estimator_from_model(model)(STEP, causal=False)
     with _dynamic_conv_taps(model) as taps:
-        step = count_training_step(model, LENGTHS)
+        step = count_training_step(model, STEP)
     expected = estimate.total - taps[0]
     # Kernels counted alone on the counter's side: their components leave the estimate.
     for component in {c for call in step.calls for c in call.components}:
