@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.flops.core import pairs_per_sequence
 from nemo_moe_metrics.host_read import Pending, read_once
 
 #: ``estimator(seq_lens: np.ndarray[int64], causal: bool) -> obj with .total`` (training FLOPs).
@@ -676,14 +677,7 @@ def _length_sums(
     lens = raw.clamp(0, MAX_SEQUENCE_LENGTH)
     cols = [lens.sum().to(torch.float64)]
     for window in windows:
-        if not causal:
-            pairs = lens * lens
-        elif window is None:
-            pairs = lens * (lens + 1) // 2
-        else:
-            # The first min(L, w) queries see i+1 keys; the remaining ones see exactly w.
-            inside = lens.clamp(max=int(window))
-            pairs = inside * (inside + 1) // 2 + (lens - inside) * int(window)
+        pairs = pairs_per_sequence(lens, causal=causal, window=window)
         cols.append(pairs.to(torch.float64).sum())
     lens = raw
     check = torch.stack([(lens < 0).sum(), lens.min(), too_long, lens.max()])

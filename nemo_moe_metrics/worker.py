@@ -229,7 +229,7 @@ class PolicyMetrics:
         if self.cfg.track_moe_metrics:
             self._attach_moe(chunks, self._facts)
         if self.cfg.track_throughput:
-            self._meter = self._build_meter(config)
+            self._meter = self._build_meter(config, chunks[0] if len(chunks) == 1 else None)
             self._input_hooks = [
                 chunk.register_forward_pre_hook(self._note_model_input, with_kwargs=True)
                 for chunk in chunks
@@ -317,15 +317,18 @@ class PolicyMetrics:
             )
         self._routing_reducer = RoutingReducer(moe_layers, topk, rollout_experts=rollout_experts)
 
-    def _build_meter(self, transformer_config: Any) -> Any:
+    def _build_meter(self, transformer_config: Any, model: nn.Module | None = None) -> Any:
         from nemo_moe_metrics.throughput import StepMeter
 
         estimator, peak = None, None
         if self.cfg.track_flops:
             from nemo_moe_metrics.flops import resolve_peak_flops, try_get_flops_estimator
 
-            # Unknown model type: one warning and no FLOP keys, never a reported 0.
-            estimator = try_get_flops_estimator(transformer_config, vocab_size=self.vocab_size)
+            # Unknown model type: one warning and no FLOP keys, never a reported 0. A
+            # transformers model without a formula is read from its own modules, once here.
+            estimator = try_get_flops_estimator(
+                transformer_config, vocab_size=self.vocab_size, model=model
+            )
             device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
             if estimator is not None:
                 peak = resolve_peak_flops(device_name, self.cfg.peak_flops_per_gpu)

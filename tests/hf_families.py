@@ -58,7 +58,25 @@ _SIZE_RULES: tuple[tuple[str, Any], ...] = (
     (r"^(layer_types|mlp_layer_types)$", None),  # re-derived for 4 layers by the config class
 )
 
-#: What a family needs beyond the shared size fields (keyed by model type).
+_SMALL_LINEAR = dict(  # Gated DeltaNet heads (defaults: 16 x 128 keys, 32 x 128 values)
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
+_SMALL_DSA = dict(index_n_heads=4, index_head_dim=16, index_topk=8)  # a top-k below the lengths
+_SMALL_INKLING = dict(
+    swa_num_attention_heads=4,
+    swa_num_key_value_heads=2,
+    swa_head_dim=16,
+    sliding_window_size=8,
+    rel_extent=16,
+    unpadded_vocab_size=VOCAB,
+)
+
+#: What a family needs beyond the shared size fields (keyed by model type): its layer pattern,
+#: nested configs and validation rules, and whatever makes every kind of module it has (sparse
+#: indexers, compressed or chunked attention, loops) run, small, in the tiny model.
 OVERRIDES: dict[str, dict[str, Any]] = {
     "dbrx": dict(
         d_model=H,
@@ -91,7 +109,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         linear_num_heads=4,
     ),
     "bailing_hybrid": dict(layer_group_size=2),
-    "kolibri1_1": dict(
+    "kolibri1_1": dict(  # indexed (sparse) attention layers next to sliding ones
         index_num_heads=2,
         index_topk=8,
         index_pool_size=16,
@@ -99,8 +117,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         index_num_local_tokens=4,
         index_num_sink_tokens=2,
         mlp_only_intermediate_size=32,
+        layer_types=["sliding_attention", "indexed_attention"] * (LAYERS // 2),
+        index_layers=[1],
     ),
     "qwen4_exp_text": dict(
+        _SMALL_LINEAR,
         indexer_n_heads=2,
         indexer_kv_heads=1,
         indexer_head_dim=16,
@@ -109,10 +130,54 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         ngram_vocab_size_base=512,
         hc_lowrank=8,
     ),
-    "dots3_note_text": dict(num_key_value_heads=4),  # its validator wants kv heads == heads
+    **{t: _SMALL_LINEAR for t in ("qwen3_next", "qwen3_5_moe_text", "lara_mini")},
+    **{t: _SMALL_DSA for t in ("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4")},
+    "dots3_note_text": dict(
+        _SMALL_DSA,
+        num_key_value_heads=4,  # its validator wants kv heads == heads
+        # Its sliding layers' own sizes (defaults: 64 heads of 256, ranks 1024).
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=4,
+        swa_q_lora_rank=24,
+        swa_kv_lora_rank=16,
+        swa_head_dim=16,
+        swa_qk_nope_head_dim=8,
+        swa_v_head_dim=8,
+    ),
+    # Both compressed-attention kinds with rates below the test lengths (HCA's default is 128),
+    # a CSA top-k that bites, a small indexer.
+    "deepseek_v4": dict(
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        index_n_heads=4,
+        index_head_dim=16,
+        index_topk=2,
+        o_lora_rank=8,  # default 1024: most of the tiny model's time
+    ),
+    "llama4_text": dict(attention_chunk_size=8),  # chunks shorter than the sequences
+    "nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=16, n_groups=1),  # default 128 x 64
+    "jetmoe": dict(kv_channels=16),
+    "inkling_text": _SMALL_INKLING,
+    # Full and sliding layers, attention-residual blocks of 2 layers.
+    "inkling2_text": dict(
+        _SMALL_INKLING,
+        n_layers_per_attn_res_block=2,
+        layer_types=["hybrid_sliding", "hybrid"] * (LAYERS // 2),
+    ),
+    # Layers 1-2 looped 3 times (the default loop starts at layer 6).
+    "inkling2_loop_text": dict(
+        _SMALL_INKLING,
+        n_layers_per_attn_res_block=1,
+        loop_layer_index_start=1,
+        loop_layer_index_end=3,
+        loop_num_passes=3,
+        layer_types=["hybrid_sliding", "hybrid"] * (LAYERS // 2),
+    ),
     "zaya": dict(num_experts_per_tok=1),  # the family supports top-1 only
     "longcat_flash": dict(zero_expert_num=4),  # 4 zero-computation experts next to the 8
-    "gemma4_text": dict(enable_moe_block=True, moe_intermediate_size=16),
+    # The MoE block on; a small per-layer input table (building 262144 x ... takes 11 s).
+    "gemma4_text": dict(
+        enable_moe_block=True, moe_intermediate_size=16, vocab_size_per_layer_input=VOCAB
+    ),
     "doge": dict(is_moe=True, num_experts=16, num_experts_per_tok=2),  # product keys: 4 x 4
 }
 
@@ -232,6 +297,22 @@ def tiny_model(model_type: str, seed: int = 0, **changes: Any) -> Any:
     return family(model_type).model_class(tiny_config(model_type, **changes)).train()
 
 
+_SHARED: dict[str, Any] = {}
+
+
+def shared_tiny_model(model_type: str, **changes: Any) -> Any:
+    """``tiny_model(model_type, **changes)``, built once per process and shared by the tests.
+
+    For tests that only read the model or run forward and backward (and zero the gradients
+    they make, and remove the hooks they add); a test that changes weights or modules builds its
+    own with :func:`tiny_model`.
+    """
+    key = f"{model_type}|{sorted(changes.items())!r}"
+    if key not in _SHARED:
+        _SHARED[key] = tiny_model(model_type, **changes)
+    return _SHARED[key]
+
+
 # -- the supported-models table (docs/en/models.md, docs/zh/models.md) -------------------------
 TABLE_HEADER = "| model type | model class | expert loads | aux loss | FLOPs | notes |"
 
@@ -268,21 +349,25 @@ def support_row(model_type: str) -> str:
         notes.append("aux loss on the layers with a top-k router")
     if any(getattr(m, "e_score_correction_bias", None) is not None for m in model.modules()):
         notes.append("routing bias (aux-loss-free balancing)")
-    flops = flops_support(model_type)
+    flops, flops_note = flops_support(model_type)
+    if flops_note:
+        notes.append(f"FLOPs: {flops_note}")
     return (
         f"| {model_type} | {fam.model_class.__name__} | {counted} | {aux} | {flops} | "
         f"{'; '.join(notes)} |"
     )
 
 
-def flops_support(model_type: str) -> str:
-    """How the FLOPs of the family are estimated (a registered formula or the module walk)."""
-    from nemo_moe_metrics.flops import registered_model_types
+def flops_support(model_type: str) -> tuple[str, str]:
+    """The FLOPs cell ("formula", "modules" or "no") and its note, from the FLOPs matrix."""
+    from test_flops_hf_families import flops_support as checked
 
-    text_type = tiny_config(model_type).get_text_config().model_type
-    if model_type in registered_model_types() or text_type in registered_model_types():
-        return "formula"
-    return "—"
+    supported, note = checked(model_type)
+    if not supported:
+        return "no", note
+    if note.startswith("registered formula"):
+        return "formula", note.removeprefix("registered formula").removeprefix("; ")
+    return "modules", note
 
 
 @functools.cache

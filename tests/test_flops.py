@@ -29,6 +29,7 @@ from nemo_moe_metrics.flops import (
     try_get_flops_estimator,
 )
 from nemo_moe_metrics.flops import registry as registry_module
+from nemo_moe_metrics.flops.core import ChunkedWindow, CompressedWindow, pairs_per_sequence
 
 H, HEADS, KV, HD, FFN, V = 64, 4, 2, 24, 96, 128
 
@@ -73,6 +74,35 @@ def test_sliding_window_counts_only_pairs_inside_window():
     got = est(lengths).by_component["attention_core"]
     pairs = sum(_brute_pairs(n, window=5) for n in lengths)
     assert got == 3 * 2 * 2 * HEADS * 2 * HD * pairs
+
+
+def _visible_keys(i: int, window) -> int:
+    """Keys query i (0-based) sees, counted one by one from the rule in words."""
+    if isinstance(window, ChunkedWindow):  # its own chunk, up to itself
+        return sum(1 for j in range(i + 1) if j // window.size == i // window.size)
+    if isinstance(window, CompressedWindow):  # entries of complete blocks up to it, top keep
+        entries = sum(1 for block_end in range(window.rate, i + 2, window.rate))
+        return entries if window.keep is None else min(entries, window.keep)
+    return min(i + 1, window)
+
+
+@pytest.mark.parametrize(
+    "window",
+    [ChunkedWindow(4), ChunkedWindow(1), CompressedWindow(4), CompressedWindow(3, keep=2), 6],
+)
+def test_every_window_kind_counts_the_keys_each_query_sees(window):
+    import torch
+
+    lengths = np.arange(0, 30)
+    causal = [sum(_visible_keys(i, window) for i in range(n)) for n in lengths]
+    assert list(pairs_per_sequence(lengths, causal=True, window=window)) == causal
+    # The device-side sums (throughput) use the same function on integer tensors.
+    on_device = pairs_per_sequence(torch.tensor(lengths), causal=True, window=window)
+    assert on_device.tolist() == causal
+    full = [
+        n * (n // window.rate) if isinstance(window, CompressedWindow) else n * n for n in lengths
+    ]
+    assert list(pairs_per_sequence(lengths, causal=False, window=window)) == full
 
 
 def test_gpt_oss_windows_only_its_sliding_layers():
@@ -221,15 +251,15 @@ def test_large_batch_is_vectorised():
 
 def test_unknown_model_type_lists_registered_types_and_how_to_register():
     with pytest.raises(UnknownModelTypeError) as err:
-        get_flops_estimator({"model_type": "mamba2", "hidden_size": 8})
+        get_flops_estimator({"model_type": "no_such_model", "hidden_size": 8})
     text = str(err.value)
-    assert "'mamba2'" in text and "qwen3_moe" in text and "register_flops_estimator(" in text
+    assert "'no_such_model'" in text and "qwen3_moe" in text and "register_flops_estimator(" in text
     assert isinstance(err.value, ValueError)
 
 
 def test_try_get_warns_and_returns_none_for_unknown_types_only():
-    with pytest.warns(UserWarning, match="FLOP metrics disabled.*'mamba2'"):
-        assert try_get_flops_estimator({"model_type": "mamba2"}) is None
+    with pytest.warns(UserWarning, match="FLOP metrics disabled.*'no_such_model'"):
+        assert try_get_flops_estimator({"model_type": "no_such_model"}) is None
     with pytest.raises(ValueError, match="top_k=3 exceeds num_experts=2"):
         try_get_flops_estimator(
             _llama(model_type="mixtral", num_local_experts=2, num_experts_per_tok=3)

@@ -9,7 +9,10 @@ Conventions and what is not counted: nemo_moe_metrics.flops.core and docs/en/flo
 
 from nemo_moe_metrics.flops.core import (
     COMPONENTS,
+    AttentionIndexer,
     AttentionLayer,
+    ChunkedWindow,
+    CompressedWindow,
     DenseMLP,
     FlopsBreakdown,
     FlopsEstimator,
@@ -19,6 +22,7 @@ from nemo_moe_metrics.flops.core import (
     ModelShape,
     MoEMLP,
     ParameterCounts,
+    ShortConvLayer,
 )
 from nemo_moe_metrics.flops.fixtures import fixture_names, load_fixture
 from nemo_moe_metrics.flops.peaks import peak_flops_per_second, resolve_peak_flops
@@ -32,7 +36,10 @@ from nemo_moe_metrics.flops.registry import (
 
 __all__ = [
     "COMPONENTS",
+    "AttentionIndexer",
     "AttentionLayer",
+    "ChunkedWindow",
+    "CompressedWindow",
     "DenseMLP",
     "FlopsBreakdown",
     "FlopsEstimator",
@@ -42,6 +49,7 @@ __all__ = [
     "ModelShape",
     "MoEMLP",
     "ParameterCounts",
+    "ShortConvLayer",
     "UnknownModelTypeError",
     "fixture_names",
     "get_flops_estimator",

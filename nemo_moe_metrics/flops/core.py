@@ -6,11 +6,11 @@ Conventions (stated once, used everywhere in this package):
 - Training FLOPs are ``3 x forward``: the backward pass computes the input gradient and the
   weight gradient, each as expensive as the forward matmul.
 - Counted: every matmul with a weight (projections, MLPs, experts actually routed to, routers,
-  gates, the lm_head), the attention score and value products, the Gated DeltaNet and Mamba-2
-  short convolutions and their recurrences (recurrent-equivalent, see ``linear_attention_core``
-  and ``mamba_core`` below). Multi-token-prediction layers (``ModelShape.mtp_layers``) count as
-  Megatron-LM counts them: per layer its transformer layer, its ``2h -> h`` projection
-  (``mtp_projection``) and one more lm_head.
+  gates, the lm_head), the attention score and value products, sparse-attention indexers, the
+  short convolutions of linear-attention, Mamba and short-conv mixers and the recurrences
+  (recurrent-equivalent, see ``linear_attention_core`` and ``mamba_core`` below). Multi-token-prediction layers
+  (``ModelShape.mtp_layers``) count as Megatron-LM counts them: per layer its transformer layer,
+  its ``2h -> h`` projection (``mtp_projection``) and one more lm_head.
 - Not counted: embedding lookups, norms, activations, softmax, rotary embeddings, residual
   adds, biases, the loss. They are memory-bound and together well under 1% of the total for
   the models this package targets.
@@ -36,26 +36,34 @@ LINEAR_ATTENTION_CORE = "linear_attention_core"
 MAMBA_PROJECTIONS = "mamba_projections"
 MAMBA_CONV = "mamba_conv"
 MAMBA_CORE = "mamba_core"
+SHORT_CONV_PROJECTIONS = "short_conv_projections"
+SHORT_CONV = "short_conv"
+INDEXER = "indexer"
 DENSE_MLP = "dense_mlp"
 ROUTER = "router"
 ROUTED_EXPERTS = "routed_experts"
 SHARED_EXPERTS = "shared_experts"
 MTP_PROJECTION = "mtp_projection"
+OTHER_PROJECTIONS = "other_projections"
 LM_HEAD = "lm_head"
 COMPONENTS: tuple[str, ...] = (
     ATTENTION_PROJECTIONS,
     ATTENTION_CORE,
+    INDEXER,
     LINEAR_ATTENTION_PROJECTIONS,
     LINEAR_ATTENTION_CONV,
     LINEAR_ATTENTION_CORE,
     MAMBA_PROJECTIONS,
     MAMBA_CONV,
     MAMBA_CORE,
+    SHORT_CONV_PROJECTIONS,
+    SHORT_CONV,
     DENSE_MLP,
     ROUTER,
     ROUTED_EXPERTS,
     SHARED_EXPERTS,
     MTP_PROJECTION,
+    OTHER_PROJECTIONS,
     LM_HEAD,
 )
 
@@ -68,6 +76,57 @@ GDN_CORE_MACS_PER_STATE_ELEMENT = 3.0
 # Recurrent-equivalent Mamba-2 (SSD) forward cost per token and head, in units of
 # head_dim * state_dim multiply-adds: write the x B^T outer product into the state, read h C.
 MAMBA_CORE_MACS_PER_STATE_ELEMENT = 2.0
+# Recurrent-equivalent linear attention without the delta rule (MiniMax's lightning attention):
+# write the k v^T outer product into the state, read S^T q.
+LINEAR_ATTENTION_MACS_PER_STATE_ELEMENT = 2.0
+
+
+@dataclass(frozen=True)
+class ChunkedWindow:
+    """Chunked attention (Llama 4): the sequence is cut into chunks of ``size`` tokens and a
+    query sees the keys of its own chunk up to itself."""
+
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.size <= 0:
+            raise ValueError(f"a chunked window needs size > 0, got {self.size}")
+
+
+@dataclass(frozen=True)
+class CompressedWindow:
+    """Compressed keys (DeepSeek-V4's compressed attention): one key per ``rate`` tokens. The
+    query at position ``t`` (0-based) sees the keys of the complete blocks up to it,
+    ``floor((t+1) / rate)`` of them, or at most ``keep`` (the top-k an indexer picks)."""
+
+    rate: int
+    keep: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.rate <= 0 or (self.keep is not None and self.keep <= 0):
+            raise ValueError(f"a compressed window needs rate > 0 and keep > 0, got {self}")
+
+
+Window = int | ChunkedWindow | CompressedWindow | None
+
+
+@dataclass(frozen=True)
+class AttentionIndexer:
+    """A sparse-attention indexer (DeepSeek's lightning indexer): its own projections, and a
+    score for every causal query-key pair from which each query keeps its top keys.
+
+    A pair costs ``num_heads * (head_dim + 1)`` multiply-adds: one ``q . k`` per head, then the
+    per-head weighting of the scores. ``kv_compression``: the keys it scores are compressed,
+    one per ``kv_compression`` tokens (DeepSeek-V4, Qwen4's QSA blocks; see
+    :class:`CompressedWindow`). ``trained=False``: no gradient reaches it (transformers'
+    indexers only return the positions they pick), so its forward is counted once, not 3 times.
+    """
+
+    projection_params: int
+    num_heads: int
+    head_dim: int
+    kv_compression: int = 1
+    trained: bool = True
 
 
 @dataclass(frozen=True)
@@ -75,19 +134,27 @@ class AttentionLayer:
     """A softmax attention layer: its projection weights and its score/value product sizes.
 
     ``window`` is the number of keys a query sees under a sliding window (itself included,
-    the Hugging Face convention); None means full causal attention.
+    the Hugging Face convention), or at most (the top-k keys of sparse attention), or a
+    :class:`ChunkedWindow` or :class:`CompressedWindow`; None means full causal attention.
+    ``indexer``: the sparse-attention indexer that picks the keys, if any.
     """
 
     projection_params: int
     num_heads: int
     qk_head_dim: int
     v_head_dim: int
-    window: int | None = None
+    window: Window = None
+    indexer: AttentionIndexer | None = None
 
 
 @dataclass(frozen=True)
 class LinearAttentionLayer:
-    """A Gated DeltaNet layer: projections, depthwise causal conv, gated delta recurrence."""
+    """A linear-attention layer: projections, depthwise causal conv, a matrix-state recurrence.
+
+    Gated DeltaNet and Kimi Delta Attention (the delta rule: 3 state-sized multiply-adds per
+    token and value head); linear attention without the delta rule (MiniMax's lightning
+    attention, ``core_macs_per_state_element=2``, no conv: ``conv_channels=0``).
+    """
 
     projection_params: int
     conv_channels: int
@@ -95,6 +162,7 @@ class LinearAttentionLayer:
     num_value_heads: int
     key_head_dim: int
     value_head_dim: int
+    core_macs_per_state_element: float = GDN_CORE_MACS_PER_STATE_ELEMENT
 
 
 @dataclass(frozen=True)
@@ -107,6 +175,15 @@ class MambaLayer:
     num_heads: int
     head_dim: int
     state_dim: int
+
+
+@dataclass(frozen=True)
+class ShortConvLayer:
+    """A gated short-convolution mixer (LFM2): in/out projections around a depthwise causal conv."""
+
+    projection_params: int
+    conv_channels: int
+    conv_kernel: int
 
 
 @dataclass(frozen=True)
@@ -130,19 +207,25 @@ class MoEMLP:
     shared_params: int = 0
 
 
+Mixer = AttentionLayer | LinearAttentionLayer | MambaLayer | ShortConvLayer
+
+
 @dataclass(frozen=True)
 class Layer:
     """One decoder layer: a token mixer and/or a feed-forward block.
 
     A GPT-style layer has both; a hybrid model's layer (megatron-core ``HybridModel``, one layer
-    per pattern symbol) has only one of them, the other is None.
+    per pattern symbol) has only one of them, the other is None. ``other_params``: per-token
+    weight matmuls and convolutions outside both (hyper-connection mixing, per-layer input
+    projections, convolutions on the residual branch), component ``other_projections``.
     """
 
-    mixer: AttentionLayer | LinearAttentionLayer | MambaLayer | None
+    mixer: Mixer | None
     ffn: DenseMLP | MoEMLP | None
+    other_params: int = 0
 
     def __post_init__(self) -> None:
-        if self.mixer is None and self.ffn is None:
+        if self.mixer is None and self.ffn is None and not self.other_params:
             raise ValueError("a layer needs a token mixer, a feed-forward block, or both")
 
 
@@ -160,6 +243,9 @@ class ModelShape:
     layers: tuple[Layer, ...]
     vocab_size: int
     tied_embeddings: bool = False
+    #: Per-token weight matmuls outside the decoder layers and the lm_head (a final
+    #: hyper-connection collapse, per-layer input projections), component ``other_projections``.
+    other_params: int = 0
     mtp_layers: tuple[Layer, ...] = ()
 
     def __post_init__(self) -> None:
@@ -247,20 +333,41 @@ def validate_seq_lens(seq_lens: Any) -> np.ndarray:
     return arr.astype(np.float64)
 
 
-def attended_pairs(lengths: np.ndarray, *, causal: bool, window: int | None) -> float:
+def attended_pairs(lengths: np.ndarray, *, causal: bool, window: Window) -> float:
     """Query-key pairs whose score (and value product) is computed, summed over sequences.
 
     Non-causal: the full ``L x L`` block per sequence. Causal: ``L(L+1)/2``. Causal with a
-    sliding window of ``w`` keys (self included): ``sum_i min(i+1, w)``.
+    sliding window of ``w`` keys (self included): ``sum_i min(i+1, w)``; chunked attention
+    with chunks of ``c``: ``c(c+1)/2`` per full chunk plus ``r(r+1)/2`` for the last ``r``;
+    compressed keys (rate ``m``, at most ``k``): ``sum_i min(floor((i+1)/m), k)``, and
+    ``L x floor(L/m)`` without the causal mask.
     """
+    return float(np.sum(pairs_per_sequence(lengths, causal=causal, window=window)))
+
+
+def pairs_per_sequence(lengths: Any, *, causal: bool, window: Window) -> Any:
+    """:func:`attended_pairs` per sequence, element-wise on a numpy array or a torch integer
+    tensor (the same arithmetic serves the device-side sums of ``throughput.py``)."""
+    if isinstance(window, CompressedWindow):
+        rate = int(window.rate)
+        entries = lengths // rate
+        if not causal:
+            return lengths * entries
+        # sum over levels v = 1..q of the queries that see at least v entries: L + 1 - v*rate.
+        seen = entries if window.keep is None else entries.clip(max=int(window.keep))
+        return seen * (lengths + 1) - rate * (seen * (seen + 1) // 2)
     if not causal:
-        return float(np.sum(lengths * lengths))
+        return lengths * lengths
     if window is None:
-        return float(np.sum(lengths * (lengths + 1.0) / 2.0))
-    w = float(window)
-    inside = np.minimum(lengths, w)
+        return lengths * (lengths + 1) // 2  # L(L+1) is even: exact in floats too
+    if isinstance(window, ChunkedWindow):
+        size = int(window.size)
+        full, rest = lengths // size, lengths % size
+        return full * (size * (size + 1) // 2) + rest * (rest + 1) // 2
+    w = int(window)
     # The first min(L, w) queries see i+1 keys; the remaining ones see exactly w.
-    return float(np.sum(inside * (inside + 1.0) / 2.0 + (lengths - inside) * w))
+    inside = lengths.clip(max=w)
+    return inside * (inside + 1) // 2 + (lengths - inside) * w
 
 
 class FlopsEstimator:
@@ -273,9 +380,9 @@ class FlopsEstimator:
     def __init__(self, shape: ModelShape) -> None:
         self.shape = shape
         per_token: dict[str, float] = {}
-        # Attention core per (heads x (qk + v) dims), grouped by window so each distinct
-        # window costs one vectorised reduction per call.
-        self._attention_groups: dict[int | None, float] = {}
+        # Per-pair widths (multiply-adds per attended pair) by window, then by component, so
+        # each distinct window costs one vectorised reduction per call.
+        self._pair_groups: dict[Window, dict[str, float]] = {}
         for layer in shape.layers + shape.mtp_layers:
             mixer, ffn = layer.mixer, layer.ffn
             if mixer is None:
@@ -283,9 +390,9 @@ class FlopsEstimator:
             elif isinstance(mixer, AttentionLayer):
                 _add(per_token, ATTENTION_PROJECTIONS, mixer.projection_params)
                 width = mixer.num_heads * (mixer.qk_head_dim + mixer.v_head_dim)
-                self._attention_groups[mixer.window] = (
-                    self._attention_groups.get(mixer.window, 0.0) + width
-                )
+                self._add_pairs(mixer.window, ATTENTION_CORE, width)
+                if mixer.indexer is not None:
+                    self._add_indexer(per_token, mixer.indexer)
             elif isinstance(mixer, MambaLayer):
                 _add(per_token, MAMBA_PROJECTIONS, mixer.projection_params)
                 _add(per_token, MAMBA_CONV, mixer.conv_channels * mixer.conv_kernel)
@@ -297,13 +404,17 @@ class FlopsEstimator:
                     * mixer.head_dim
                     * mixer.state_dim,
                 )
+            elif isinstance(mixer, ShortConvLayer):
+                _add(per_token, SHORT_CONV_PROJECTIONS, mixer.projection_params)
+                _add(per_token, SHORT_CONV, mixer.conv_channels * mixer.conv_kernel)
             else:
                 _add(per_token, LINEAR_ATTENTION_PROJECTIONS, mixer.projection_params)
-                _add(per_token, LINEAR_ATTENTION_CONV, mixer.conv_channels * mixer.conv_kernel)
+                if mixer.conv_channels:
+                    _add(per_token, LINEAR_ATTENTION_CONV, mixer.conv_channels * mixer.conv_kernel)
                 _add(
                     per_token,
                     LINEAR_ATTENTION_CORE,
-                    GDN_CORE_MACS_PER_STATE_ELEMENT
+                    mixer.core_macs_per_state_element
                     * mixer.num_value_heads
                     * mixer.key_head_dim
                     * mixer.value_head_dim,
@@ -317,6 +428,10 @@ class FlopsEstimator:
                 _add(per_token, ROUTED_EXPERTS, ffn.top_k * ffn.expert_params)
                 if ffn.shared_params:
                     _add(per_token, SHARED_EXPERTS, ffn.shared_params)
+            if layer.other_params:
+                _add(per_token, OTHER_PROJECTIONS, layer.other_params)
+        if shape.other_params:
+            _add(per_token, OTHER_PROJECTIONS, shape.other_params)
         mtp = len(shape.mtp_layers)
         if mtp:
             _add(per_token, MTP_PROJECTION, mtp * 2 * shape.hidden_size * shape.hidden_size)
@@ -325,11 +440,20 @@ class FlopsEstimator:
         # Per-token multiply-adds -> training FLOPs per token.
         scale = TRAINING_MULTIPLIER * FLOPS_PER_MAC
         self._per_token = {k: v * scale for k, v in per_token.items()}
-        self._components = [
-            c
-            for c in COMPONENTS
-            if c in per_token or (c == ATTENTION_CORE and self._attention_groups)
-        ]
+        paired = {c for group in self._pair_groups.values() for c in group}
+        self._components = [c for c in COMPONENTS if c in per_token or c in paired]
+
+    def _add_pairs(self, window: Window, component: str, width: float) -> None:
+        group = self._pair_groups.setdefault(window, {})
+        group[component] = group.get(component, 0.0) + float(width)
+
+    def _add_indexer(self, per_token: dict[str, float], indexer: AttentionIndexer) -> None:
+        # Counted 3x like everything else; an indexer run without gradients only once.
+        passes = 1.0 if indexer.trained else 1.0 / TRAINING_MULTIPLIER
+        _add(per_token, INDEXER, passes * indexer.projection_params)
+        width = indexer.num_heads * (indexer.head_dim + 1)
+        window = None if indexer.kv_compression == 1 else CompressedWindow(indexer.kv_compression)
+        self._add_pairs(window, INDEXER, passes * width)
 
     @property
     def components(self) -> list[str]:
@@ -341,15 +465,14 @@ class FlopsEstimator:
         lengths = validate_seq_lens(seq_lens)
         tokens = float(np.sum(lengths))
         pairs = [
-            attended_pairs(lengths, causal=causal, window=window)
-            for window in self._attention_groups
+            attended_pairs(lengths, causal=causal, window=window) for window in self._pair_groups
         ]
         return self.from_sums(tokens, pairs)
 
     @property
-    def attention_windows(self) -> tuple[int | None, ...]:
+    def attention_windows(self) -> tuple[Window, ...]:
         """The distinct attention windows (None = full), in the order :meth:`from_sums` takes."""
-        return tuple(self._attention_groups)
+        return tuple(self._pair_groups)
 
     def from_sums(self, tokens: float, pairs: Sequence[float]) -> FlopsBreakdown:
         """Training FLOPs from a batch's sums: its tokens and its attended pairs per window.
@@ -358,7 +481,7 @@ class FlopsEstimator:
         lengths for ``attention_windows[j]``), so sums taken on the device, or over ranks, give
         the same FLOPs as the lengths themselves.
         """
-        if len(pairs) != len(self._attention_groups):
+        if len(pairs) != len(self._pair_groups):
             raise ValueError(
                 f"from_sums needs one attended-pair sum per attention window "
                 f"{self.attention_windows}, got {len(pairs)}"
@@ -367,8 +490,9 @@ class FlopsEstimator:
         for key, flops_per_token in self._per_token.items():
             out[key] = flops_per_token * tokens
         scale = TRAINING_MULTIPLIER * FLOPS_PER_MAC
-        for width, pair_sum in zip(self._attention_groups.values(), pairs, strict=True):
-            out[ATTENTION_CORE] += scale * width * float(pair_sum)
+        for widths, pair_sum in zip(self._pair_groups.values(), pairs, strict=True):
+            for component, width in widths.items():
+                out[component] += scale * width * float(pair_sum)
         return FlopsBreakdown(total=float(sum(out.values())), by_component=out)
 
     def flops_per_token(self, seq_len: int, *, causal: bool = True) -> float:
@@ -382,11 +506,17 @@ class FlopsEstimator:
         shape = self.shape
         embedding = shape.hidden_size * shape.vocab_size * (1 if shape.tied_embeddings else 2)
         total = active = embedding + len(shape.mtp_layers) * 2 * shape.hidden_size**2
+        total += shape.other_params
+        active += shape.other_params
         for layer in shape.layers + shape.mtp_layers:
             mixer, ffn = layer.mixer, layer.ffn
-            mixer_params = 0 if mixer is None else mixer.projection_params
-            if isinstance(mixer, (LinearAttentionLayer, MambaLayer)):
+            mixer_params = layer.other_params
+            if mixer is not None:
+                mixer_params += mixer.projection_params
+            if isinstance(mixer, (LinearAttentionLayer, MambaLayer, ShortConvLayer)):
                 mixer_params += mixer.conv_channels * mixer.conv_kernel
+            if isinstance(mixer, AttentionLayer) and mixer.indexer is not None:
+                mixer_params += mixer.indexer.projection_params
             total += mixer_params
             active += mixer_params
             if ffn is None:

@@ -50,7 +50,8 @@ def registered_model_types() -> list[str]:
 def _unknown(model_type: Any) -> UnknownModelTypeError:
     what = "has no model_type" if model_type is None else f"has model_type {model_type!r}"
     return UnknownModelTypeError(
-        f"the config {what}, which has no FLOP estimator. Registered types: "
+        f"the config {what}, which has no FLOP estimator: no formula is registered for it and "
+        "the installed transformers has no causal LM to read it from. Registered types: "
         f"{', '.join(registered_model_types())}. Register one with "
         "nemo_moe_metrics.flops.register_flops_estimator('<model_type>', factory), where "
         "factory(config_dict) returns FlopsEstimator(ModelShape(...)) or any callable "
@@ -102,12 +103,19 @@ def normalise_config(config: Any, *, vocab_size: int | None = None) -> dict[str,
     return data
 
 
-def get_flops_estimator(config: Any, *, vocab_size: int | None = None) -> FlopsEstimator:
-    """The FLOP estimator for a model config; UnknownModelTypeError when none is registered.
+def get_flops_estimator(
+    config: Any, *, vocab_size: int | None = None, model: Any = None
+) -> FlopsEstimator:
+    """The FLOP estimator for a model config; UnknownModelTypeError when there is none.
 
     ``config``: a transformers PretrainedConfig, a config.json dict (``text_config`` is
     unwrapped) or a megatron-core TransformerConfig (then ``vocab_size`` is required: it sizes
     the lm_head; 0 leaves the lm_head out). ``vocab_size`` also overrides a HF config's value.
+
+    A registered ``model_type`` uses its formula. Any other type transformers knows is read
+    from its modules (:mod:`nemo_moe_metrics.flops.hf_modules`): from ``model`` when given (the
+    built model itself, e.g. at attach), else from a skeleton of the config's causal LM built on
+    the meta device (no memory, well under a second even for 671B parameters).
     """
     from nemo_moe_metrics.moe.torchtitan import is_torchtitan_config
 
@@ -123,19 +131,51 @@ def get_flops_estimator(config: Any, *, vocab_size: int | None = None) -> FlopsE
         # registered under the outer name only.
         outer = data.get("_outer_model_type")
         factory = _REGISTRY.get(outer) if isinstance(outer, str) else None
-        if factory is None:
-            raise _unknown(model_type)
-    return factory(data)
+    if factory is not None:
+        return factory(data)
+    if megatron.is_megatron_config(config):
+        raise _unknown(model_type)
+    return _from_transformers_modules(config, model, vocab_size, model_type)
 
 
-def try_get_flops_estimator(config: Any, *, vocab_size: int | None = None) -> FlopsEstimator | None:
-    """The estimator, or None after a warning when the model type has no formula.
+def _from_transformers_modules(
+    config: Any, model: Any, vocab_size: int | None, model_type: Any
+) -> FlopsEstimator:
+    """The estimate read from a transformers model's modules: ``model``, else a meta skeleton."""
+    try:
+        from nemo_moe_metrics.flops import hf_modules
+    except ImportError as err:  # no torch: only the formulas are available
+        raise _unknown(model_type) from err
+    if model is not None and hf_modules.is_readable(model):
+        # The model that runs, custom modules included; a module no rule knows is an error
+        # (UnsupportedModelError), not a guess from the stock architecture.
+        return hf_modules.estimator_from_model(model, vocab_size=vocab_size)
+    # No model, or a wrapper that sharded or offloaded its weights in place: the config.
+    try:
+        hf_config = hf_modules.transformers_config(config)
+        return hf_modules.estimator_from_config(hf_config, vocab_size=vocab_size)
+    except (hf_modules.NotInTransformersError, ImportError) as err:
+        raise _unknown(model_type) from err
+    except UnknownModelTypeError:
+        raise
+    except Exception as err:  # the config class or the model rejected the fields
+        raise ValueError(
+            f"model_type {model_type!r} has no FLOP formula, and transformers could not build "
+            f"its model from this config to read the FLOPs from: {err}"
+        ) from err
 
-    For the training integration: call it once at setup and omit the FLOP metrics on None
-    (never report 0). Other configuration errors still raise.
+
+def try_get_flops_estimator(
+    config: Any, *, vocab_size: int | None = None, model: Any = None
+) -> FlopsEstimator | None:
+    """The estimator, or None after a warning when there is none for this model.
+
+    For the training integration: call it once at setup (with the built ``model`` for a
+    transformers model) and omit the FLOP metrics on None (never report 0). Other
+    configuration errors still raise.
     """
     try:
-        return get_flops_estimator(config, vocab_size=vocab_size)
+        return get_flops_estimator(config, vocab_size=vocab_size, model=model)
     except UnknownModelTypeError as err:
         warnings.warn(f"FLOP metrics disabled: {err}", stacklevel=2)
         return None
