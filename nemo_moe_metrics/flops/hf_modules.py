@@ -92,19 +92,13 @@ class _Parts:
 
 
 def is_routed_experts(module: Any) -> bool:
-    """transformers' experts interface, or an ``...Experts`` module holding expert weights."""
-    cls = type(module)
-    forward = getattr(cls, "forward", None)
-    code = getattr(forward, "__code__", None)
-    if code is not None and code.co_filename.replace("\\", "/").endswith("integrations/moe.py"):
+    """transformers' experts interface (``moe.hf_models``), or an ``...Experts`` module holding
+    expert weights (dbrx, llama4)."""
+    from nemo_moe_metrics.moe.hf_models import is_experts_module
+
+    if is_experts_module(module):
         return True
-    try:
-        params = list(inspect.signature(forward).parameters)[1:4]
-    except (TypeError, ValueError):
-        params = []
-    if params[1:3] == ["top_k_index", "top_k_weights"]:
-        return True
-    name = cls.__name__
+    name = type(module).__name__
     return name.endswith("Experts") and not name.endswith("SharedExperts")
 
 

@@ -288,7 +288,6 @@ class ExpertLoadCollector:
         self._handles: list[Any] = []
         self._accs: list[_LayerAccumulator] = []
         self._reducers: dict[Any, Any] = {}
-        self._observers: list[Callable[[int, nn.Module, Any], None]] = []
         self.sequence_parallel = False
         self.routing: Any = None  # moe.routing.RoutingTracker once enable_routing() ran
         self._compared: set[int] = set()  # the layers routing consistency compares
@@ -415,8 +414,6 @@ class ExpertLoadCollector:
                 if self.health is not None:
                     logits, bias, valid = decision if decision is not None else (None, None, None)
                     self.health.observe(acc.layer_id, counts, logits, bias=bias, valid=valid)
-                for observe in self._observers:
-                    observe(acc.layer_id, module, output)
                 if self.routing is not None and acc.layer_id in self._compared:
                     assert spec.routes_fn is not None
                     self.routing.observe(
@@ -424,14 +421,6 @@ class ExpertLoadCollector:
                     )
 
         return hook
-
-    def add_observer(self, observe: Callable[[int, nn.Module, Any], None]) -> None:
-        """Also call ``observe(layer_id, router, output)`` wherever a router forward is counted.
-
-        Same gating as the counts (training forwards only, never a backward recomputation);
-        ``observe`` must only launch device ops (e.g. ``moe.hf_aux_loss``).
-        """
-        self._observers.append(observe)
 
     def observe_module(
         self, module: nn.Module, layer_id: int, observe: Callable[[int, nn.Module, Any], None]
