@@ -408,3 +408,25 @@ def test_dead_streaks_skip_padding_and_blocks_equal_single_steps():
     assert blocked.streaks() == one.streaks()
     assert one.streaks(), "6 tokens over 8 experts leave some real expert empty for 2 steps"
     assert all(s.expert < UNEVEN[[1, 3, 5].index(s.layer)] for s in one.streaks())
+
+
+def test_alerts_judge_each_layer_by_its_own_experts():
+    from nemo_moe_metrics.config import AlertsConfig
+    from nemo_moe_metrics.moe.alerts import AlertMonitor
+
+    off = dict(drift=None, dropped_fraction=None, routing_disagreement=None)
+    monitor = AlertMonitor(AlertsConfig(enabled=True, max_over_ideal=1.5, dead_steps=1, **off))
+    layer0 = [30, 10, 10, 10]  # 4 experts: 30 tokens of 60 -> 30 * 4 / 60 = 2.0x ideal
+    layer1 = [10] * 8
+    fired = []
+    for step in range(2):
+        if step == 1:
+            layer1 = [10] * 7 + [0]  # layer 1's expert 7 gets no token
+        rows = [[0, e, c, 0.0] for e, c in enumerate(layer0)]
+        rows += [[1, e, c, 0.0] for e, c in enumerate(layer1)]
+        fired.append(monitor.check({mn.EXPERT_LOADS: rows}, step))
+    [overloaded] = fired[0]
+    assert (overloaded.kind, overloaded.layer, overloaded.expert) == ("max_over_ideal", 0, 0)
+    assert "load 2.00x ideal" in overloaded.message
+    [dead] = fired[1]  # never layer 0's columns 4-7, which are no expert
+    assert (dead.kind, dead.layer, dead.expert) == ("dead_steps", 1, 7)
