@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.moe.timeline import Streak
+from nemo_moe_metrics.moe.timeline import Streak, real_experts
 from nemo_moe_metrics.report.pictures import (
     DRIFT_FILE,
     HEATMAP_FILE,
@@ -415,8 +415,9 @@ def _count_pictures(
         else f"steps {heat_steps[0]}–{heat_steps[-1]}"
     )
     empty = counts == 0
-    if widths is not None:  # columns beyond a layer's experts are no expert, never dead
-        empty &= np.arange(counts.shape[1]) < widths[:, None]
+    real = real_experts(widths, counts.shape[1])
+    if real is not None:  # columns beyond a layer's experts are no expert, never dead
+        empty &= real
     dead = [(layer_ids[r], int(e)) for r, e in zip(*np.nonzero(empty), strict=True)]
     if dead:
         by_layer: dict[int, list[int]] = {}

@@ -107,17 +107,16 @@ def prepare_block(steps: Any, layer_ids: Any, counts: np.ndarray, widths: Any = 
     ``widths``: each layer's number of experts (the store's ``.widths``); max/ideal uses the
     layer's own (``max * E_layer / total``); padding columns change no share or entropy."""
     ids = [int(la) for la in layer_ids]
-    if real_experts(widths, counts.shape[2]) is None:
-        widths = None  # every layer has every column: the uniform arithmetic
+    # None when every layer has every column: the uniform arithmetic, at no extra cost.
+    widths = None if real_experts(widths, counts.shape[2]) is None else np.asarray(widths)
     order = np.argsort(ids, kind="stable")
     if not np.array_equal(order, np.arange(len(ids))):
         ids = [ids[i] for i in order]
         counts = counts[:, order]
-        widths = None if widths is None else np.asarray(widths)[order]
+        widths = None if widths is None else widths[order]
     totals = counts.sum(axis=2)
-    width = counts.shape[2] if widths is None else np.asarray(widths, dtype=np.int64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        moi = counts.max(axis=2) * width / totals
+        moi = counts.max(axis=2) * (counts.shape[2] if widths is None else widths) / totals
     p = shares(counts)
     h = entropy_from_counts(counts)
     js = js_from_shares(p[:-1], h[:-1], p[1:], h[1:])
@@ -129,7 +128,7 @@ def prepare_block(steps: Any, layer_ids: Any, counts: np.ndarray, widths: Any = 
         js=js,
         first=(p[0].copy(), h[0].copy()),
         last=(p[-1].copy(), h[-1].copy()),
-        widths=None if widths is None else np.asarray(widths, dtype=np.int64),
+        widths=None if widths is None else widths.astype(np.int64),
     )
 
 
@@ -171,13 +170,12 @@ class Timeline:
             or counts.shape[1:] != self.heat.shape
             or not _same(block.widths, self.widths)
         ):
+            now = _experts_text(block.widths, counts.shape[2])
+            before = _experts_text(self.widths, self.heat.shape[1] if self.heat is not None else 0)
             raise ReportError(
-                f"step {int(block.steps[0])} has MoE layers {ids} x "
-                f"{_experts_text(block.widths, counts.shape[2])} experts but step "
-                f"{self.steps[0]} had {self.layer_ids} x "
-                f"{_experts_text(self.widths, self.heat.shape[1] if self.heat is not None else 0)}"
-                "; the model changed within the run: report each part on its own with --steps "
-                "FIRST:LAST"
+                f"step {int(block.steps[0])} has MoE layers {ids} x {now} experts but step "
+                f"{self.steps[0]} had {self.layer_ids} x {before}; the model changed within "
+                "the run: report each part on its own with --steps FIRST:LAST"
             )
         self.moi.extend(block.moi)
         if self._prev is not None:
