@@ -430,3 +430,24 @@ def test_alerts_judge_each_layer_by_its_own_experts():
     assert "load 2.00x ideal" in overloaded.message
     [dead] = fired[1]  # never layer 0's columns 4-7, which are no expert
     assert (dead.kind, dead.layer, dead.expert) == ("dead_steps", 1, 7)
+
+
+def test_a_layer_that_changes_its_expert_count_mid_run_is_named(tmp_path):
+    from nemo_moe_metrics.report import ReportError
+
+    sink = build_sinks(
+        LoggerConfig(tensorboard_enabled=False, wandb_enabled=False, table_every=1),
+        tmp_path,
+        run_name="changed",
+    )
+    for step, first in enumerate([4, 4, 8]):  # layer 0 grows to 8 experts at step 2
+        rows = [[0, e, 5, 0.0] for e in range(first)] + [[1, e, 5, 0.0] for e in range(8)]
+        sink.log({mn.EXPERT_LOADS: rows}, step)
+    sink.close()
+    with pytest.raises(
+        ReportError,
+        match=r"step 2 has MoE layers \[0, 1\] x 8 experts but step "
+        r"0 had \[0, 1\] x \[4, 8\]; the model changed within the run",
+    ):
+        render_report(tmp_path)
+    assert "× 4–8 experts" in render_report(tmp_path, steps=(0, 1))
