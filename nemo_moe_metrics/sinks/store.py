@@ -535,59 +535,46 @@ def cut_store_from(path: Path, step: int) -> list[int]:
     return cut[::-1]
 
 
-class StoredStep(tuple):
-    """One stored step: unpacks as ``(step, layer_ids, counts)``; ``.widths`` (int64 [L]) is
-    each layer's number of experts (``E`` for every layer unless the layers differ, when
-    ``counts[i, widths[i]:]`` are 0 and no expert)."""
+class _Stored(tuple):
+    """``(steps or step, layer_ids, counts)`` that also carries ``.widths``: callers that
+    unpack three values keep working."""
 
-    def __new__(
-        cls, step: int, layer_ids: np.ndarray, counts: np.ndarray, widths: np.ndarray
-    ) -> StoredStep:
-        self = super().__new__(cls, (step, layer_ids, counts))
+    widths: np.ndarray
+
+    def __new__(cls, first: Any, layer_ids: np.ndarray, counts: np.ndarray, widths: np.ndarray):
+        self = super().__new__(cls, (first, layer_ids, counts))
         self.widths = widths
         return self
 
     def __getnewargs__(self) -> tuple[Any, ...]:
         return (*self, self.widths)
+
+    @property
+    def layer_ids(self) -> np.ndarray:
+        return self[1]
+
+    @property
+    def counts(self) -> np.ndarray:
+        return self[2]
+
+
+class StoredStep(_Stored):
+    """One stored step: unpacks as ``(step, layer_ids, counts)``; ``.widths`` (int64 [L]) is
+    each layer's number of experts (``E`` for every layer unless the layers differ, when
+    ``counts[i, widths[i]:]`` are 0 and no expert)."""
 
     @property
     def step(self) -> int:
         return self[0]
 
-    @property
-    def layer_ids(self) -> np.ndarray:
-        return self[1]
 
-    @property
-    def counts(self) -> np.ndarray:
-        return self[2]
-
-
-class StoredBlock(tuple):
+class StoredBlock(_Stored):
     """Logged steps of one set of layers: unpacks as ``(steps [K], layer_ids [L], counts
     [K, L, E])``; ``.widths`` (int64 [L]) as for :class:`StoredStep`."""
-
-    def __new__(
-        cls, steps: np.ndarray, layer_ids: np.ndarray, counts: np.ndarray, widths: np.ndarray
-    ) -> StoredBlock:
-        self = super().__new__(cls, (steps, layer_ids, counts))
-        self.widths = widths
-        return self
-
-    def __getnewargs__(self) -> tuple[Any, ...]:
-        return (*self, self.widths)
 
     @property
     def steps(self) -> np.ndarray:
         return self[0]
-
-    @property
-    def layer_ids(self) -> np.ndarray:
-        return self[1]
-
-    @property
-    def counts(self) -> np.ndarray:
-        return self[2]
 
 
 def read_expert_loads(
