@@ -79,11 +79,13 @@ class Alert:
         }
 
 
-def _table(rows: Any) -> tuple[list[int], np.ndarray]:
-    from nemo_moe_metrics.sinks.store import table_to_counts
+def _table(rows: Any) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """Layer ids, counts ``[L, E]`` and each layer's number of experts (layers may differ:
+    columns beyond a layer's width are no expert)."""
+    from nemo_moe_metrics.sinks.store import table_to_counts_and_widths
 
-    layer_ids, counts = table_to_counts(rows)
-    return [int(la) for la in layer_ids], counts
+    layer_ids, counts, widths = table_to_counts_and_widths(rows)
+    return [int(la) for la in layer_ids], counts, widths
 
 
 class AlertMonitor:
@@ -116,7 +118,7 @@ class AlertMonitor:
             return []  # no expert received a training token: nothing to judge, state kept
         table = metrics.get(mn.EXPERT_LOADS)
         has_rows = table is not None and len(table) > 0
-        layers, counts = _table(table) if has_rows else ([], None)
+        layers, counts, widths = _table(table) if has_rows else ([], None, None)
         per_layer: dict[str, dict[int, float]] = {
             "max_over_ideal": {},
             "dropped_fraction": {},
@@ -129,8 +131,8 @@ class AlertMonitor:
             if m and isinstance(value, int | float) and np.isfinite(value):
                 per_layer[m[2]][int(m[1])] = float(value)
         holding: dict[tuple[str, int | None], Alert] = {}
-        self._check_max_over_ideal(metrics, step, layers, counts, per_layer, holding)
-        self._check_dropped(metrics, step, layers, counts, per_layer, holding)
+        self._check_max_over_ideal(metrics, step, layers, counts, widths, per_layer, holding)
+        self._check_dropped(metrics, step, layers, counts, widths, per_layer, holding)
         self._check_routing(metrics, step, per_layer, holding)
         self._check_router_health(metrics, step, per_layer, holding)
         if counts is not None:
@@ -145,12 +147,14 @@ class AlertMonitor:
         kept = {k for k in self._active if k[0] == "drift"} if counts is None else set()
         self._active = set(holding) | kept
         if counts is not None and self._streaks is not None:
-            fired += self._check_dead(step, layers, counts)
+            fired += self._check_dead(step, layers, counts, widths)
         return fired
 
     # -- checks -------------------------------------------------------------------------------
 
-    def _check_max_over_ideal(self, metrics, step, layers, counts, per_layer, holding) -> None:
+    def _check_max_over_ideal(
+        self, metrics, step, layers, counts, widths, per_layer, holding
+    ) -> None:
         limit = self.cfg.max_over_ideal
         if limit is None:
             return
@@ -161,7 +165,7 @@ class AlertMonitor:
                 if totals[i] <= 0:
                     continue
                 expert = int(counts[i].argmax())
-                ratio = float(counts[i, expert] * counts.shape[1] / totals[i])
+                ratio = float(counts[i, expert] * widths[i] / totals[i])
                 if ratio > limit:
                     holding["max_over_ideal", layer] = Alert(
                         "max_over_ideal",
@@ -195,7 +199,7 @@ class AlertMonitor:
                     "policy.megatron_cfg.log_expert_table=true)",
                 )
 
-    def _check_dropped(self, metrics, step, layers, counts, per_layer, holding) -> None:
+    def _check_dropped(self, metrics, step, layers, counts, widths, per_layer, holding) -> None:
         limit = self.cfg.dropped_fraction
         if limit is None:
             return
@@ -210,10 +214,10 @@ class AlertMonitor:
                     " (expert unknown: log policy.megatron_cfg.log_expert_table=true)",
                 )
                 if counts is not None and layer in row and counts[row[layer]].sum() > 0:
-                    c = counts[row[layer]]
+                    c, width = counts[row[layer]], widths[row[layer]]
                     expert = int(c.argmax())
                     where = (
-                        f" (busiest expert {expert} at {c[expert] * c.size / c.sum():.2f}x ideal, "
+                        f" (busiest expert {expert} at {c[expert] * width / c.sum():.2f}x ideal, "
                         "at capacity)"
                     )
                 holding["dropped_fraction", layer] = Alert(
@@ -337,9 +341,9 @@ class AlertMonitor:
                 f"{before[expert]:.1%} -> {after[expert]:.1%} of tokens)",
             )
 
-    def _check_dead(self, step, layers, counts) -> list[Alert]:
+    def _check_dead(self, step, layers, counts, widths) -> list[Alert]:
         assert self._streaks is not None
-        length = self._streaks.update(step, layers, counts)
+        length = self._streaks.update(step, layers, counts, widths)
         n = self._streaks.min_steps
         out = []
         for row, expert in zip(*np.nonzero(length == n), strict=True):

@@ -10,6 +10,10 @@ time during training), so both judge a run by the same arithmetic:
 - **dead-expert streak**: consecutive logged steps at which an expert got no token while its
   layer routed tokens. A step at which the whole layer routed nothing ends every streak of that
   layer (nothing can be judged, as for ``moe/dead_experts``).
+
+Layers with fewer experts than the widest (``widths``) have zero columns on the right that are
+no expert: they are never dead. Shares, entropy and drift need no widths (a zero column adds
+nothing to a distribution); max/ideal does (``max * E_layer / total``, see ``real_experts``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+
+def real_experts(widths: Any, n_experts: int) -> np.ndarray | None:
+    """``[L, E]`` True where a column is one of its layer's experts (``widths[i]`` of them);
+    None when every layer has all ``n_experts`` (no column is padding)."""
+    if widths is None:
+        return None
+    w = np.asarray(widths, dtype=np.int64)
+    if not w.size or int(w.min()) >= n_experts:
+        return None
+    return np.arange(n_experts) < w[:, None]
 
 
 def shares(counts: np.ndarray) -> np.ndarray:
@@ -136,6 +151,8 @@ class DeadStreaks:
 
     ``update(step, layer_ids, counts)`` per logged step, in step order; memory is two integer
     arrays of ``[layers, experts]`` plus the finished streaks of at least ``min_steps`` steps.
+    ``widths`` (each layer's number of experts, when the layers differ): columns beyond a
+    layer's width are no expert and never dead.
     """
 
     def __init__(self, min_steps: int) -> None:
@@ -143,25 +160,28 @@ class DeadStreaks:
             raise ValueError(f"a dead-expert streak needs min_steps >= 1, got {min_steps}")
         self.min_steps = int(min_steps)
         self._layer_ids: list[int] | None = None
+        self._real: np.ndarray | None = None  # [L, E] real experts; None: every column
         self._length: np.ndarray | None = None  # current streak length per cell
         self._first: np.ndarray | None = None  # step at which the current streak began
         self._last_step: int | None = None
         self._finished: list[Streak] = []
 
-    def update(self, step: int, layer_ids: list[int], counts: np.ndarray) -> np.ndarray:
+    def update(
+        self, step: int, layer_ids: list[int], counts: np.ndarray, widths: Any = None
+    ) -> np.ndarray:
         """Advance by one logged step; returns the current streak length per cell ``[L, E]``."""
         counts = np.asarray(counts)
         layer_ids = [int(la) for la in layer_ids]
-        if (
-            self._length is None
-            or layer_ids != self._layer_ids
-            or counts.shape != self._length.shape
-        ):
+        real = real_experts(widths, counts.shape[-1])
+        if self._changed(layer_ids, counts.shape, real):
             self._close_all()
             self._layer_ids = layer_ids
+            self._real = real
             self._length = np.zeros(counts.shape, dtype=np.int64)
             self._first = np.zeros(counts.shape, dtype=np.int64)
         dead = (counts == 0) & (counts.sum(axis=1, keepdims=True) > 0)
+        if real is not None:
+            dead &= real
         ended = (self._length >= self.min_steps) & ~dead
         if ended.any():
             self._record(ended, ongoing=False)
@@ -171,7 +191,9 @@ class DeadStreaks:
         self._last_step = int(step)
         return self._length
 
-    def update_block(self, steps: Any, layer_ids: list[int], counts: np.ndarray) -> None:
+    def update_block(
+        self, steps: Any, layer_ids: list[int], counts: np.ndarray, widths: Any = None
+    ) -> None:
         """``update`` for each of ``K`` logged steps at once: ``steps`` ``[K]`` in order, counts
         ``[K, L, E]`` of one set of layers. Same streaks as K calls of ``update``; only the
         cells that are dead somewhere in the block or already in a streak are walked step by
@@ -181,18 +203,16 @@ class DeadStreaks:
         if not steps:
             return
         layer_ids = [int(la) for la in layer_ids]
-        if (
-            self._length is None
-            or layer_ids != self._layer_ids
-            or counts.shape[1:] != self._length.shape
-        ):
-            self.update(steps[0], layer_ids, counts[0])
+        if self._changed(layer_ids, counts.shape[1:], real_experts(widths, counts.shape[-1])):
+            self.update(steps[0], layer_ids, counts[0], widths)
             steps, counts = steps[1:], counts[1:]
             if not steps:
                 return
         assert self._length is not None and self._first is not None
         k, n_layers, n_experts = counts.shape
         dead = (counts == 0) & (counts.sum(axis=2, keepdims=True) > 0)  # [K, L, E]
+        if self._real is not None:
+            dead &= self._real
         flat_length = self._length.reshape(-1)
         flat_first = self._first.reshape(-1)
         active = np.flatnonzero(dead.any(axis=0).reshape(-1) | (flat_length > 0))
@@ -223,6 +243,14 @@ class DeadStreaks:
             flat_length[active] = length
             flat_first[active] = first
         self._last_step = steps[-1]
+
+    def _changed(self, layer_ids: list[int], shape: tuple[int, ...], real: Any) -> bool:
+        """Whether a step's layers differ from the ones followed (their streaks then end)."""
+        if self._length is None or layer_ids != self._layer_ids or shape != self._length.shape:
+            return True
+        if real is None or self._real is None:
+            return real is not self._real
+        return not np.array_equal(real, self._real)
 
     @property
     def first_steps(self) -> np.ndarray:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from nemo_moe_metrics.moe.timeline import real_experts
 from nemo_moe_metrics.report.reading import ReportError, RunInfo
 from nemo_moe_metrics.report.timeline import StepBins, Timeline
 
@@ -50,11 +53,16 @@ def _ratio_label(exp: float) -> str:
     return f"×1/{2 ** (-exp):g}"
 
 
-def log_ratio(counts: np.ndarray) -> tuple[np.ndarray, np.ma.MaskedArray]:
-    """Load / ideal over the last axis and its log2, masked where an expert got no token."""
+def log_ratio(counts: np.ndarray, widths: Any = None) -> tuple[np.ndarray, np.ma.MaskedArray]:
+    """Load / ideal over the last axis and its log2, masked where an expert got no token.
+
+    ``widths`` ``[L]`` (counts ``[..., L, E]``): each layer's number of experts when they
+    differ; the ideal is then the layer's tokens / its own experts (padding columns are 0,
+    so masked)."""
     totals = counts.sum(axis=-1, keepdims=True)
+    width = counts.shape[-1] if widths is None else np.asarray(widths)[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = counts * counts.shape[-1] / totals
+        ratio = counts * width / totals
         log_ratio = np.log2(ratio)
     return ratio, np.ma.masked_array(log_ratio, mask=(counts == 0) | ~np.isfinite(log_ratio))
 
@@ -81,6 +89,21 @@ def _colour_map() -> Any:
     return colormaps["RdBu_r"].with_extremes(bad="black")
 
 
+# Cells beyond a layer's experts (layers with fewer experts than the widest): no expert, so
+# neither a colour of the load scale nor the black of a 0-token expert.
+_NO_EXPERT = "#d4d4d4"
+_NO_EXPERT_NOTE = "grey = no such expert in that layer"
+
+
+def _grey_cells(draw: Callable[..., Any], absent: np.ndarray) -> None:
+    """Paint the cells where ``absent`` is True grey, over the load image: ``draw(cells,
+    **colours)`` is the load image's ``imshow`` or ``pcolormesh`` with its geometry bound."""
+    from matplotlib.colors import ListedColormap
+
+    cells = np.ma.masked_array(np.zeros(absent.shape), mask=~absent)
+    draw(cells, cmap=ListedColormap([_NO_EXPERT]), vmin=0, vmax=1)
+
+
 def _colour_bar(fig: Any, image: Any, axes: Any, limit: float, worst: float, aspect: float) -> None:
     ticks = np.arange(-limit, limit + 1)
     bar = fig.colorbar(
@@ -102,13 +125,16 @@ def render_heatmap(
     counts: np.ndarray,
     steps: list[int],
     lim: float,
+    widths: np.ndarray | None = None,
 ) -> None:
+    """``widths``: each layer's number of experts when they differ (cells beyond are grey)."""
     from matplotlib.colors import Normalize
     from matplotlib.figure import Figure
 
     n_layers, n_experts = counts.shape
-    ratio, shown = log_ratio(counts)
-    dead = counts == 0
+    ratio, shown = log_ratio(counts, widths)
+    real = real_experts(widths, n_experts)
+    dead = counts == 0 if real is None else (counts == 0) & real
     worst = _worst(shown)
     height = min(max(0.28 * n_layers + 2.2, 3.6), 14.0)
     fig = Figure(figsize=(11, height), dpi=_DPI, layout="constrained")
@@ -121,6 +147,9 @@ def render_heatmap(
         interpolation="nearest",
         origin="upper",
     )
+    if real is not None:
+        draw = partial(ax.imshow, aspect="auto", interpolation="nearest", origin="upper")
+        _grey_cells(draw, ~real)
     # A bar about 0.35 inch wide whatever the figure height.
     _colour_bar(fig, image, ax, lim, worst, 2.5 * height)
     ax.set_xlabel(f"expert (0–{n_experts - 1})")
@@ -131,7 +160,7 @@ def render_heatmap(
     if n_layers * n_experts <= 256:
         # Small grids: print each multiple so nobody has to decode colours.
         for (r, e), v in np.ndenumerate(ratio):
-            if np.isfinite(v):
+            if np.isfinite(v) and (real is None or real[r, e]):
                 dark = v == 0 or abs(math.log2(v)) > 0.6 * lim
                 ax.text(
                     e,
@@ -143,19 +172,24 @@ def render_heatmap(
                     color="white" if dark else "black",
                 )
     dead_note = f"; black = 0 tokens ({int(dead.sum())} dead)" if dead.any() else ""
+    if real is not None:
+        dead_note += f"; {_NO_EXPERT_NOTE}"
     ax.set_title(
-        f"{run.model_label(n_layers, n_experts)}\nexpert load / ideal, "
-        f"{steps_label(steps)}{dead_note}",
+        f"{run.model_label(n_layers, n_experts if widths is None else widths)}\n"
+        f"expert load / ideal, {steps_label(steps)}{dead_note}",
         fontsize=10,
         loc="left",
     )
     save_figure(fig, path)
 
 
-def bin_ratios(bins: StepBins, rows: list[int]) -> tuple[np.ndarray, np.ma.MaskedArray]:
-    """[len(rows), experts, bins] log2 load/ideal of the chosen layer rows, per step bin."""
+def bin_ratios(
+    bins: StepBins, rows: list[int], widths: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ma.MaskedArray]:
+    """[len(rows), experts, bins] log2 load/ideal of the chosen layer rows, per step bin
+    (``widths``: every layer's number of experts when they differ)."""
     sums = bins.sums[: bins.used][:, rows, :]  # [bins, layers, E]
-    _, shown = log_ratio(sums)
+    _, shown = log_ratio(sums, None if widths is None else np.asarray(widths)[rows])
     return sums, np.ma.transpose(shown, (1, 2, 0))
 
 
@@ -218,7 +252,9 @@ def over_steps_figure(
     axes = fig.subplots(len(rows), 1, sharex=True, squeeze=False)[:, 0]
     worst = _worst(shown)
     moi = np.asarray(timeline.moi)
+    widths = timeline.layer_widths()
     image = None
+    absent = False
     for ax, row, data in zip(axes, rows, shown, strict=True):
         image = ax.pcolormesh(
             edges,
@@ -228,9 +264,15 @@ def over_steps_figure(
             norm=Normalize(-lim, lim),
             shading="flat",
         )
+        width = int(widths[row])
+        if width < n_experts:  # the rows beyond this layer's experts are no expert: grey
+            absent = True
+            no_expert = np.broadcast_to((np.arange(n_experts) >= width)[:, None], data.shape)
+            draw = partial(ax.pcolormesh, edges, np.arange(n_experts + 1) - 0.5, shading="flat")
+            _grey_cells(draw, no_expert)
         ax.set_ylim(n_experts - 0.5, -0.5)  # expert 0 on top, as in the heatmap
         # Every expert labelled while they fit (32 per panel), else every 2nd, 4th, ...
-        ticks = np.arange(0, n_experts, _nice_stride(n_experts, 32))
+        ticks = np.arange(0, width, _nice_stride(n_experts, 32))
         ax.set_yticks(ticks, [str(e) for e in ticks], fontsize=7 if n_experts > 16 else None)
         mean = np.nanmean(moi[:, row])
         ax.set_ylabel(f"layer {timeline.layer_ids[row]}: expert\n(mean max/ideal {mean:.2f})")
@@ -243,9 +285,12 @@ def over_steps_figure(
         if bins.width == 1
         else f"each column sums the tokens of {bins.width} logged steps"
     )
-    dead = "; black = 0 tokens" if np.ma.getmaskarray(shown).any() else ""
+    real = np.arange(n_experts)[None, :, None] < widths[rows][:, None, None]
+    dead = "; black = 0 tokens" if (np.ma.getmaskarray(shown) & real).any() else ""
+    if absent:
+        dead += f"; {_NO_EXPERT_NOTE}"
     axes[0].set_title(
-        f"{run.model_label(len(timeline.layer_ids), n_experts)}\nexpert load / ideal over "
+        f"{run.model_label(len(timeline.layer_ids), widths)}\nexpert load / ideal over "
         f"steps {timeline.steps[0]}–{timeline.steps[-1]}, {why}; {per_bin}{dead}",
         fontsize=10,
         loc="left",

@@ -12,7 +12,7 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -246,6 +246,7 @@ def store_blocks(
         slice(lo, None if hi is None else hi + 1),
         workers=max(1, min(2, cpus)),
         prepare=prepare_block,
+        widths=True,
         skipped=skipped,
     )
 
@@ -259,9 +260,11 @@ def store_has_steps(run_dir: Path) -> bool:
 
 def jsonl_table_counts(
     path: Path, lines: list[Line], num_experts: int | None
-) -> Iterator[tuple[int, list[int], np.ndarray]]:
-    """Counts from ``moe/expert_loads`` rows: the JSONL of runs from before the store."""
-    from nemo_moe_metrics.sinks.store import table_to_counts
+) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+    """``(step, layer_ids, counts, widths)`` from ``moe/expert_loads`` rows: the JSONL of runs
+    from before the store. ``widths`` is each layer's number of experts (its rows'); a table
+    of equal layers narrower than ``num_experts`` (run.json's) is widened to it."""
+    from nemo_moe_metrics.sinks.store import table_to_counts_and_widths
 
     with path.open("rb") as f:
         for line in lines:
@@ -270,10 +273,12 @@ def jsonl_table_counts(
             rows = read_line(f, line).get(mn.EXPERT_LOADS)
             if not rows:
                 continue
-            layer_ids, counts = table_to_counts(rows)
-            if num_experts and counts.shape[1] < num_experts:
+            layer_ids, counts, widths = table_to_counts_and_widths(rows)
+            uniform = int(widths.min()) == counts.shape[1]
+            if uniform and num_experts and counts.shape[1] < num_experts:
                 counts = np.pad(counts, ((0, 0), (0, num_experts - counts.shape[1])))
-            yield line.step, layer_ids, counts
+                widths = np.full_like(widths, num_experts)
+            yield line.step, layer_ids, counts, widths
 
 
 def layer_key_series(
@@ -347,9 +352,20 @@ class RunInfo:
         recipe, api = FLAG_HINTS[key]
         return recipe if self.recipe else api
 
-    def model_label(self, n_layers: int, n_experts: int) -> str:
+    def model_label(self, n_layers: int, n_experts: int | Sequence[int] | np.ndarray) -> str:
+        """``name: 94 MoE layers × 256 experts, top-8``; ``n_experts`` may be each layer's
+        count, and layers that differ read ``× 4–8 experts``."""
         topk = f", top-{self.topk}" if self.topk else ""
-        return f"{self.name}: {n_layers} MoE layers × {n_experts} experts{topk}"
+        return f"{self.name}: {n_layers} MoE layers × {experts_text(n_experts)} experts{topk}"
+
+
+def experts_text(n_experts: int | Sequence[int] | np.ndarray) -> str:
+    """``8`` for one expert count, ``4–8`` for layers whose counts differ."""
+    counts = np.atleast_1d(np.asarray(n_experts, dtype=np.int64))
+    if not counts.size:
+        return "0"
+    lo, hi = int(counts.min()), int(counts.max())
+    return str(hi) if lo == hi else f"{lo}–{hi}"
 
 
 def run_info(run_dir: Path) -> RunInfo:

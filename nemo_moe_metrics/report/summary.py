@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.moe.timeline import Streak
+from nemo_moe_metrics.moe.timeline import Streak, real_experts
 from nemo_moe_metrics.report.pictures import (
     DRIFT_FILE,
     HEATMAP_FILE,
@@ -32,6 +32,7 @@ from nemo_moe_metrics.report.reading import (
     RunInfo,
     Window,
     alert_records,
+    experts_text,
     jsonl_table_counts,
     last_values,
     layer_key_series,
@@ -48,9 +49,11 @@ DEFAULT_DEAD_STEPS = 10
 DEFAULT_WORST_LAYERS = 4
 
 
-def _max_over_ideal(counts: np.ndarray) -> float:
+def _max_over_ideal(counts: np.ndarray, n_experts: int) -> float:
+    """The busiest expert's load over the ideal of one layer's counts (``n_experts``: its own
+    number of experts; columns beyond are padding zeros, which never hold the maximum)."""
     total = counts.sum()
-    return float(counts.max() * counts.size / total) if total > 0 else 0.0
+    return float(counts.max() * n_experts / total) if total > 0 else 0.0
 
 
 def _by_layer(pairs: list[tuple[int, str]], limit: int = 5) -> str:
@@ -170,8 +173,8 @@ def render_report(
     timeline = Timeline(keep_sum=steps is not None, dead_steps=dead_steps)
     unreadable = _read_counts(run_dir, steps, timeline, skipped)
     if unreadable is None and not store_path(run_dir).is_file():
-        for step, layer_ids, counts in jsonl_table_counts(path, lines_, run.num_experts):
-            timeline.add(step, layer_ids, counts)
+        for step, layer_ids, counts, widths in jsonl_table_counts(path, lines_, run.num_experts):
+            timeline.add(step, layer_ids, counts, widths)
     skipped += _missing_from_store(run, lines_, timeline)
     out += [f"skipped: {text}" for text in skipped]
 
@@ -393,22 +396,29 @@ def _count_pictures(
     windowed: bool = False,
 ) -> list[str]:
     out: list[str] = []
-    layer_ids, counts = timeline.layer_ids, timeline.heat
+    layer_ids, counts, widths = timeline.layer_ids, timeline.heat, timeline.widths
     assert counts is not None
     heat_steps = timeline.steps if timeline.keep_sum else timeline.steps[-1:]
-    per_layer = [_max_over_ideal(c) for c in counts]
+    layer_widths = timeline.layer_widths()
+    per_layer = [_max_over_ideal(c, int(w)) for c, w in zip(counts, layer_widths, strict=True)]
     order = np.argsort(per_layer)[::-1][:3]
     worst = ", ".join(f"layer {layer_ids[i]} {per_layer[i]:.2f}" for i in order)
+    # Layers that differ say so (each layer's max/ideal is over its own experts).
+    shape = "" if widths is None else f" × {experts_text(layer_widths)} experts"
     out.append(
         f"expert load over {steps_label(heat_steps)}: max/ideal mean "
-        f"{np.mean(per_layer):.2f} over {len(layer_ids)} MoE layers; worst: {worst}"
+        f"{np.mean(per_layer):.2f} over {len(layer_ids)} MoE layers{shape}; worst: {worst}"
     )
     span = (
         f"step {heat_steps[0]}"
         if len(heat_steps) == 1
         else f"steps {heat_steps[0]}–{heat_steps[-1]}"
     )
-    dead = [(layer_ids[r], int(e)) for r, e in zip(*np.nonzero(counts == 0), strict=True)]
+    empty = counts == 0
+    real = real_experts(widths, counts.shape[1])
+    if real is not None:  # columns beyond a layer's experts are no expert, never dead
+        empty &= real
+    dead = [(layer_ids[r], int(e)) for r, e in zip(*np.nonzero(empty), strict=True)]
     if dead:
         by_layer: dict[int, list[int]] = {}
         for layer, e in dead:
@@ -425,12 +435,24 @@ def _count_pictures(
         out += _drift_lines(timeline)
 
     # One colour scale for the heatmap and the over-steps picture, so they can be compared.
-    _, heat_shown = log_ratio(counts)
+    _, heat_shown = log_ratio(counts, widths)
     rows, why = _choose_layers(timeline, layers, DEFAULT_WORST_LAYERS)
     assert timeline.bins is not None
-    _, over_shown = bin_ratios(timeline.bins, rows) if several else (None, np.ma.masked_all(0))
+    _, over_shown = (
+        bin_ratios(timeline.bins, rows, widths) if several else (None, np.ma.masked_all(0))
+    )
     limit = colour_limit(heat_shown, over_shown)
-    _draw(draw, render_heatmap, run, out_dir / HEATMAP_FILE, layer_ids, counts, heat_steps, limit)
+    _draw(
+        draw,
+        render_heatmap,
+        run,
+        out_dir / HEATMAP_FILE,
+        layer_ids,
+        counts,
+        heat_steps,
+        limit,
+        widths,
+    )
     out += _wrote(draw, out_dir / HEATMAP_FILE)
     if several:
         _draw(
@@ -482,7 +504,7 @@ def _count_pictures(
         timeline.steps,
         {la: moi[:, i] for i, la in enumerate(layer_ids)},
         ylabel="busiest expert's load / ideal  (1 = balanced)",
-        title=f"worst-expert load per layer ({counts.shape[1]} experts)",
+        title=f"worst-expert load per layer ({experts_text(timeline.layer_widths())} experts)",
         ideal=1.0,
     )
     out += _wrote(draw, out_dir / MAX_OVER_IDEAL_FILE)

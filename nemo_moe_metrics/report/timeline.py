@@ -11,6 +11,7 @@ from nemo_moe_metrics.moe.timeline import (
     DeadStreaks,
     entropy_from_counts,
     js_from_shares,
+    real_experts,
     shares,
 )
 from nemo_moe_metrics.report.reading import ReportError
@@ -95,19 +96,27 @@ class Block:
     js: np.ndarray  # [K - 1, L] drift between consecutive steps of the block
     first: tuple[np.ndarray, np.ndarray]  # shares [L, E] and entropies [L] of the first step
     last: tuple[np.ndarray, np.ndarray]  # ... and of the last step
+    #: each layer's number of experts [L] when the layers differ (columns beyond are 0 and no
+    #: expert); None: every layer has all E
+    widths: np.ndarray | None = None
 
 
-def prepare_block(steps: Any, layer_ids: Any, counts: np.ndarray) -> Block:
+def prepare_block(steps: Any, layer_ids: Any, counts: np.ndarray, widths: Any = None) -> Block:
     """Sort the layers, then max/ideal, shares, entropies and drift of ``counts`` ``[K, L, E]``
-    in whole-array operations (numpy releases the GIL: reader threads can run this)."""
+    in whole-array operations (numpy releases the GIL: reader threads can run this).
+    ``widths``: each layer's number of experts (the store's ``.widths``); max/ideal uses the
+    layer's own (``max * E_layer / total``); padding columns change no share or entropy."""
     ids = [int(la) for la in layer_ids]
+    # None when every layer has every column: the uniform arithmetic, at no extra cost.
+    widths = None if real_experts(widths, counts.shape[2]) is None else np.asarray(widths)
     order = np.argsort(ids, kind="stable")
     if not np.array_equal(order, np.arange(len(ids))):
         ids = [ids[i] for i in order]
         counts = counts[:, order]
+        widths = None if widths is None else widths[order]
     totals = counts.sum(axis=2)
     with np.errstate(divide="ignore", invalid="ignore"):
-        moi = counts.max(axis=2) * counts.shape[2] / totals
+        moi = counts.max(axis=2) * (counts.shape[2] if widths is None else widths) / totals
     p = shares(counts)
     h = entropy_from_counts(counts)
     js = js_from_shares(p[:-1], h[:-1], p[1:], h[1:])
@@ -119,6 +128,7 @@ def prepare_block(steps: Any, layer_ids: Any, counts: np.ndarray) -> Block:
         js=js,
         first=(p[0].copy(), h[0].copy()),
         last=(p[-1].copy(), h[-1].copy()),
+        widths=None if widths is None else widths.astype(np.int64),
     )
 
 
@@ -136,11 +146,13 @@ class Timeline:
     heat: np.ndarray | None = None  # the last step's counts, or the window's sum
     bins: StepBins | None = None
     streaks: DeadStreaks | None = None
+    #: each layer's number of experts when the layers differ; None: every layer has all
+    widths: np.ndarray | None = None
     _prev: tuple[np.ndarray, np.ndarray] | None = None  # last step's shares and entropies
 
-    def add(self, step: int, layer_ids: Any, counts: np.ndarray) -> None:
-        """One logged step's counts ``[L, E]``."""
-        self.add_block(prepare_block([step], layer_ids, np.asarray(counts)[None]))
+    def add(self, step: int, layer_ids: Any, counts: np.ndarray, widths: Any = None) -> None:
+        """One logged step's counts ``[L, E]`` (``widths``: each layer's number of experts)."""
+        self.add_block(prepare_block([step], layer_ids, np.asarray(counts)[None], widths))
 
     def add_block(self, block: Block) -> None:
         """``K`` logged steps at once (from ``prepare_block``), after the steps already added."""
@@ -149,14 +161,21 @@ class Timeline:
             return
         if not self.steps:
             self.layer_ids = ids
+            self.widths = block.widths
             self.bins = StepBins(counts.shape[1:])
             self.streaks = DeadStreaks(self.dead_steps)
-        elif ids != self.layer_ids or self.heat is None or counts.shape[1:] != self.heat.shape:
+        elif (
+            ids != self.layer_ids
+            or self.heat is None
+            or counts.shape[1:] != self.heat.shape
+            or not _same(block.widths, self.widths)
+        ):
+            now = _experts_text(block.widths, counts.shape[2])
+            before = _experts_text(self.widths, self.heat.shape[1] if self.heat is not None else 0)
             raise ReportError(
-                f"step {int(block.steps[0])} has MoE layers {ids} x {counts.shape[2]} experts "
-                f"but step {self.steps[0]} had {self.layer_ids} x {self.heat.shape[1]}; the "
-                "model changed within the run: report each part on its own with --steps "
-                "FIRST:LAST"
+                f"step {int(block.steps[0])} has MoE layers {ids} x {now} experts but step "
+                f"{self.steps[0]} had {self.layer_ids} x {before}; the model changed within "
+                "the run: report each part on its own with --steps FIRST:LAST"
             )
         self.moi.extend(block.moi)
         if self._prev is not None:
@@ -170,5 +189,20 @@ class Timeline:
             self.heat = counts[-1].copy()
         assert self.bins is not None and self.streaks is not None
         self.bins.add_block(block.steps, counts)
-        self.streaks.update_block(block.steps, ids, counts)
+        self.streaks.update_block(block.steps, ids, counts, self.widths)
         self.steps.extend(int(s) for s in block.steps)
+
+    def layer_widths(self) -> np.ndarray:
+        """Each layer's number of experts ``[L]`` (the widest for every layer when uniform)."""
+        if self.widths is not None:
+            return self.widths
+        n = self.heat.shape[1] if self.heat is not None else 0
+        return np.full(len(self.layer_ids), n, dtype=np.int64)
+
+
+def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return a is b or (a is not None and b is not None and np.array_equal(a, b))
+
+
+def _experts_text(widths: np.ndarray | None, n_experts: int) -> str:
+    return str(n_experts) if widths is None else str(widths.tolist())

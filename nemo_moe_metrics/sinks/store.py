@@ -18,7 +18,15 @@ File layout (little endian)::
     version 1 (earlier stores, still read):
         b"ELR1"  step:u64  layers:u32  experts:u32  itemsize:u8  codec:u8  pad:u16
         payload_bytes:u32  crc32(header[:28] + payload):u32                 32 bytes
-    payload (codec 1) = zlib(layer ids as int32, then the shuffled counts)
+    payload (codec 1) = zlib(layer ids as int32, [widths as uint32,] then the shuffled counts)
+
+``flags`` (version 2; version 1's ``pad`` is always 0): bit 0 (``_FLAG_WIDTHS``) says the
+payload carries each layer's expert count (``widths``, uint32 per layer) after the layer ids.
+It is set only when the layers differ (a model with 4 experts in one MoE layer and 8 in
+another): the counts stay a ``[layers x widest]`` grid whose cells beyond a layer's width are
+0 and are no expert. Records without it (every earlier one) have every column real. A record
+with a flag this code does not know was written by a newer version: readers skip it and say
+so, and a writer never cuts it.
 
 Crash safety matches ``metrics.jsonl``: each record goes out in one ``write`` and is fsync'd
 before ``append`` returns, so every step whose log call returned can be read back after a
@@ -63,6 +71,9 @@ _HEADER_V1 = struct.Struct("<4sQIIBBHII")  # 32 bytes
 _HEADER_V2 = struct.Struct("<4sQIIBBHIII")  # 36 bytes
 _HEADER_SIZE = {1: _HEADER_V1.size, 2: _HEADER_V2.size}
 _CODEC_ZLIB_SHUFFLE = 1
+#: Header flag: the payload holds each layer's expert count (uint32 [L]) after the layer ids.
+_FLAG_WIDTHS = 1
+_KNOWN_FLAGS = _FLAG_WIDTHS
 _ITEMSIZES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # A header that claims more than this is garbage (a torn or foreign file), not a real step.
 _MAX_CELLS = 1 << 28
@@ -78,10 +89,14 @@ __all__ = [
     "ExpertLoadStore",
     "StoreError",
     "StoreScan",
+    "StoredBlock",
+    "StoredStep",
     "read_expert_load_blocks",
     "read_expert_loads",
     "scan_store",
     "store_path",
+    "table_to_counts",
+    "table_to_counts_and_widths",
 ]
 
 
@@ -105,6 +120,12 @@ class _Entry:
     payload_bytes: int
     crc: int
     version: int = 1
+    flags: int = 0
+
+    @property
+    def newer(self) -> bool:
+        """Written by a newer version (a flag this code does not know): not decoded."""
+        return bool(self.flags & ~_KNOWN_FLAGS)
 
     @property
     def header_size(self) -> int:
@@ -165,15 +186,16 @@ def _parse_header(raw: bytes, offset: int) -> _Entry | None:
     if version is None or len(raw) < _HEADER_SIZE[version]:
         return None
     if version == 2:
-        tag, step, layers, experts, itemsize, codec, _fl, nbytes, crc, hcrc = _HEADER_V2.unpack(
+        tag, step, layers, experts, itemsize, codec, flags, nbytes, crc, hcrc = _HEADER_V2.unpack(
             raw[: _HEADER_V2.size]
         )
         if zlib.crc32(raw[:32]) != hcrc:
             return None
     else:
-        tag, step, layers, experts, itemsize, codec, _fl, nbytes, crc = _HEADER_V1.unpack(
+        tag, step, layers, experts, itemsize, codec, _pad, nbytes, crc = _HEADER_V1.unpack(
             raw[: _HEADER_V1.size]
         )
+        flags = 0
     if (
         itemsize not in _ITEMSIZES
         or codec != _CODEC_ZLIB_SHUFFLE
@@ -181,7 +203,7 @@ def _parse_header(raw: bytes, offset: int) -> _Entry | None:
         or nbytes > _MAX_PAYLOAD
     ):
         return None
-    return _Entry(step, offset, layers, experts, itemsize, codec, nbytes, crc, version)
+    return _Entry(step, offset, layers, experts, itemsize, codec, nbytes, crc, version, flags)
 
 
 def _read_header(f: Any, offset: int) -> _Entry | None:
@@ -283,12 +305,15 @@ def _scan(f: Any, size: int) -> tuple[list[_Entry], int, str | None]:
 
 def _decode(
     f: Any, e: _Entry, out: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(layer_ids int64 [L], counts int64 [L, E])`` of one record; None if its CRC fails.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """``(layer_ids int64 [L], counts int64 [L, E], widths int64 [L] or None)`` of one record
+    (widths None: every layer has all E experts); None if its CRC fails.
 
     ``f`` is a binary file or a file descriptor (read with ``os.pread``: several threads may
     decode from one descriptor); the counts go into ``out`` (int64 ``[L, E]``) when given.
     """
+    if e.newer:
+        return None
     n = e.header_size + e.payload_bytes
     if isinstance(f, int):
         raw = os.pread(f, n, e.offset)
@@ -303,11 +328,17 @@ def _decode(
     except zlib.error:
         return None
     n_ids = 4 * e.layers
+    n_widths = 4 * e.layers if e.flags & _FLAG_WIDTHS else 0
     cells = e.layers * e.experts
-    if len(data) != n_ids + cells * e.itemsize:
+    if len(data) != n_ids + n_widths + cells * e.itemsize:
         return None
     layer_ids = np.frombuffer(data, dtype="<i4", count=e.layers).astype(np.int64)
-    planes = np.frombuffer(data, dtype=np.uint8, offset=n_ids).reshape(e.itemsize, cells)
+    widths = None
+    if n_widths:
+        widths = np.frombuffer(data, dtype="<u4", count=e.layers, offset=n_ids).astype(np.int64)
+        if widths.size and (widths.min() < 1 or widths.max() > e.experts):
+            return None
+    planes = np.frombuffer(data, dtype=np.uint8, offset=n_ids + n_widths).reshape(e.itemsize, cells)
     counts = np.empty((e.layers, e.experts), dtype=np.int64) if out is None else out
     flat = counts.reshape(cells)
     # Undo the byte shuffle: count = sum of plane k << 8k (plane 0 holds the low bytes).
@@ -316,10 +347,13 @@ def _decode(
     for k in range(e.itemsize - 2, -1, -1):
         flat <<= 8
         flat |= planes[k]
-    return layer_ids, counts
+    return layer_ids, counts, widths
 
 
-def _encode(step: int, layer_ids: np.ndarray, counts: np.ndarray) -> bytes:
+def _encode(
+    step: int, layer_ids: np.ndarray, counts: np.ndarray, widths: np.ndarray | None = None
+) -> bytes:
+    """One record; ``widths`` (each layer's expert count) only when the layers differ."""
     top = int(counts.max()) if counts.size else 0
     itemsize = next(s for s in (1, 2, 4, 8) if top <= np.iinfo(_ITEMSIZES[s]).max)
     typed = counts.astype(np.dtype(_ITEMSIZES[itemsize]).newbyteorder("<"), copy=False)
@@ -327,11 +361,43 @@ def _encode(step: int, layer_ids: np.ndarray, counts: np.ndarray) -> bytes:
     shuffled = np.ascontiguousarray(typed.reshape(-1).view(np.uint8).reshape(-1, itemsize).T)
     packer = zlib.compressobj(1)
     payload = packer.compress(layer_ids.astype("<i4").tobytes())
+    if widths is not None:
+        payload += packer.compress(widths.astype("<u4").tobytes())
     payload += packer.compress(shuffled) + packer.flush()
     L, E = counts.shape
-    fields = (b"ELR2", step, L, E, itemsize, _CODEC_ZLIB_SHUFFLE, 0, len(payload))
+    flags = 0 if widths is None else _FLAG_WIDTHS
+    fields = (b"ELR2", step, L, E, itemsize, _CODEC_ZLIB_SHUFFLE, flags, len(payload))
     head = struct.pack("<4sQIIBBHII", *fields, zlib.crc32(payload))
     return head + struct.pack("<I", zlib.crc32(head)) + payload
+
+
+def _checked_widths(widths: Any, counts: np.ndarray) -> np.ndarray | None:
+    """``widths`` as int64 [L] when some layer has fewer experts than ``counts`` has columns;
+    None when every layer has them all (the record needs no widths)."""
+    if widths is None:
+        return None
+    w = np.asarray(widths)
+    n_layers, n_experts = counts.shape
+    if w.shape != (n_layers,) or (w.size and w.dtype.kind not in "iu"):
+        raise StoreError(
+            f"widths must be one int per layer ({n_layers}), each layer's number of experts; "
+            f"got {widths!r}"
+        )
+    if not w.size or int(w.min()) == n_experts == int(w.max()):
+        return None
+    if int(w.min()) < 1 or int(w.max()) > n_experts:
+        raise StoreError(
+            f"widths must be in 1..{n_experts} (the counts have {n_experts} columns), got "
+            f"{w.tolist()}"
+        )
+    beyond = np.arange(n_experts) >= w[:, None]
+    if counts[beyond].any():
+        row = int(np.nonzero((counts * beyond).any(axis=1))[0][0])
+        raise StoreError(
+            f"layer row {row} has {int(w[row])} experts but tokens in a column beyond them; "
+            "counts past a layer's width must be 0 (or pass the layer's real width)"
+        )
+    return w.astype(np.int64)
 
 
 class ExpertLoadStore:
@@ -374,8 +440,19 @@ class ExpertLoadStore:
             raise
         self._fd: int | None = fd
 
-    def append(self, step: int, layer_ids: Sequence[int], counts: np.ndarray) -> None:
-        """Store ``counts[i, e]``: tokens routed to expert ``e`` of MoE layer ``layer_ids[i]``."""
+    def append(
+        self,
+        step: int,
+        layer_ids: Sequence[int],
+        counts: np.ndarray,
+        widths: Sequence[int] | np.ndarray | None = None,
+    ) -> None:
+        """Store ``counts[i, e]``: tokens routed to expert ``e`` of MoE layer ``layer_ids[i]``.
+
+        ``widths[i]``: how many experts layer ``i`` has, when the layers differ (its cells
+        beyond that are 0 and no expert); None, or every width equal to ``counts``' columns,
+        stores the record as before (every column an expert).
+        """
         if self._fd is None:
             raise RuntimeError(f"append() after close() on {self.path}; open a new store")
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
@@ -398,7 +475,7 @@ class ExpertLoadStore:
             raise StoreError("counts must be >= 0 (tokens per expert); got a negative count")
         if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
             raise StoreError(f"layer ids must be in 0..2**31-1, got {ids.tolist()}")
-        record = _encode(int(step), ids, arr)
+        record = _encode(int(step), ids, arr, _checked_widths(widths, arr))
         view = memoryview(record)
         while view:  # os.write may write less than asked (signals, full pipes); finish it
             view = view[os.write(self._fd, view) :]
@@ -426,7 +503,12 @@ def _cut_point(f: Any, scan: StoreScan, size: int) -> int:
         return 0
     end = scan.tail.start if scan.tail is not None else size
     entries = list(scan.entries)
-    while entries and entries[-1].end == end and _decode(f, entries[-1]) is None:
+    while (
+        entries
+        and entries[-1].end == end
+        and not entries[-1].newer
+        and _decode(f, entries[-1]) is None
+    ):
         end = entries.pop().offset
     return max(end, len(_MAGIC))
 
@@ -453,10 +535,53 @@ def cut_store_from(path: Path, step: int) -> list[int]:
     return cut[::-1]
 
 
+class _Stored(tuple):
+    """``(steps or step, layer_ids, counts)`` that also carries ``.widths``: callers that
+    unpack three values keep working."""
+
+    widths: np.ndarray
+
+    def __new__(cls, first: Any, layer_ids: np.ndarray, counts: np.ndarray, widths: np.ndarray):
+        self = super().__new__(cls, (first, layer_ids, counts))
+        self.widths = widths
+        return self
+
+    def __getnewargs__(self) -> tuple[Any, ...]:
+        return (*self, self.widths)
+
+    @property
+    def layer_ids(self) -> np.ndarray:
+        return self[1]
+
+    @property
+    def counts(self) -> np.ndarray:
+        return self[2]
+
+
+class StoredStep(_Stored):
+    """One stored step: unpacks as ``(step, layer_ids, counts)``; ``.widths`` (int64 [L]) is
+    each layer's number of experts (``E`` for every layer unless the layers differ, when
+    ``counts[i, widths[i]:]`` are 0 and no expert)."""
+
+    @property
+    def step(self) -> int:
+        return self[0]
+
+
+class StoredBlock(_Stored):
+    """Logged steps of one set of layers: unpacks as ``(steps [K], layer_ids [L], counts
+    [K, L, E])``; ``.widths`` (int64 [L]) as for :class:`StoredStep`."""
+
+    @property
+    def steps(self) -> np.ndarray:
+        return self[0]
+
+
 def read_expert_loads(
     path: Path, steps: slice | None = None, *, skipped: list[str] | None = None
-) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-    """Yield ``(step, layer_ids int64 [L], counts int64 [L, E])`` in step order, one at a time.
+) -> Iterator[StoredStep]:
+    """Yield ``(step, layer_ids int64 [L], counts int64 [L, E])`` in step order, one at a time
+    (a :class:`StoredStep`: ``.widths`` says each layer's number of experts).
 
     ``steps`` picks step numbers ``start <= step < stop`` (either end open when None) without
     decoding the others; ``slice.step = k`` keeps every k-th logged step of that window. When a
@@ -481,7 +606,8 @@ def read_expert_loads(
             if decoded is None:
                 bad.append(e.step)
                 continue
-            yield e.step, decoded[0], decoded[1]
+            ids, counts, widths = decoded
+            yield StoredStep(e.step, ids, counts, _full(widths, e))
         _say_bad(say, bad)
 
 
@@ -542,6 +668,15 @@ def _index(f: Any, steps: slice | None, say: Callable[[str], None]) -> list[_Ent
             f"step(s) {steps_text(sorted(superseded))} stored again later (a restart from an "
             "earlier step): the later records are read"
         )
+    newer = [e for e in timeline if e.newer]
+    if newer:
+        flags = sorted({f"0x{e.flags:04x}" for e in newer})
+        say(
+            f"step(s) {steps_text([e.step for e in newer])} written by a newer version of "
+            f"nemo_moe_metrics (record flags {', '.join(flags)}): not read; upgrade "
+            "nemo_moe_metrics to read them"
+        )
+        timeline = [e for e in timeline if not e.newer]
     if steps is not None:
         lo, hi = steps.start, steps.stop
         timeline = [
@@ -556,16 +691,19 @@ def read_expert_load_blocks(
     *,
     block: int = 32,
     workers: int = 1,
-    prepare: Callable[[np.ndarray, np.ndarray, np.ndarray], Any] | None = None,
+    prepare: Callable[..., Any] | None = None,
+    widths: bool = False,
     skipped: list[str] | None = None,
 ) -> Iterator[Any]:
     """Like ``read_expert_loads``, but ``block`` logged steps at a time: yields ``(steps int64
-    [K], layer_ids int64 [L], counts int64 [K, L, E])`` with ``K <= block``, in step order; a
-    block ends early where the layer ids or the shape change. With ``workers > 1``, that many
-    threads decode blocks ahead of the consumer (zlib and numpy release the GIL, so decoding
-    overlaps the caller's work); at most ``2 * workers`` blocks are held at a time.
-    ``prepare(steps, layer_ids, counts)``, when given, runs on each block in the decoding
-    thread and its result is yielded instead. ``skipped`` as for ``read_expert_loads``.
+    [K], layer_ids int64 [L], counts int64 [K, L, E])`` with ``K <= block``, in step order (a
+    :class:`StoredBlock`, with ``.widths``); a block ends early where the layer ids, the
+    layers' widths or the shape change. With ``workers > 1``, that many threads decode blocks
+    ahead of the consumer (zlib and numpy release the GIL, so decoding overlaps the caller's
+    work); at most ``2 * workers`` blocks are held at a time. ``prepare(steps, layer_ids,
+    counts)``, when given, runs on each block in the decoding thread and its result is yielded
+    instead; with ``widths=True`` it is called as ``prepare(steps, layer_ids, counts,
+    widths)``. ``skipped`` as for ``read_expert_loads``.
     """
     path = Path(path)
     if block < 1 or workers < 1:
@@ -588,7 +726,7 @@ def read_expert_load_blocks(
         bad: list[int] = []
         if workers == 1:
             for g in groups:
-                decoded, b = _decode_block(fd, g, prepare)
+                decoded, b = _decode_block(fd, g, prepare, widths)
                 bad += b
                 yield from decoded
         else:
@@ -596,13 +734,14 @@ def read_expert_load_blocks(
 
             with ThreadPoolExecutor(workers, thread_name_prefix="nmm-store") as pool:
                 pending = [
-                    pool.submit(_decode_block, fd, g, prepare) for g in groups[: 2 * workers]
+                    pool.submit(_decode_block, fd, g, prepare, widths)
+                    for g in groups[: 2 * workers]
                 ]
                 nxt = len(pending)
                 while pending:
                     decoded, b = pending.pop(0).result()
                     if nxt < len(groups):
-                        pending.append(pool.submit(_decode_block, fd, groups[nxt], prepare))
+                        pending.append(pool.submit(_decode_block, fd, groups[nxt], prepare, widths))
                         nxt += 1
                     bad += b
                     yield from decoded
@@ -610,14 +749,19 @@ def read_expert_load_blocks(
 
 
 def _decode_block(
-    fd: int, entries: list[_Entry], prepare: Callable[..., Any] | None = None
+    fd: int,
+    entries: list[_Entry],
+    prepare: Callable[..., Any] | None = None,
+    with_widths: bool = False,
 ) -> tuple[list[Any], list[int]]:
-    """Decode records of one shape into ``[K, L, E]``; split where the layer ids change."""
+    """Decode records of one shape into ``[K, L, E]``; split where the layer ids or the
+    layers' widths change."""
     e0 = entries[0]
     counts = np.empty((len(entries), e0.layers, e0.experts), dtype=np.int64)
     steps = np.empty(len(entries), dtype=np.int64)
-    out: list[Any] = []
+    out: list[StoredBlock] = []
     ids: np.ndarray | None = None
+    widths: np.ndarray | None = None
     start = k = 0
     bad: list[int] = []
     for e in entries:
@@ -625,24 +769,48 @@ def _decode_block(
         if decoded is None:
             bad.append(e.step)
             continue
-        if ids is not None and not np.array_equal(decoded[0], ids):
-            out.append((steps[start:k], ids, counts[start:k]))
+        if ids is not None and (
+            not np.array_equal(decoded[0], ids) or not _same_widths(decoded[2], widths)
+        ):
+            out.append(StoredBlock(steps[start:k], ids, counts[start:k], _full(widths, e0)))
             start = k
-        ids = decoded[0]
+        ids, widths = decoded[0], decoded[2]
         steps[k] = e.step
         k += 1
     if ids is not None:
-        out.append((steps[start:k], ids, counts[start:k]))
+        out.append(StoredBlock(steps[start:k], ids, counts[start:k], _full(widths, e0)))
     if prepare is not None:
+        if with_widths:
+            return [prepare(*item, item.widths) for item in out], bad
         return [prepare(*item) for item in out], bad
     return out, bad
 
 
+def _same_widths(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return a is b or (a is not None and b is not None and np.array_equal(a, b))
+
+
+def _full(widths: np.ndarray | None, e: _Entry) -> np.ndarray:
+    return widths if widths is not None else np.full(e.layers, e.experts, np.int64)
+
+
 def table_to_counts(rows: Sequence[Sequence[Any]]) -> tuple[np.ndarray, np.ndarray]:
     """``(layer_ids [L], counts [L, E])`` from ``moe/expert_loads`` rows (layer, expert, tokens,
-    load_percent); layers in order of first appearance, missing cells 0."""
+    load_percent); layers in order of first appearance, missing cells 0 (``E`` is the widest
+    layer's: :func:`table_to_counts_and_widths` says each layer's own)."""
+    layer_ids, counts, _ = table_to_counts_and_widths(rows)
+    return layer_ids, counts
+
+
+def table_to_counts_and_widths(
+    rows: Sequence[Sequence[Any]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(layer_ids [L], counts [L, E], widths [L])`` from ``moe/expert_loads`` rows, as
+    :func:`table_to_counts`; ``widths[i]`` is layer ``i``'s number of experts (its largest
+    expert index + 1: the table has one row per real expert), ``E = max(widths)``."""
     if not rows:
-        return np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.int64)
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, np.zeros((0, 0), dtype=np.int64), empty
     # One C-level pass per column (map + itemgetter): about 3x faster than a generator.
     layer, expert, tokens = (
         np.fromiter(map(itemgetter(k), rows), dtype=np.int64, count=len(rows)) for k in (0, 1, 2)
@@ -659,15 +827,18 @@ def table_to_counts(rows: Sequence[Sequence[Any]]) -> tuple[np.ndarray, np.ndarr
             and np.array_equal(layer.reshape(grid), np.broadcast_to(ids[:, None], grid))
             and np.unique(ids).size == ids.size
         ):
-            return ids, tokens.reshape(grid)
+            return ids, tokens.reshape(grid), np.full(ids.size, n_experts, dtype=np.int64)
     uniq, first, inverse = np.unique(layer, return_index=True, return_inverse=True)
     order = np.argsort(first, kind="stable")  # layers in order of first appearance
     rank = np.empty_like(order)
     rank[order] = np.arange(order.size)
     layer_ids = uniq[order]
+    rows_of = rank[inverse.reshape(-1)]
     counts = np.zeros((layer_ids.size, n_experts), dtype=np.int64)
-    np.add.at(counts, (rank[inverse.reshape(-1)], expert), tokens)
-    return layer_ids, counts
+    np.add.at(counts, (rows_of, expert), tokens)
+    widths = np.zeros(layer_ids.size, dtype=np.int64)
+    np.maximum.at(widths, rows_of, expert + 1)
+    return layer_ids, counts, widths
 
 
 class ExpertLoadSink:
@@ -688,8 +859,7 @@ class ExpertLoadSink:
         rows = metrics.get(EXPERT_LOADS)
         if rows is None or step % self.table_every:
             return
-        layer_ids, counts = table_to_counts(rows)
-        self.store.append(step, layer_ids, counts)
+        self.store.append(step, *table_to_counts_and_widths(rows))
 
     def close(self) -> None:
         """Close the store file."""
