@@ -174,8 +174,8 @@ class Timeline:
             before = _experts_text(self.widths, self.heat.shape[1] if self.heat is not None else 0)
             raise ReportError(
                 f"step {int(block.steps[0])} has MoE layers {ids} x {now} experts but step "
-                f"{self.steps[0]} had {self.layer_ids} x {before}; the model changed within "
-                "the run: report each part on its own with --steps FIRST:LAST"
+                f"{self.steps[0]} had {self.layer_ids} x {before}; the "
+                "model changed within the run: report each part on its own with --steps FIRST:LAST"
             )
         self.moi.extend(block.moi)
         if self._prev is not None:
