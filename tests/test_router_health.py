@@ -182,7 +182,7 @@ def test_router_without_a_known_score_function_gets_no_health_keys_and_one_warni
     chunk(x)
     counts = np.bincount(chunk.layers[0](x)[2].reshape(-1).numpy(), minlength=4)
     sums, peaks = (t.numpy() for t in tracker.local_stats())
-    out = router_health_metrics([0], sums, peaks, num_experts=[4], topks=[1], per_layer=True)
+    out = router_health_metrics([0], sums, peaks, topks=[1], per_layer=True)
     # Never made-up numbers: only the micro-batch balance, which needs no score function.
     assert out == {
         "moe/max_over_ideal_microbatch": counts.max() * 4 / counts.sum(),
@@ -254,7 +254,6 @@ def test_decision_sums_match_the_oracle(router, bias_scale):
         [3],
         row[None],
         peak.reshape(1).numpy(),
-        num_experts=[router.num_experts],
         topks=[router.topk],
         per_layer=True,
     )
@@ -268,9 +267,7 @@ def test_summaries_leave_out_what_no_layer_measured():
 
     sums = np.zeros((2, rh.SLOTS))
     sums[0, [rh.MICRO_RATIO, rh.MICRO_FORWARDS]] = [3.0, 2.0]
-    out = router_health_metrics(
-        [4, 7], sums, np.zeros(2), num_experts=[8, 8], topks=[2, 2], per_layer=False
-    )
+    out = router_health_metrics([4, 7], sums, np.zeros(2), topks=[2, 2], per_layer=False)
     assert out == {"moe/max_over_ideal_microbatch": 1.5}
 
 
