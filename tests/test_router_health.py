@@ -5,6 +5,7 @@ the test's own forward hooks: its logits, the indices it returned, its bias at t
 One and two ranks (data parallel, gloo); the key set stays bounded without per-layer logging.
 """
 
+import dataclasses
 import math
 import warnings
 
@@ -18,6 +19,7 @@ from hf_tiny import FAMILIES, VOCAB, K, tiny_model
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.moe.router_health import (
     RouterScoring,
+    chosen_experts,
     decision_sums,
     router_health_metrics,
 )
@@ -205,7 +207,7 @@ def _chosen(z, bias, r: Router):
     """The router's choice, computed the way the router code does (torch, as a router would)."""
     zt = torch.from_numpy(z)
     base = zt.softmax(-1) if r.score == "softmax" else zt.sigmoid()
-    s = base if bias is None else base + torch.from_numpy(bias)
+    s = base if bias is None else (zt if r.bias_on_logits else base) + torch.from_numpy(bias)
     rank = zt if (r.rank_on_logits and bias is None) else s
     if r.groups:
         t = rank.shape[0]
@@ -213,7 +215,7 @@ def _chosen(z, bias, r: Router):
         keep = torch.zeros(t, r.groups, dtype=torch.bool).scatter_(
             1, gs.topk(r.group_topk, -1).indices, True
         )
-        rank = rank.masked_fill(~keep.repeat_interleave(r.num_experts // r.groups, 1), -math.inf)
+        rank = rank.masked_fill(~keep.repeat_interleave(r.num_experts // r.groups, 1), r.masked)
     idx = rank.topk(r.topk, -1).indices
     return torch.zeros_like(zt, dtype=torch.bool).scatter_(1, idx, True).numpy()
 
@@ -227,18 +229,40 @@ def _chosen(z, bias, r: Router):
         (Router("sigmoid", 16, 4, groups=4, group_topk=2, group_k=2), 0.3),
         (Router("softmax", 16, 4, groups=4, group_topk=2, group_k=2, rank_on_logits=True), 0.0),
         (Router("softmax", 16, 4, groups=4, group_topk=2, group_k=2), 0.0),
+        (Router("sigmoid", 8, 2, rank_on_logits=True, bias_on_logits=True), 0.8),
+        (Router("softmax", 16, 4, groups=4, group_topk=1, group_k=1, masked=0.0), 0.0),
+        (Router("sigmoid", 16, 4, groups=4, group_topk=1, group_k=2, masked=0.0), 0.3),
     ],
-    ids=["softmax", "sigmoid", "sigmoid_bias", "sigmoid_bias_groups", "logit_groups", "groups"],
+    ids=[
+        "softmax",
+        "sigmoid",
+        "sigmoid_bias",
+        "sigmoid_bias_groups",
+        "logit_groups",
+        "groups",
+        "bias_on_logits",
+        "groups_fill_0",
+        "sigmoid_bias_groups_fill_0",
+    ],
 )
 def test_decision_sums_match_the_oracle(router, bias_scale):
     z, bias, valid = _random_case(3, router, bias_scale)
+    if math.isfinite(router.masked) and bias is not None:
+        bias[:: router.num_experts // router.groups] -= 2.0  # one expert per group scores < 0
     chosen = _chosen(z, bias, router)
     oracle = Layer()
     oracle.add(router, z, chosen, bias, valid)
     scoring = RouterScoring(
         router.score, router.num_experts, router.topk, router.rank_on_logits,
-        router.groups, router.group_topk, router.group_k,
+        router.groups, router.group_topk, router.group_k, router.bias_on_logits, router.masked,
     )  # fmt: skip
+    bias_t = None if bias is None else torch.from_numpy(bias)
+    ours = chosen_experts(torch.from_numpy(z), scoring, bias_t).numpy()
+    assert (np.take_along_axis(chosen, ours, 1)).all()  # the router's own experts
+    if math.isfinite(router.masked) and bias_scale:
+        # biased scores below the fill: some tokens route to an expert of a group not kept
+        strict = _chosen(z, bias, dataclasses.replace(router, masked=-math.inf))
+        assert (strict != chosen).any()
     sums, peak = decision_sums(
         torch.from_numpy(z),
         scoring,
