@@ -311,6 +311,10 @@ class RouterHealthTracker:
         self.sums = torch.zeros(len(self.layer_ids), SLOTS, dtype=torch.float64, device=device)
         self.max_abs = torch.zeros(len(self.layer_ids), dtype=torch.float64, device=device)
 
+    def scoring(self, layer_id: int) -> RouterScoring | None:
+        """How the router of global layer ``layer_id`` decides; None when it is not judged."""
+        return self._scoring[layer_id]
+
     # -- per router forward (hot path: device ops only) -------------------------------------
     def observe(
         self,
