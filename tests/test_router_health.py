@@ -403,3 +403,24 @@ def test_a_router_naming_its_score_function_is_read_and_bad_groups_are_skipped()
     sums, _ = tracker.local_stats()
     # No decision judged (never a guess), the microbatch balance still measured.
     assert sums[0, rh.TOKENS] == 0 and sums[0, rh.MICRO_FORWARDS] == 1
+
+
+def test_a_transformers_router_whose_routing_is_not_described_is_not_judged():
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    from nemo_moe_metrics.moe.router_scoring import hf_health
+
+    class NewFamilyRouter(Qwen3MoeTopKRouter):  # a family the table has not read
+        pass
+
+    class GeluScored(Qwen3MoeTopKRouter):
+        def __init__(self, config):
+            super().__init__(config)
+            self.score_fn = torch.nn.GELU()
+
+    cfg = Qwen3MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=2)
+    assert "routing of NewFamilyRouter" in hf_health(NewFamilyRouter(cfg), None)
+    assert "score function of GeluScored routers is not known ('GELU'" in hf_health(
+        GeluScored(cfg), None
+    )

@@ -11,7 +11,9 @@ no second gating matmul:
 
 - megatron-core ``TopKRouter``: the output of its ``gating`` (``megatron.compat``
   wraps it on the instance), before z-loss, score function and bias;
-- transformers routers: the first item of their output ``(logits, weights, indices)``;
+- transformers routers: the first item of their output ``(logits, weights, indices)``, or
+  where their family keeps the logits (:data:`HF_ROUTING`; doge builds them from its product
+  keys), captured by a hook on the router beside the experts module;
 - torchtitan ``TokenChoiceTopKRouter``: a forward hook on its ``gate`` linear (the router
   itself returns scores after the score function).
 """
@@ -237,7 +239,8 @@ def hf_routing(router: nn.Module) -> HFRouting | str:
         None,
     )
     if named is None and isinstance(getattr(router, "score_fn", None), nn.Module):
-        named = _SCORE_MODULES.get(type(router.score_fn).__name__)
+        kind = type(router.score_fn).__name__
+        named = _SCORE_MODULES.get(kind, kind)
     score = named or routing.score_function
     if score not in SCORE_FUNCTIONS:
         kind = family or type(router).__qualname__
