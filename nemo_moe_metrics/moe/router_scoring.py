@@ -243,7 +243,7 @@ def hf_routing(router: nn.Module) -> HFRouting | str:
         named = _SCORE_MODULES.get(kind, kind)
     score = named or routing.score_function
     if score not in SCORE_FUNCTIONS:
-        kind = family or type(router).__qualname__
+        kind = family or type(router).__name__
         return (
             f"the score function of {kind} routers is not known ({score!r}; known: "
             f"{', '.join(SCORE_FUNCTIONS)})"
