@@ -128,16 +128,21 @@ class RouterScoring:
         return self.choosable_experts > self.topk
 
 
-def _group_keep(ranked: torch.Tensor, scoring: RouterScoring) -> torch.Tensor:
-    """``[T, E]`` bool: the experts of each token's chosen groups, chosen as the router does."""
+def _group_drop(ranked: torch.Tensor, scoring: RouterScoring) -> torch.Tensor:
+    """``[T, groups, 1]`` bool: the groups each token does not keep, chosen as the router does."""
     assert scoring.num_groups is not None and scoring.group_topk is not None
-    tokens, experts = ranked.shape
-    grouped = ranked.reshape(tokens, scoring.num_groups, experts // scoring.num_groups)
+    grouped = ranked.reshape(ranked.shape[0], scoring.num_groups, -1)
     per_group = min(scoring.group_score_topk, grouped.shape[-1])
     group_scores = grouped.topk(per_group, dim=-1).values.sum(dim=-1)
     chosen = group_scores.topk(scoring.group_topk, dim=-1, sorted=False).indices
-    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
-    return keep.unsqueeze(-1).expand_as(grouped).reshape(tokens, experts)
+    drop = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, chosen, False)
+    return drop.unsqueeze(-1)
+
+
+def _masked(scores: torch.Tensor, drop: torch.Tensor, fill: float) -> torch.Tensor:
+    """``scores`` ``[T, E]`` with the experts of the dropped groups at ``fill``."""
+    grouped = scores.reshape(scores.shape[0], drop.shape[1], -1)
+    return grouped.masked_fill(drop, fill).reshape(scores.shape)
 
 
 def _rank(
@@ -151,15 +156,15 @@ def _rank(
     """
     if not scoring.grouped:
         return ranked.topk(k, dim=-1).indices, selection
-    keep = _group_keep(ranked, scoring)
+    drop = _group_drop(ranked, scoring)
     fill = scoring.group_masked_score
-    masked = ranked.masked_fill(~keep, fill)
+    masked = _masked(ranked, drop, fill)
     if ranked is selection:
         measured = masked
     elif math.isinf(fill):  # the top-(k+1) are all inside the chosen groups
         measured = selection
     else:
-        measured = selection.masked_fill(~keep, fill)
+        measured = _masked(selection, drop, fill)
     return masked.topk(k, dim=-1).indices, measured
 
 
@@ -183,7 +188,8 @@ def _scores(
     if bias is None:
         selection = base
     else:
-        bias = bias.detach().reshape(-1).to(z.device, z.dtype)
+        bias = bias.detach().to(z.device, z.dtype)
+        bias = bias if bias.dim() == 1 else bias.reshape(-1)  # ernie4_5_moe keeps it [1, E]
         selection = (z if scoring.bias_on_logits else base) + bias
     return p, p_log_p, base, selection
 
