@@ -424,3 +424,14 @@ def test_a_transformers_router_whose_routing_is_not_described_is_not_judged():
     assert "score function of GeluScored routers is not known ('GELU'" in hf_health(
         GeluScored(cfg), None
     )
+
+
+def test_logits_wider_than_the_described_classes_are_refused_with_the_layer():
+    from nemo_moe_metrics.moe.router_health import RouterHealthTracker
+
+    tracker = RouterHealthTracker(
+        {5: RouterScoring("softmax", 8, 2)}, near_tie_gap=NEAR_TIE_GAP, device=torch.device("cpu")
+    )
+    counts = torch.tensor([3, 1, 0, 0, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match="MoE layer 5: the router's logits have 9 columns"):
+        tracker.observe(5, counts, torch.randn(2, 9))

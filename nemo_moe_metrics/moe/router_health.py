@@ -341,6 +341,13 @@ class RouterHealthTracker:
         if scoring is None or logits is None:
             self.sums[row, MICRO_RATIO:].add_(micro)
             return
+        if logits.shape[-1] != scoring.num_experts:  # a shape: no sync
+            raise ValueError(
+                f"router health, MoE layer {layer_id}: the router's logits have "
+                f"{logits.shape[-1]} columns but its scoring ranks {scoring.num_experts} classes; "
+                "its routing is described wrongly (moe/router_scoring.py): turn "
+                "track_router_health off for this model and report the model"
+            )
         sums, max_abs = decision_sums(
             logits, scoring, near_tie_gap=self.near_tie_gap, bias=bias, valid=valid
         )

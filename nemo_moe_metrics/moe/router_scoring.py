@@ -259,7 +259,9 @@ def _hf_scoring(router: nn.Module, routing: HFRouting, experts: int, topk: int) 
     if getattr(router, "topk_method", None) == "greedy":  # DeepSeek-V2: groups configured, unused
         groups = None
     group_topk = getattr(router, "topk_group", None)
-    classes = getattr(router, routing.classes) if routing.classes else experts
+    classes = getattr(router, routing.classes, None) if routing.classes else experts
+    if classes is None:
+        raise ValueError(f"{type(router).__name__} has no {routing.classes} (the classes it ranks)")
     assert routing.score_function is not None
     return RouterScoring(
         score_function=routing.score_function,
@@ -344,7 +346,7 @@ def hf_experts_health(experts: nn.Module, block: nn.Module | None) -> HealthSour
     routing = hf_routing(router)
     if isinstance(routing, str):
         return routing
-    count = getattr(experts, "num_experts", None) or experts_num(experts)
+    count = experts_num(experts)
     topk = getattr(router, "top_k", None) or getattr(block, "top_k", None)
     topk = topk or config_topk(getattr(experts, "config", None))
     if not topk:
