@@ -295,26 +295,19 @@ def _bias_reader(router: nn.Module) -> Callable[[tuple, dict], torch.Tensor | No
     return lambda args, kwargs: getattr(module, attr)  # read at each forward: it can be replaced
 
 
-def hf_health(
-    router: nn.Module,
-    parent: nn.Module | None,
-    *,
-    experts: int | None = None,
-    topk: int | None = None,
-) -> HealthSource | str:
+def hf_health(router: nn.Module, parent: nn.Module | None) -> HealthSource | str:
     """A transformers router hooked itself: ``z`` is in its own output (:class:`HFRouting`).
 
-    ``experts`` / ``topk`` default to the router's ``num_experts`` / ``top_k``. The expert bias
-    is the argument of its forward named like one, or its ``e_score_correction_bias`` /
-    ``expert_bias`` / ``balancing_biases`` tensor; the group limit its ``n_group`` (or
-    ``num_group``) with ``topk_group``.
+    Its ``num_experts`` and ``top_k`` size the scoring. The expert bias is the argument of its
+    forward named like one, or its ``e_score_correction_bias`` / ``expert_bias`` /
+    ``balancing_biases`` tensor; the group limit its ``n_group`` (or ``num_group``) with
+    ``topk_group``.
     """
     routing = hf_routing(router)
     if isinstance(routing, str):
         return routing
-    experts = experts or int(router.num_experts)
-    topk = topk or int(getattr(router, "top_k", getattr(router, "topk", 0)))
-    scoring = _hf_scoring(router, routing, experts, topk)
+    topk = int(getattr(router, "top_k", getattr(router, "topk", 0)))
+    scoring = _hf_scoring(router, routing, int(router.num_experts), topk)
     bias_of = _bias_reader(router)
 
     def read(args: tuple, kwargs: dict, output: Any):
@@ -376,7 +369,11 @@ def hf_experts_health(experts: nn.Module, block: nn.Module | None) -> HealthSour
         captured["logits"] = captured["bias"] = None
         return logits, bias, None
 
-    return HealthSource(scoring, read, lambda: [h.remove() for h in handles])
+    def release() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return HealthSource(scoring, read, release)
 
 
 def doge_health(block: nn.Module, parent: nn.Module | None) -> HealthSource | str:
