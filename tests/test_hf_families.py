@@ -322,6 +322,7 @@ def _run(model_type: str) -> FamilyRun:
     for h in handles:
         h.remove()
     step = metrics.finish_step(num_microbatches=1)
+    metrics.detach()
     module = sys.modules[type(model).__module__]
     _RUNS[model_type] = FamilyRun(
         model_type,
