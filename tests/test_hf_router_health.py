@@ -94,17 +94,18 @@ def test_the_described_scoring_chooses_what_the_router_chose(model_type):
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_health_keys_equal_the_oracle_on_the_routers_own_decisions(model_type):
     run, scorings = _run(model_type), _scorings(model_type)
-    routed = run.seen.router_counts if run.seen.zero_picks else run.seen.counts
     layers: dict[int, Layer] = {}
     for layer, scoring in scorings.items():
         oracle = layers.setdefault(layer, Layer())
-        if scoring is None:  # not judged: its microbatch balance only
-            oracle.add_counts(routed[layer])
-            continue
-        (d,) = run.seen.decisions[layer]  # one training forward per layer
-        chosen = np.zeros((len(d.chosen), scoring.num_experts), dtype=bool)
-        np.put_along_axis(chosen, d.chosen, True, axis=1)
-        oracle.add(_oracle_router(scoring), d.logits, chosen, d.bias, counts=routed[layer])
+        experts = run.seen.experts[layer]  # routed experts; the router may rank more classes
+        for d in run.seen.decisions[layer]:  # every forward of the layer in the step
+            counts = np.bincount(d.chosen[d.chosen < experts], minlength=experts)
+            if scoring is None:  # not judged: its microbatch balance only
+                oracle.add_counts(counts)
+                continue
+            chosen = np.zeros((len(d.chosen), scoring.num_experts), dtype=bool)
+            np.put_along_axis(chosen, d.chosen, True, axis=1)
+            oracle.add(_oracle_router(scoring), d.logits, chosen, d.bias, counts=counts)
     expected = expected_keys({layer: v.values() for layer, v in layers.items()})
     assert_matches(run.metrics, expected, tokens=BATCH * SEQ)
     if mn.EXPERT_BIAS_TOPK_OVERLAP in expected:  # the random biases moved some choices

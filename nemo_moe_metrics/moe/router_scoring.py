@@ -217,7 +217,9 @@ _BIAS_NAMES = ("e_score_correction_bias", "expert_bias", "balancing_biases")
 
 def hf_model_type(router: nn.Module) -> str | None:
     """``qwen3_moe`` for a class in ``transformers.models.qwen3_moe.modeling_qwen3_moe``."""
-    parts = type(router).__module__.split(".")
+    # The router's own class: FSDP2's fully_shard puts a class from torch in front of it.
+    own = next(c for c in type(router).__mro__ if not c.__module__.startswith("torch."))
+    parts = own.__module__.split(".")
     return parts[2] if len(parts) > 2 and parts[:2] == ["transformers", "models"] else None
 
 
