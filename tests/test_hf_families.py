@@ -266,19 +266,30 @@ def _decision_hooks(model: Any, seen: Observed) -> list[Any]:
     return handles
 
 
-def _randomise_routing(model: Any) -> None:
+def _randomise_routing(model: Any) -> Any:
     """Small random expert biases (zero at init), so that they move some routing choices, and
-    random router weights where they start at zero (afmoe: every expert ties on every token)."""
+    random router weights where they start at zero (afmoe: every expert ties on every token).
+    Returns the function that puts the model's own values back."""
     g = torch.Generator().manual_seed(2)
+    changed: list[tuple[Any, Any]] = []  # (tensor, its own values)
     with torch.no_grad():
         for name, t in [*model.named_buffers(), *model.named_parameters()]:
             if name.rpartition(".")[2] in BIAS_NAMES:
+                changed.append((t, t.clone()))
                 t.copy_(0.05 * torch.randn(t.shape, generator=g))
         for module in model.modules():
             if "Router" in type(module).__name__:
                 for name, w in module.named_parameters():
                     if name.endswith("weight") and w.dim() == 2 and not w.any():
+                        changed.append((w, w.clone()))
                         w.copy_(0.02 * torch.randn(w.shape, generator=g))
+
+    def restore() -> None:
+        with torch.no_grad():
+            for t, own in changed:
+                t.copy_(own)
+
+    return restore
 
 
 @dataclass
@@ -299,7 +310,7 @@ def _run(model_type: str) -> FamilyRun:
     if model_type in _RUNS:
         return _RUNS[model_type]
     model = tiny_model(model_type)
-    _randomise_routing(model)
+    restore_routing = _randomise_routing(model)
     if model_type == "zaya":  # its skip class starts with bias -1: make it chosen, and counted
         for module in model.modules():
             if type(module).__name__ == "ZayaRouter":
@@ -323,6 +334,7 @@ def _run(model_type: str) -> FamilyRun:
         h.remove()
     step = metrics.finish_step(num_microbatches=1)
     metrics.detach()
+    restore_routing()  # the decisions are recorded; the model is as built again
     module = sys.modules[type(model).__module__]
     _RUNS[model_type] = FamilyRun(
         model_type,
