@@ -626,7 +626,6 @@ class PolicyMetrics:
                     self._health_reducer.enqueue(
                         self._health,
                         self._reducer.layer_ids,
-                        self._reducer.num_experts,
                         self._reducer.topks,
                         per_layer=self.cfg.moe_per_layer_logging,
                         contribute=default_contribute(self._collector),

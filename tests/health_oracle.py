@@ -20,13 +20,15 @@ NEAR_TIE_GAP = 0.01
 class Router:
     """How the router under test decides (the test states it; the code reads it itself)."""
 
-    score: str  # "softmax" or "sigmoid"
-    num_experts: int
+    score: str  # "softmax", "sigmoid" or "sqrtsoftplus"
+    num_experts: int  # the classes it ranks (zero-computation experts included)
     topk: int
     groups: int | None = None
     group_topk: int | None = None
     group_k: int = 2  # best experts summed into a group's score
     rank_on_logits: bool = False  # group scores from logits (softmax without pre-softmax)
+    bias_on_logits: bool = False  # s = z + bias
+    masked: float = -math.inf  # the score of an expert outside the kept groups
 
 
 def _allowed(rank: np.ndarray, r: Router) -> np.ndarray:
@@ -41,6 +43,10 @@ def _allowed(rank: np.ndarray, r: Router) -> np.ndarray:
     return np.repeat(keep, e // r.groups, axis=1)
 
 
+def _micro(counts: np.ndarray) -> float | None:
+    return counts.max() * len(counts) / counts.sum() if counts.sum() else None
+
+
 @dataclass
 class Layer:
     """Per-token values of one layer over a step's forwards."""
@@ -53,37 +59,50 @@ class Layer:
     overlap: list = field(default_factory=list)
     micro: list = field(default_factory=list)
 
-    def add(self, r: Router, logits, chosen, bias=None, valid=None) -> None:
-        """One forward: ``logits`` [T, E], ``chosen`` [T, E] bool (the router's experts)."""
+    def add(self, r: Router, logits, chosen, bias=None, valid=None, counts=None) -> None:
+        """One forward: ``logits`` [T, E], ``chosen`` [T, E] bool (the router's experts);
+        ``counts``: the routed experts' counts when they are not the chosen classes' (routers
+        with zero-computation experts)."""
         z = np.asarray(logits, dtype=np.float64).reshape(-1, r.num_experts)
         chosen = np.asarray(chosen, dtype=bool).reshape(-1, r.num_experts)
         keep = np.ones(len(z), bool) if valid is None else np.asarray(valid, bool).reshape(-1)
-        counts = chosen[keep].sum(0)
-        if counts.sum():
-            self.micro.append(counts.max() * r.num_experts / counts.sum())
+        self.add_counts(chosen[keep].sum(0) if counts is None else np.asarray(counts))
         z, chosen = z[keep], chosen[keep]
         if r.score == "softmax":
             p = np.exp(z - z.max(1, keepdims=True))
             p /= p.sum(1, keepdims=True)
             base = p
         else:
-            base = 1.0 / (1.0 + np.exp(-z))
+            base = (
+                1.0 / (1.0 + np.exp(-z)) if r.score == "sigmoid" else np.sqrt(np.log1p(np.exp(z)))
+            )
             p = base / base.sum(1, keepdims=True)
-        b = 0.0 if bias is None else np.asarray(bias, dtype=np.float64)
-        s = base + b
+        b = 0.0 if bias is None else np.asarray(bias, dtype=np.float64).reshape(-1)
+        s = (z if r.bias_on_logits and bias is not None else base) + b
         rank = z if r.rank_on_logits and bias is None else s
-        allowed = _allowed(rank, r)
-        last_in = np.where(chosen, s, np.inf).min(1)
-        first_out = np.where(allowed & ~chosen, s, -np.inf).max(1)
-        self.gap += list((last_in - first_out) / np.abs(last_in))
+        ranked = np.where(_allowed(rank, r), s, r.masked)  # what the router ranks
+        last_in = np.where(chosen, ranked, np.inf).min(1)
+        first_out = np.where(~chosen, ranked, -np.inf).max(1)
+        # |s_k| at least float32's smallest normal, as the code: a chosen score of exactly 0
+        # (an expert outside the kept groups at a fill of 0) gives a 0 gap on a tie
+        scale = np.maximum(np.abs(last_in), np.finfo(np.float32).tiny)
+        self.gap += list((last_in - first_out) / scale)
         self.confidence += list((p * chosen).sum(1))
         self.entropy += list(-(p * np.log(p)).sum(1) / math.log(r.num_experts))
         self.abs_max.append(np.abs(z).max() if len(z) else 0.0)
         self.squares += list((z * z).mean(1))
         if bias is not None:
-            unbiased = np.where(_allowed(base, r), base, -np.inf)
+            plain = z if r.rank_on_logits else base
+            unbiased = np.where(_allowed(plain, r), plain, r.masked)
             top = np.argsort(-unbiased, axis=1, kind="stable")[:, : r.topk]
             self.overlap += [chosen[i, top[i]].sum() / r.topk for i in range(len(z))]
+
+    def add_counts(self, counts) -> None:
+        """One forward's routed counts [E] (a router whose decisions are not judged adds only
+        these)."""
+        micro = _micro(np.asarray(counts, dtype=np.float64))
+        if micro is not None:
+            self.micro.append(micro)
 
     def merge(self, other: Layer) -> None:
         """Add another rank's tokens and forwards (a reduction over ranks)."""
@@ -92,16 +111,19 @@ class Layer:
 
     def values(self) -> dict[str, float]:
         """The per-layer keys (without the ``moe/layer_{i}/`` prefix)."""
+        out = {"max_over_ideal_microbatch": float(np.mean(self.micro))} if self.micro else {}
+        if not self.confidence:  # a router whose decisions are not judged
+            return out
         gap = np.asarray(self.gap)
-        out = {
+        out |= {
             "router_confidence": float(np.mean(self.confidence)),
             "router_entropy": float(np.mean(self.entropy)),
-            "router_topk_relative_gap": float(gap.mean()),
-            "router_near_tie_fraction": float((gap < NEAR_TIE_GAP).mean()),
             "router_logit_max_abs": float(max(self.abs_max)),
             "router_logit_rms": float(np.sqrt(np.mean(self.squares))),
-            "max_over_ideal_microbatch": float(np.mean(self.micro)),
         }
+        if len(gap):
+            out["router_topk_relative_gap"] = float(gap.mean())
+            out["router_near_tie_fraction"] = float((gap < NEAR_TIE_GAP).mean())
         if self.overlap:
             out["expert_bias_topk_overlap"] = float(np.mean(self.overlap))
         return out
@@ -113,20 +135,19 @@ def summaries(per_layer: dict[int, dict[str, float]]) -> dict[str, float]:
     def col(stat):
         return [v[stat] for v in per_layer.values() if stat in v]
 
-    out = {
-        "moe/router_confidence": np.mean(col("router_confidence")),
-        "moe/router_confidence_min": min(col("router_confidence")),
-        "moe/router_entropy": np.mean(col("router_entropy")),
-        "moe/router_topk_relative_gap": np.mean(col("router_topk_relative_gap")),
-        "moe/router_near_tie_fraction": np.mean(col("router_near_tie_fraction")),
-        "moe/router_near_tie_fraction_max": max(col("router_near_tie_fraction")),
-        "moe/router_logit_max_abs": max(col("router_logit_max_abs")),
-        "moe/router_logit_rms": np.mean(col("router_logit_rms")),
-        "moe/max_over_ideal_microbatch": np.mean(col("max_over_ideal_microbatch")),
+    summary = {  # key: (per-layer stat, reduction); a stat no layer measured is left out
+        "moe/router_confidence": ("router_confidence", np.mean),
+        "moe/router_confidence_min": ("router_confidence", min),
+        "moe/router_entropy": ("router_entropy", np.mean),
+        "moe/router_topk_relative_gap": ("router_topk_relative_gap", np.mean),
+        "moe/router_near_tie_fraction": ("router_near_tie_fraction", np.mean),
+        "moe/router_near_tie_fraction_max": ("router_near_tie_fraction", max),
+        "moe/router_logit_max_abs": ("router_logit_max_abs", max),
+        "moe/router_logit_rms": ("router_logit_rms", np.mean),
+        "moe/max_over_ideal_microbatch": ("max_over_ideal_microbatch", np.mean),
+        "moe/expert_bias_topk_overlap": ("expert_bias_topk_overlap", np.mean),
     }
-    if col("expert_bias_topk_overlap"):
-        out["moe/expert_bias_topk_overlap"] = np.mean(col("expert_bias_topk_overlap"))
-    return {k: float(v) for k, v in out.items()}
+    return {key: float(reduce(col(stat))) for key, (stat, reduce) in summary.items() if col(stat)}
 
 
 def expected_keys(per_layer: dict[int, dict[str, float]]) -> dict[str, float]:

@@ -179,6 +179,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         enable_moe_block=True, moe_intermediate_size=16, vocab_size_per_layer_input=VOCAB
     ),
     "doge": dict(is_moe=True, num_experts=16, num_experts_per_tok=2),  # product keys: 4 x 4
+    # DeepSeek-V2's own routing (V2-Lite and the default are "greedy": no groups)
+    "deepseek_v2": dict(topk_method="group_limited_greedy"),
 }
 
 _MOE_CLASS_NAME = re.compile(r"(Experts|MoE|Moe|MoeBlock|MoEBlock|MoELayer)$")

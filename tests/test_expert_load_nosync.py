@@ -163,6 +163,35 @@ def test_router_health_hook_path_makes_no_host_sync(build):
     assert sums[0, 0].item() == 30  # every token of the three forwards was judged
 
 
+@pytest.mark.parametrize(
+    "family",
+    # the ways transformers families keep what health reads: a bias passed as an argument
+    # (afmoe), groups filled with 0 (axk2), a bias on the logits (kolibri1), a bias nested in a
+    # submodule (ernie4_5_moe), zero-computation classes (longcat_flash), a score_fn module
+    # (deepseek_v4's last layer), product keys (doge)
+    ["afmoe", "axk2", "kolibri1", "ernie4_5_moe", "longcat_flash", "deepseek_v4", "doge"],
+)
+def test_router_health_of_transformers_families_makes_no_host_sync(family):
+    from hf_families import tiny_model
+
+    model = tiny_model(family)
+    block = model.model.layers[-1].mlp
+    text = model.config.get_text_config()
+    if hasattr(block, "experts"):  # transformers' eager experts look up hit experts on the host
+        block.experts = CountOnlyExperts(block.experts.num_experts)
+        block.experts.config = text
+    chunk = Chunk(block)
+    collector = ExpertLoadCollector.attach(chunk)
+    tracker = collector.enable_health(near_tie_gap=0.01)
+    assert tracker.scoring(0) is not None, family
+    x = torch.randn(1, 10, text.hidden_size)
+    with no_host_sync():
+        for _ in range(2):
+            chunk(x)
+    sums, _ = tracker.local_stats()
+    assert sums[0, 0].item() == 20  # every token of the two forwards was judged
+
+
 class ThresholdRouter(nn.Module):
     """A custom router: expert e takes token t when score > 0 (a boolean [T, E] map)."""
 

@@ -12,12 +12,18 @@ independent hooks record what the model did:
 - aux losses: the family's own ``load_balancing_loss_func`` applied to each layer of the
   ``router_logits`` transformers itself returns with ``output_router_logits=True``;
 - config facts: the experts and top-k the config reader finds equal the built model's.
+
+The same runs (router health on, every expert bias set to small random values so that it moves
+some choices, zero-initialised router weights made random) also record each router's own decision for ``test_hf_router_health.py``: its
+logits, the classes it chose, their weights and the bias it ranked with (:class:`Decision`).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +51,16 @@ FAMILIES = [f.model_type for f in moe_families()]
 
 
 @dataclass
+class Decision:
+    """One router forward as the router itself produced it (numpy, one row per token)."""
+
+    logits: np.ndarray  # z [T, classes]: the router's logits, before its score function
+    chosen: np.ndarray  # [T, k] the classes it chose (zero-computation ones included)
+    weights: np.ndarray | None  # [T, k] their routing weights, where the router returns them
+    bias: np.ndarray | None  # the expert bias it ranked with
+
+
+@dataclass
 class Observed:
     """What the independent hooks saw in one training step, per global layer id."""
 
@@ -53,6 +69,7 @@ class Observed:
     zero_picks: dict[int, int] = field(default_factory=dict)
     topk: dict[int, int] = field(default_factory=dict)
     experts: dict[int, int] = field(default_factory=dict)
+    decisions: dict[int, list[Decision]] = field(default_factory=dict)
 
 
 def _layer(name: str) -> int | None:
@@ -151,6 +168,136 @@ def _independent_hooks(model: Any, seen: Observed) -> list[Any]:
     return handles
 
 
+#: where transformers routers keep the expert bias they add to their selection scores
+BIAS_NAMES = ("e_score_correction_bias", "expert_bias", "balancing_biases")
+
+
+def _numpy(t: Any) -> np.ndarray | None:
+    return None if t is None else t.detach().float().reshape(t.shape[0], -1).numpy()
+
+
+def _bias_of_call(router: Any, args: tuple, kwargs: dict) -> np.ndarray | None:
+    """The bias the router was called with (a ``...bias...`` argument) or holds itself."""
+    params = list(inspect.signature(type(router).forward).parameters)[1:]
+    for i, name in enumerate(params):
+        if "bias" in name:
+            bias = args[i] if len(args) > i else kwargs.get(name)
+            return None if bias is None else bias.detach().float().reshape(-1).numpy().copy()
+    for name, t in [*router.named_buffers(), *router.named_parameters()]:
+        if name.rpartition(".")[2] in BIAS_NAMES:
+            return t.detach().float().reshape(-1).numpy().copy()
+    return None
+
+
+def _decision_hooks(model: Any, seen: Observed) -> list[Any]:
+    """Record each router's own decision (its output, not a top-k recomputed from logits)."""
+    handles = []
+    pending: dict[int, Any] = {}  # z waiting for the rest of its layer's decision
+
+    def add(layer: int, z: Any, chosen: Any, weights: Any, bias: np.ndarray | None) -> None:
+        z = z.detach().float().reshape(-1, z.shape[-1]).numpy()
+        decision = Decision(z, np.asarray(chosen).reshape(len(z), -1), weights, bias)
+        seen.decisions.setdefault(layer, []).append(decision)
+
+    for name, module in model.named_modules():
+        layer, kind = _layer(name), type(module).__name__
+        if layer is None:
+            continue
+        if kind == "Gemma4TextRouter":  # returns softmax(z) first; z is its proj's output
+
+            def gemma4_z(m, a, out, layer=layer):
+                pending[layer] = out
+
+            def gemma4(m, a, k, out, layer=layer):
+                add(layer, pending.pop(layer), out[2].numpy(), _numpy(out[1]), None)
+
+            handles.append(module.proj.register_forward_hook(gemma4_z))
+            handles.append(module.register_forward_hook(gemma4, with_kwargs=True))
+        elif kind == "ZayaRouter":  # a pick of the skip class arrives as expert 0, weight 0
+
+            def zaya(m, a, k, out, layer=layer):
+                ids = torch.where(out[1] == 0, m.num_experts, out[2])
+                add(layer, out[0], ids.numpy(), _numpy(out[1]), _bias_of_call(m, a, k))
+
+            handles.append(module.register_forward_hook(zaya, with_kwargs=True))
+        elif kind == "Llama4Router":  # (scores, logits); unchosen experts score sigmoid(-inf)
+
+            def llama4(m, a, k, out, layer=layer):
+                ids = out[0].topk(m.top_k, dim=-1).indices  # the k scores above 0
+                add(layer, out[1], ids.numpy(), _numpy(out[0].gather(1, ids)), None)
+
+            handles.append(module.register_forward_hook(llama4, with_kwargs=True))
+        elif kind == "JetMoeTopKGating" and ".mlp." in name:  # expert-sorted assignments
+
+            def jetmoe(m, a, k, out, layer=layer):
+                sorted_experts = np.repeat(np.arange(m.num_experts), out[3])
+                tokens, gates = out[1].numpy(), out[2].detach().float().numpy()
+                order = np.argsort(tokens, kind="stable")
+                ids = sorted_experts[order].reshape(-1, m.top_k)
+                add(layer, out[4], ids, gates[order].reshape(-1, m.top_k), None)
+
+            handles.append(module.register_forward_hook(jetmoe, with_kwargs=True))
+        elif kind == "DbrxRouter":  # returns z; its FFN chooses and calls the experts
+
+            def dbrx_z(m, a, out, layer=layer):
+                pending[layer] = out
+
+            def dbrx(m, a, k, layer=layer):
+                add(layer, pending.pop(layer), a[1].numpy(), _numpy(a[2]), None)
+
+            handles.append(module.register_forward_hook(dbrx_z))
+            block = model.get_submodule(name.rpartition(".")[0])
+            handles.append(block.experts.register_forward_pre_hook(dbrx, with_kwargs=True))
+        elif kind == "DogeCDMoE":  # product keys: expert i * n + j scores x_i + y_j
+
+            def doge_z(m, a, out, layer=layer, keys=module.num_keys):
+                x, y = out.detach().reshape(2, -1, keys)  # split as DogeCDMoE.forward splits it
+                pending[layer] = (x[:, :, None] + y[:, None, :]).reshape(x.shape[0], -1)
+
+            def doge(m, a, k, layer=layer):
+                add(layer, pending.pop(layer), a[0].reshape(-1, a[0].shape[-1]).numpy(), None, None)
+
+            handles.append(module.router_gate.register_forward_hook(doge_z))
+            handles.append(module.down_embed.register_forward_pre_hook(doge, with_kwargs=True))
+        elif (
+            "Router" in kind or name.endswith((".gate", ".router"))
+        ) and kind != "JetMoeTopKGating":
+
+            def router(m, a, k, out, layer=layer):
+                ids = out[2] if isinstance(out, tuple) and len(out) >= 3 else None
+                if torch.is_tensor(ids) and ids.dtype == torch.int64 and ids.dim() == 2:
+                    add(layer, out[0], ids.numpy(), _numpy(out[1]), _bias_of_call(m, a, k))
+
+            handles.append(module.register_forward_hook(router, with_kwargs=True))
+    return handles
+
+
+def _randomise_routing(model: Any) -> Any:
+    """Small random expert biases (zero at init), so that they move some routing choices, and
+    random router weights where they start at zero (afmoe: every expert ties on every token).
+    Returns the function that puts the model's own values back."""
+    g = torch.Generator().manual_seed(2)
+    changed: list[tuple[Any, Any]] = []  # (tensor, its own values)
+    with torch.no_grad():
+        for name, t in [*model.named_buffers(), *model.named_parameters()]:
+            if name.rpartition(".")[2] in BIAS_NAMES:
+                changed.append((t, t.clone()))
+                t.copy_(0.05 * torch.randn(t.shape, generator=g))
+        for module in model.modules():
+            if "Router" in type(module).__name__:
+                for name, w in module.named_parameters():
+                    if name.endswith("weight") and w.dim() == 2 and not w.any():
+                        changed.append((w, w.clone()))
+                        w.copy_(0.02 * torch.randn(w.shape, generator=g))
+
+    def restore() -> None:
+        with torch.no_grad():
+            for t, own in changed:
+                t.copy_(own)
+
+    return restore
+
+
 @dataclass
 class FamilyRun:
     model_type: str
@@ -159,6 +306,7 @@ class FamilyRun:
     seen: Observed
     router_logits: tuple | None
     reference_loss: Any
+    health_warnings: list[str]
 
 
 _RUNS: dict[str, FamilyRun] = {}
@@ -174,11 +322,17 @@ def _run(model_type: str) -> FamilyRun:
                 module.balancing_biases[-1] = 0.0
     else:
         model = shared_tiny_model(model_type)
-    cfg = MetricsConfig(track_moe_metrics=True, moe_per_layer_logging=True)
+    restore_routing = _randomise_routing(model)
+    cfg = MetricsConfig(
+        track_moe_metrics=True, moe_per_layer_logging=True, track_router_health=True
+    )
     metrics = PolicyMetrics(cfg)
-    metrics.attach(model, model.config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metrics.attach(model, model.config)
+    health_warnings = [str(w.message) for w in caught if "track_router_health" in str(w.message)]
     seen = Observed()
-    handles = _independent_hooks(model, seen)
+    handles = _independent_hooks(model, seen) + _decision_hooks(model, seen)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     with metrics.step():
         metrics.microbatch(seq_lens=[SEQ] * BATCH)
@@ -188,6 +342,7 @@ def _run(model_type: str) -> FamilyRun:
         h.remove()
     step = metrics.finish_step(num_microbatches=1)
     metrics.detach()  # the model is shared with the other family matrices
+    restore_routing()  # the decisions are recorded; the model is as built again
     model.zero_grad(set_to_none=True)
     module = sys.modules[type(model).__module__]
     _RUNS[model_type] = FamilyRun(
@@ -197,6 +352,7 @@ def _run(model_type: str) -> FamilyRun:
         seen,
         getattr(out, "router_logits", None),
         getattr(module, "load_balancing_loss_func", None),
+        health_warnings,
     )
     return _RUNS[model_type]
 

@@ -5,6 +5,7 @@ the test's own forward hooks: its logits, the indices it returned, its bias at t
 One and two ranks (data parallel, gloo); the key set stays bounded without per-layer logging.
 """
 
+import dataclasses
 import math
 import warnings
 
@@ -18,6 +19,7 @@ from hf_tiny import FAMILIES, VOCAB, K, tiny_model
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.moe.router_health import (
     RouterScoring,
+    chosen_experts,
     decision_sums,
     router_health_metrics,
 )
@@ -182,7 +184,7 @@ def test_router_without_a_known_score_function_gets_no_health_keys_and_one_warni
     chunk(x)
     counts = np.bincount(chunk.layers[0](x)[2].reshape(-1).numpy(), minlength=4)
     sums, peaks = (t.numpy() for t in tracker.local_stats())
-    out = router_health_metrics([0], sums, peaks, num_experts=[4], topks=[1], per_layer=True)
+    out = router_health_metrics([0], sums, peaks, topks=[1], per_layer=True)
     # Never made-up numbers: only the micro-batch balance, which needs no score function.
     assert out == {
         "moe/max_over_ideal_microbatch": counts.max() * 4 / counts.sum(),
@@ -205,7 +207,7 @@ def _chosen(z, bias, r: Router):
     """The router's choice, computed the way the router code does (torch, as a router would)."""
     zt = torch.from_numpy(z)
     base = zt.softmax(-1) if r.score == "softmax" else zt.sigmoid()
-    s = base if bias is None else base + torch.from_numpy(bias)
+    s = base if bias is None else (zt if r.bias_on_logits else base) + torch.from_numpy(bias)
     rank = zt if (r.rank_on_logits and bias is None) else s
     if r.groups:
         t = rank.shape[0]
@@ -213,7 +215,7 @@ def _chosen(z, bias, r: Router):
         keep = torch.zeros(t, r.groups, dtype=torch.bool).scatter_(
             1, gs.topk(r.group_topk, -1).indices, True
         )
-        rank = rank.masked_fill(~keep.repeat_interleave(r.num_experts // r.groups, 1), -math.inf)
+        rank = rank.masked_fill(~keep.repeat_interleave(r.num_experts // r.groups, 1), r.masked)
     idx = rank.topk(r.topk, -1).indices
     return torch.zeros_like(zt, dtype=torch.bool).scatter_(1, idx, True).numpy()
 
@@ -227,18 +229,40 @@ def _chosen(z, bias, r: Router):
         (Router("sigmoid", 16, 4, groups=4, group_topk=2, group_k=2), 0.3),
         (Router("softmax", 16, 4, groups=4, group_topk=2, group_k=2, rank_on_logits=True), 0.0),
         (Router("softmax", 16, 4, groups=4, group_topk=2, group_k=2), 0.0),
+        (Router("sigmoid", 8, 2, rank_on_logits=True, bias_on_logits=True), 0.8),
+        (Router("softmax", 16, 4, groups=4, group_topk=1, group_k=1, masked=0.0), 0.0),
+        (Router("sigmoid", 16, 4, groups=4, group_topk=1, group_k=2, masked=0.0), 0.3),
     ],
-    ids=["softmax", "sigmoid", "sigmoid_bias", "sigmoid_bias_groups", "logit_groups", "groups"],
+    ids=[
+        "softmax",
+        "sigmoid",
+        "sigmoid_bias",
+        "sigmoid_bias_groups",
+        "logit_groups",
+        "groups",
+        "bias_on_logits",
+        "groups_fill_0",
+        "sigmoid_bias_groups_fill_0",
+    ],
 )
 def test_decision_sums_match_the_oracle(router, bias_scale):
     z, bias, valid = _random_case(3, router, bias_scale)
+    if math.isfinite(router.masked) and bias is not None:
+        bias[:: router.num_experts // router.groups] -= 2.0  # one expert per group scores < 0
     chosen = _chosen(z, bias, router)
     oracle = Layer()
     oracle.add(router, z, chosen, bias, valid)
     scoring = RouterScoring(
         router.score, router.num_experts, router.topk, router.rank_on_logits,
-        router.groups, router.group_topk, router.group_k,
+        router.groups, router.group_topk, router.group_k, router.bias_on_logits, router.masked,
     )  # fmt: skip
+    bias_t = None if bias is None else torch.from_numpy(bias)
+    ours = chosen_experts(torch.from_numpy(z), scoring, bias_t).numpy()
+    assert (np.take_along_axis(chosen, ours, 1)).all()  # the router's own experts
+    if math.isfinite(router.masked) and bias_scale:
+        # biased scores below the fill: some tokens route to an expert of a group not kept
+        strict = _chosen(z, bias, dataclasses.replace(router, masked=-math.inf))
+        assert (strict != chosen).any()
     sums, peak = decision_sums(
         torch.from_numpy(z),
         scoring,
@@ -254,7 +278,6 @@ def test_decision_sums_match_the_oracle(router, bias_scale):
         [3],
         row[None],
         peak.reshape(1).numpy(),
-        num_experts=[router.num_experts],
         topks=[router.topk],
         per_layer=True,
     )
@@ -268,9 +291,7 @@ def test_summaries_leave_out_what_no_layer_measured():
 
     sums = np.zeros((2, rh.SLOTS))
     sums[0, [rh.MICRO_RATIO, rh.MICRO_FORWARDS]] = [3.0, 2.0]
-    out = router_health_metrics(
-        [4, 7], sums, np.zeros(2), num_experts=[8, 8], topks=[2, 2], per_layer=False
-    )
+    out = router_health_metrics([4, 7], sums, np.zeros(2), topks=[2, 2], per_layer=False)
     assert out == {"moe/max_over_ideal_microbatch": 1.5}
 
 
@@ -382,3 +403,35 @@ def test_a_router_naming_its_score_function_is_read_and_bad_groups_are_skipped()
     sums, _ = tracker.local_stats()
     # No decision judged (never a guess), the microbatch balance still measured.
     assert sums[0, rh.TOKENS] == 0 and sums[0, rh.MICRO_FORWARDS] == 1
+
+
+def test_a_transformers_router_whose_routing_is_not_described_is_not_judged():
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    from nemo_moe_metrics.moe.router_scoring import hf_health
+
+    class NewFamilyRouter(Qwen3MoeTopKRouter):  # a family the table has not read
+        pass
+
+    class GeluScored(Qwen3MoeTopKRouter):
+        def __init__(self, config):
+            super().__init__(config)
+            self.score_fn = torch.nn.GELU()
+
+    cfg = Qwen3MoeConfig(hidden_size=16, num_experts=8, num_experts_per_tok=2)
+    assert "routing of NewFamilyRouter" in hf_health(NewFamilyRouter(cfg), None)
+    assert "score function of GeluScored routers is not known ('GELU'" in hf_health(
+        GeluScored(cfg), None
+    )
+
+
+def test_logits_wider_than_the_described_classes_are_refused_with_the_layer():
+    from nemo_moe_metrics.moe.router_health import RouterHealthTracker
+
+    tracker = RouterHealthTracker(
+        {5: RouterScoring("softmax", 8, 2)}, near_tie_gap=NEAR_TIE_GAP, device=torch.device("cpu")
+    )
+    counts = torch.tensor([3, 1, 0, 0, 0, 0, 0, 0])
+    with pytest.raises(ValueError, match="MoE layer 5: the router's logits have 9 columns"):
+        tracker.observe(5, counts, torch.randn(2, 9))

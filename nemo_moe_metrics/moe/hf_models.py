@@ -146,7 +146,8 @@ def _experts_topk(module: nn.Module) -> int:
     return topk
 
 
-def _experts_num(module: nn.Module) -> int:
+def experts_num(module: nn.Module) -> int:
+    """Experts of a transformers experts module (its ``num_experts``, else its stacked weights)."""
     experts = getattr(module, "num_experts", None)
     if experts is None:  # the stacked weights [experts, ...] say it too
         experts = next(p for p in module.parameters(recurse=False) if p.dim() == 3).shape[0]
@@ -159,16 +160,31 @@ def _experts_health(experts: nn.Module, block: nn.Module | None) -> Any:
     return hf_experts_health(experts, block)
 
 
+def _named_health(kind: str) -> Callable[[nn.Module, nn.Module | None], Any]:
+    # The named adapters' routers (moe.router_scoring): dbrx's beside its experts, llama4's and
+    # jetmoe's hooked themselves, doge's product keys.
+    def health(module: nn.Module, parent: nn.Module | None) -> Any:
+        from nemo_moe_metrics.moe import router_scoring
+
+        if kind == "beside_experts":
+            return router_scoring.hf_experts_health(module.experts, module)
+        if kind == "router":
+            return router_scoring.hf_health(module.router, module)
+        return router_scoring.doge_health(module, parent)
+
+    return health
+
+
 EXPERTS = RouterSpec(
     counts_fn=_experts_counts,
-    num_experts=_experts_num,
+    num_experts=experts_num,
     topk=_experts_topk,
     routes_fn=_experts_routes,
     health=_experts_health,
 )
 ZERO_COMPUTATION_EXPERTS = RouterSpec(
     counts_fn=_zero_computation_counts,
-    num_experts=_experts_num,
+    num_experts=experts_num,
     topk=_experts_topk,
     routes_fn=_experts_routes,
     zero_computation=True,
@@ -228,6 +244,7 @@ _NAMED: dict[str, RouterSpec] = {
         topk=lambda m: int(m.top_k),
         routes_fn=_experts_routes,
         hooked=lambda m: m.experts,
+        health=_named_health("beside_experts"),
     ),
     "transformers.models.llama4.modeling_llama4.Llama4TextMoe": RouterSpec(
         counts_fn=_logits_topk_counts(1),
@@ -235,6 +252,7 @@ _NAMED: dict[str, RouterSpec] = {
         topk=lambda m: int(m.top_k),
         routes_fn=_logits_topk_routes(1),
         hooked=lambda m: m.router,
+        health=_named_health("router"),
     ),
     "transformers.models.jetmoe.modeling_jetmoe.JetMoeMoE": RouterSpec(
         counts_fn=_logits_topk_counts(4),
@@ -242,6 +260,7 @@ _NAMED: dict[str, RouterSpec] = {
         topk=lambda m: int(m.router.top_k),
         routes_fn=_logits_topk_routes(4),
         hooked=lambda m: m.router,
+        health=_named_health("router"),
     ),
     "transformers.models.doge.modeling_doge.DogeCDMoE": RouterSpec(
         counts_fn=_doge_counts,
@@ -249,6 +268,7 @@ _NAMED: dict[str, RouterSpec] = {
         topk=lambda m: int(m.top_k),
         routes_fn=_doge_routes,
         hooked=lambda m: m.down_embed,
+        health=_named_health("product_keys"),
     ),
 }
 #: Families whose experts include zero-computation experts (by modeling module).

@@ -418,7 +418,6 @@ class RouterHealthReducer:
         self,
         tracker: Any,
         layer_ids: list[int],
-        num_experts: list[int],
         topks: list[int],
         *,
         per_layer: bool,
@@ -426,7 +425,7 @@ class RouterHealthReducer:
     ) -> Pending[dict[str, Any]]:
         """Launch both reductions; the Pending turns the sums into the ``moe/...router_*`` keys.
 
-        ``layer_ids``, ``num_experts`` and ``topks``: the layout agreed by the expert-load export
+        ``layer_ids`` and ``topks``: the layout agreed by the expert-load export
         (``ExpertLoadReducer``), the same on every rank."""
         from nemo_moe_metrics.moe import router_health
 
@@ -460,7 +459,6 @@ class RouterHealthReducer:
                 layer_ids,
                 values[:-1],
                 maxima,
-                num_experts=num_experts,
                 topks=topks,
                 per_layer=per_layer,
             )

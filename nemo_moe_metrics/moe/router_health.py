@@ -11,14 +11,16 @@ of excluded). ``z`` the router's logits (the gating output, before the score fun
 expert bias); ``p`` the routing probabilities: ``softmax(z)``, or ``f(z) / sum(f(z))`` for
 sigmoid (``f = sigmoid``) and sqrt-softplus routers; ``s`` the selection scores the router ranks:
 ``p`` for softmax routers, ``f(z)`` for the others, plus the expert bias where the router has
-one, restricted to the chosen groups for group-limited routers (chosen as the router does).
+one (``z`` + bias for a router that adds it to its logits), restricted to the chosen groups for
+group-limited routers (chosen as the router does).
 ``S`` is the top-k of ``s``: the router's own decision (under router replay or capacity
 dropping the executed experts can differ; ``moe/routing_replay_mismatch`` and
 ``moe/dropped_fraction`` say by how much). ``s_k`` is the lowest selection score in ``S``,
 ``s_k+1`` the highest outside it.
 
 - ``router_confidence``: mean of ``sum(p[e] for e in S)``;
-- ``router_entropy``: mean of ``H(p) / ln(num_experts)``;
+- ``router_entropy``: mean of ``H(p) / ln(E)``, ``E`` the classes ``p`` spans (the routed
+  experts, and the zero-computation ones of a router that ranks those too);
 - ``router_topk_relative_gap``: mean of ``(s_k - s_k+1) / |s_k|``;
 - ``router_near_tie_fraction``: share of tokens whose relative gap is below the
   ``router_near_tie_gap`` threshold;
@@ -67,12 +69,18 @@ DECISION_SLOTS = 9  # TOKENS .. BIAS_OVERLAP: what a router forward with logits 
 class RouterScoring:
     """How one router turns logits into its decision (static per layer).
 
-    ``rank_on_logits``: a softmax router that ranks its logits (megatron-core without
-    ``moe_router_pre_softmax``); the same top-k as ranking ``p``, but group scores differ.
+    ``num_experts``: the classes the router ranks (its logits' width: the routed experts, plus
+    zero-computation experts where it ranks those too).
+    ``rank_on_logits``: a router that ranks its logits (megatron-core softmax without
+    ``moe_router_pre_softmax``, transformers routers that take the top-k of ``z``); the same
+    top-k as ranking ``f(z)``, but group scores differ. ``bias_on_logits``: the router adds its
+    expert bias to the logits, so ``s = z + bias`` (transformers' Kolibri).
     ``num_groups`` / ``group_topk``: group-limited routing (``group_topk`` of ``num_groups``
     equal groups kept per token); a group's score is the sum of its best
     ``group_score_topk`` selection scores (megatron-core: ``topk // group_topk``;
-    DeepSeek-V3 in transformers and torchtitan: 2).
+    DeepSeek-V3 in transformers and torchtitan: 2; DeepSeek-V2: 1, the best). The experts of
+    the other groups score ``group_masked_score`` (``-inf``: never chosen; DeepSeek-V2 and
+    A.X-K2 in transformers fill 0, which a negative biased score ranks below).
     """
 
     score_function: str
@@ -82,6 +90,8 @@ class RouterScoring:
     num_groups: int | None = None
     group_topk: int | None = None
     group_score_topk: int = 2
+    bias_on_logits: bool = False
+    group_masked_score: float = float("-inf")
 
     def __post_init__(self) -> None:
         if self.score_function not in SCORE_FUNCTIONS:
@@ -105,8 +115,9 @@ class RouterScoring:
 
     @property
     def choosable_experts(self) -> int:
-        """Experts a token can be routed to (those of its chosen groups)."""
-        if not self.grouped:
+        """Experts a token can be routed to (those of its chosen groups, unless the others keep
+        a finite score the router still ranks)."""
+        if not self.grouped or math.isfinite(self.group_masked_score):
             return self.num_experts
         assert self.num_groups is not None and self.group_topk is not None
         return self.group_topk * (self.num_experts // self.num_groups)
@@ -117,23 +128,98 @@ class RouterScoring:
         return self.choosable_experts > self.topk
 
 
-def _group_limited(scores: torch.Tensor, scoring: RouterScoring) -> torch.Tensor:
-    """``scores`` with the experts outside each token's chosen groups set to ``-inf``."""
+def _group_drop(ranked: torch.Tensor, scoring: RouterScoring) -> torch.Tensor:
+    """``[T, groups, 1]`` bool: the groups each token does not keep, chosen as the router does."""
     assert scoring.num_groups is not None and scoring.group_topk is not None
-    tokens, experts = scores.shape
-    grouped = scores.reshape(tokens, scoring.num_groups, experts // scoring.num_groups)
+    grouped = ranked.reshape(ranked.shape[0], scoring.num_groups, -1)
     per_group = min(scoring.group_score_topk, grouped.shape[-1])
     group_scores = grouped.topk(per_group, dim=-1).values.sum(dim=-1)
     chosen = group_scores.topk(scoring.group_topk, dim=-1, sorted=False).indices
-    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
-    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).reshape(tokens, experts)
+    drop = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, chosen, False)
+    return drop.unsqueeze(-1)
 
 
-def _top(scores: torch.Tensor, scoring: RouterScoring, k: int) -> torch.Tensor:
-    """Indices ``[T, k]`` of the ``k`` best experts the router could choose, best first."""
-    if scoring.grouped:
-        scores = _group_limited(scores, scoring)
-    return scores.topk(k, dim=-1).indices
+def _masked(scores: torch.Tensor, drop: torch.Tensor, fill: float) -> torch.Tensor:
+    """``scores`` ``[T, E]`` with the experts of the dropped groups at ``fill``."""
+    grouped = scores.reshape(scores.shape[0], drop.shape[1], -1)
+    return grouped.masked_fill(drop, fill).reshape(scores.shape)
+
+
+def _rank(
+    ranked: torch.Tensor, selection: torch.Tensor, scoring: RouterScoring, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices [T, k] of the k best experts, best first; the selection scores as ranked)``.
+
+    ``ranked`` is what the router takes the top-k of (``selection``, or the logits, which order
+    the experts the same way); the gap is measured on the second tensor: ``selection`` with
+    the experts outside the chosen groups at ``group_masked_score``.
+    """
+    if not scoring.grouped:
+        return ranked.topk(k, dim=-1).indices, selection
+    drop = _group_drop(ranked, scoring)
+    fill = scoring.group_masked_score
+    masked = _masked(ranked, drop, fill)
+    if ranked is selection:
+        measured = masked
+    elif math.isinf(fill):  # the top-(k+1) are all inside the chosen groups
+        measured = selection
+    else:
+        measured = _masked(selection, drop, fill)
+    return masked.topk(k, dim=-1).indices, measured
+
+
+def _scores(
+    z: torch.Tensor, scoring: RouterScoring, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(p, p log p, f(z) or p (the unbiased scores), s)`` of float32 logits ``[T, E]``."""
+    if scoring.score_function == "softmax":
+        log_p = torch.log_softmax(z, dim=-1)
+        p = log_p.exp()
+        p_log_p = p * log_p
+        base = p
+    else:
+        base = (
+            torch.sigmoid(z)
+            if scoring.score_function == "sigmoid"
+            else torch.nn.functional.softplus(z).sqrt()
+        )
+        p = base / base.sum(dim=-1, keepdim=True)
+        p_log_p = torch.special.xlogy(p, p)
+    if bias is None:
+        selection = base
+    else:
+        bias = bias.detach().to(z.device, z.dtype)
+        bias = bias if bias.dim() == 1 else bias.reshape(-1)  # ernie4_5_moe keeps it [1, E]
+        selection = (z if scoring.bias_on_logits else base) + bias
+    return p, p_log_p, base, selection
+
+
+def _ranked(
+    z: torch.Tensor,
+    base: torch.Tensor,
+    selection: torch.Tensor,
+    scoring: RouterScoring,
+    biased: bool,
+) -> torch.Tensor:
+    # Softmax and sigmoid are monotone: ranking logits picks the same experts (and is what the
+    # router's group scores are computed on); the gap itself is measured on `selection`.
+    return z if scoring.rank_on_logits and not biased else selection
+
+
+def chosen_experts(
+    logits: torch.Tensor, scoring: RouterScoring, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[T, top_k]``: the experts ``scoring`` says the router chooses, best first.
+
+    The top-k of the selection scores :func:`decision_sums` judges; a scoring describes its
+    router right when these are the indices the router itself returns (tests check it for every
+    family they describe).
+    """
+    with torch.no_grad():
+        z = logits.detach().reshape(-1, scoring.num_experts).float()
+        _, _, base, selection = _scores(z, scoring, bias)
+        ranked = _ranked(z, base, selection, scoring, bias is not None)
+        return _rank(ranked, selection, scoring, scoring.topk)[0]
 
 
 def decision_sums(
@@ -150,31 +236,16 @@ def decision_sums(
     router adds to its selection scores) or None, ``valid`` (``[tokens]`` bool, False =
     padding) or None. Device ops only, as few as the definitions allow (each is a kernel launch
     per layer and microbatch); no value is read on the host. The entropy slot holds
-    ``sum(p log p)`` and the overlap slot ``|S & unbiased top-k|``: :func:`router_health_metrics`
-    negates and divides by ``ln(E)``, and divides by ``top_k``, on the host.
+    ``sum(p log p) / ln(E)`` and the overlap slot ``|S & unbiased top-k|``:
+    :func:`router_health_metrics` negates the one and divides the other by ``top_k``, on the host.
     """
     experts, k = scoring.num_experts, scoring.topk
     with torch.no_grad():
         z = logits.detach().reshape(-1, experts)
         z = z if z.dtype == torch.float32 else z.float()
-        if scoring.score_function == "softmax":
-            log_p = torch.log_softmax(z, dim=-1)
-            p = log_p.exp()
-            p_log_p = p * log_p
-            base = p
-        else:
-            base = (
-                torch.sigmoid(z)
-                if scoring.score_function == "sigmoid"
-                else torch.nn.functional.softplus(z).sqrt()
-            )
-            p = base / base.sum(dim=-1, keepdim=True)
-            p_log_p = torch.special.xlogy(p, p)
-        selection = base if bias is None else base + bias.detach().to(z.device, z.dtype)
-        # Softmax is monotone: ranking logits picks the same experts (and is what the router's
-        # group scores are computed on); the gap itself is always measured on `selection`.
-        ranked = z if scoring.rank_on_logits and bias is None else selection
-        order = _top(ranked, scoring, k + 1 if scoring.gap_defined else k)
+        p, p_log_p, base, selection = _scores(z, scoring, bias)
+        ranked = _ranked(z, base, selection, scoring, bias is not None)
+        order, measured = _rank(ranked, selection, scoring, k + 1 if scoring.gap_defined else k)
         chosen = order[:, :k]
         weight = (
             valid.reshape(-1).to(device=z.device, dtype=z.dtype)
@@ -182,9 +253,11 @@ def decision_sums(
             else torch.ones(z.shape[0], dtype=z.dtype, device=z.device)
         )
         zeros = torch.zeros_like(weight)
-        columns = [weight, p.gather(1, chosen).sum(dim=-1), p_log_p.sum(dim=-1)]
+        # H(p) / ln(E) per token: E is this router's classes, which the layout's experts may not be
+        entropy_scale = 1.0 / math.log(experts) if experts > 1 else 0.0
+        columns = [weight, p.gather(1, chosen).sum(dim=-1), p_log_p.sum(dim=-1) * entropy_scale]
         if scoring.gap_defined:
-            edge = selection.gather(1, order[:, k - 1 : k + 1])
+            edge = measured.gather(1, order[:, k - 1 : k + 1])
             last_in = edge[:, 0]
             gap = (last_in - edge[:, 1]) / last_in.abs().clamp_min(torch.finfo(z.dtype).tiny)
             columns += [gap, (gap < near_tie_gap).to(z.dtype), weight]
@@ -192,7 +265,8 @@ def decision_sums(
             columns += [zeros, zeros, zeros]
         columns.append(z.square().mean(dim=-1))
         if bias is not None:
-            unbiased = _top(z if scoring.rank_on_logits else base, scoring, k)
+            unbiased_ranked = z if scoring.rank_on_logits else base
+            unbiased = _rank(unbiased_ranked, unbiased_ranked, scoring, k)[0]
             shared = (chosen.unsqueeze(2) == unbiased.unsqueeze(1)).any(dim=2).sum(dim=1)
             columns += [weight, shared.to(z.dtype)]
         else:
@@ -243,6 +317,10 @@ class RouterHealthTracker:
         self.sums = torch.zeros(len(self.layer_ids), SLOTS, dtype=torch.float64, device=device)
         self.max_abs = torch.zeros(len(self.layer_ids), dtype=torch.float64, device=device)
 
+    def scoring(self, layer_id: int) -> RouterScoring | None:
+        """How the router of global layer ``layer_id`` decides; None when it is not judged."""
+        return self._scoring[layer_id]
+
     # -- per router forward (hot path: device ops only) -------------------------------------
     def observe(
         self,
@@ -263,6 +341,13 @@ class RouterHealthTracker:
         if scoring is None or logits is None:
             self.sums[row, MICRO_RATIO:].add_(micro)
             return
+        if logits.shape[-1] != scoring.num_experts:  # a shape: no sync
+            raise ValueError(
+                f"router health, MoE layer {layer_id}: the router's logits have "
+                f"{logits.shape[-1]} columns but its scoring ranks {scoring.num_experts} classes; "
+                "its routing is described wrongly (moe/router_scoring.py): turn "
+                "track_router_health off for this model and report the model"
+            )
         sums, max_abs = decision_sums(
             logits, scoring, near_tie_gap=self.near_tie_gap, bias=bias, valid=valid
         )
@@ -289,13 +374,12 @@ def router_health_metrics(
     sums: np.ndarray,
     max_abs: np.ndarray,
     *,
-    num_experts: Sequence[int],
     topks: Sequence[int],
     per_layer: bool,
 ) -> dict[str, Any]:
     """The router-health keys from sums reduced over ranks (``sums`` ``[layers, SLOTS]``).
 
-    ``num_experts`` and ``topks`` (per layer) finish the entropy and overlap normalisations.
+    ``topks`` (per layer) finish the overlap normalisation.
 
     A layer contributes to a summary only when it measured that quantity this step (a router
     whose score function is unknown, a layer without an expert bias, a top-k without a gap);
@@ -304,14 +388,11 @@ def router_health_metrics(
     sums = np.asarray(sums, dtype=np.float64).reshape(len(layer_ids), SLOTS)
     values: dict[str, dict[int, float]] = {stat: {} for stat in mn.ROUTER_HEALTH_LAYER_STATS}
     peaks = np.asarray(max_abs).reshape(-1)
-    for layer, row, peak, experts, topk in zip(
-        layer_ids, sums, peaks, num_experts, topks, strict=True
-    ):
+    for layer, row, peak, topk in zip(layer_ids, sums, peaks, topks, strict=True):
         tokens = row[TOKENS]
         if tokens > 0:
             values["router_confidence"][layer] = row[CONFIDENCE] / tokens
-            scale = math.log(experts) if experts > 1 else math.inf
-            values["router_entropy"][layer] = -row[ENTROPY] / tokens / scale
+            values["router_entropy"][layer] = -row[ENTROPY] / tokens
             values["router_logit_max_abs"][layer] = float(peak)
             values["router_logit_rms"][layer] = math.sqrt(row[LOGIT_SQUARES] / tokens)
         if row[GAP_TOKENS] > 0:

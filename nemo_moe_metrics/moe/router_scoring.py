@@ -11,13 +11,17 @@ no second gating matmul:
 
 - megatron-core ``TopKRouter``: the output of its ``gating`` (``megatron.compat``
   wraps it on the instance), before z-loss, score function and bias;
-- transformers routers: the first item of their output ``(logits, weights, indices)``;
+- transformers routers: the first item of their output ``(logits, weights, indices)``, or
+  where their family keeps the logits (:data:`HF_ROUTING`; doge builds them from its product
+  keys), captured by a hook on the router beside the experts module;
 - torchtitan ``TokenChoiceTopKRouter``: a forward hook on its ``gate`` linear (the router
   itself returns scores after the score function).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nemo_moe_metrics.moe.hf_models import config_topk, experts_num, logits_of
 from nemo_moe_metrics.moe.router_health import SCORE_FUNCTIONS, RouterScoring
 
 #: ``read(args, kwargs, output) -> (logits or None, expert bias [E] or None, valid [T] or None)``
@@ -84,98 +89,322 @@ def megatron_health(router: nn.Module, parent: nn.Module | None) -> HealthSource
     return HealthSource(scoring, read, lambda: compat.release_router_logits(router))
 
 
-# transformers routers whose score function is checked against their code (tests/
-# test_router_health.py runs each): model type -> score function. Bias and groups are read from
-# the module (DeepSeek-V3 style: e_score_correction_bias, n_group / num_group, topk_group).
-HF_SCORE_FUNCTIONS: dict[str, str] = {
-    "qwen2_moe": "softmax",
-    "qwen3_moe": "softmax",
-    "qwen3_next": "softmax",
-    "qwen3_5_moe": "softmax",
-    "mixtral": "softmax",
-    "olmoe": "softmax",
-    "gpt_oss": "softmax",
-    "deepseek_v3": "sigmoid",
+@dataclass(frozen=True)
+class HFRouting:
+    """What a transformers family's router code fixes beyond what its module's attributes say.
+
+    Read from each family's router forward (transformers 5.25) and checked for every family by
+    ``tests/test_hf_router_health.py``: the top-k the resulting scoring describes is the
+    indices the router returns, and its weights follow the score function.
+
+    ``score_function``: None where the router names it itself (``scoring_func``-like attribute
+    or a ``score_fn`` activation module). ``rank_on_logits`` / ``bias_on_logits``: the router
+    takes the top-k of ``z`` (``z + bias``), not of its scores (:class:`RouterScoring`).
+    ``group_score_topk`` / ``group_masked_score``: how its group limit scores a group and the
+    experts outside the kept groups (the groups themselves come from ``n_group`` /
+    ``num_group`` and ``topk_group``). ``classes``: the router attribute counting the classes
+    it ranks, where zero-computation experts are among them (otherwise: the experts module's
+    experts). ``logits_at``: where ``z`` is in the router's output; ``logits_module``: a child
+    whose output is ``z``, for a router that returns probabilities instead.
+    """
+
+    score_function: str | None = None
+    rank_on_logits: bool = False
+    bias_on_logits: bool = False
+    group_score_topk: int = 2
+    group_masked_score: float = float("-inf")
+    classes: str | None = None
+    logits_at: int = 0
+    logits_module: str | None = None
+
+
+_SOFTMAX = HFRouting("softmax")
+_SOFTMAX_OF_LOGITS = HFRouting("softmax", rank_on_logits=True)
+_SIGMOID = HFRouting("sigmoid")
+
+#: transformers modeling modules (``transformers.models.<name>``) -> how their routers decide.
+#: Families whose router names its score function (deepseek_v4, inkling2, inkling2_loop:
+#: ``score_fn = ACT2FN[config.scoring_func]``) need no entry.
+HF_ROUTING: dict[str, HFRouting] = {
+    # top-k of softmax(z)
+    **dict.fromkeys(
+        (
+            "dbrx",
+            "flex_olmo",
+            "hunyuan_v1_moe",
+            "jamba",
+            "lara_mini",
+            "mellum",
+            "minimax",
+            "mixtral",
+            "olmoe",
+            "qwen2_moe",
+            "qwen3_5_moe",
+            "qwen3_moe",
+            "qwen3_next",
+            "qwen4_exp",
+        ),
+        _SOFTMAX,
+    ),
+    "ernie4_5_moe": _SOFTMAX,  # + moe_statics.e_score_correction_bias
+    # top-k of z, weights softmax over the chosen logits (the renormalised softmax)
+    **dict.fromkeys(
+        ("aria", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared"),
+        _SOFTMAX_OF_LOGITS,
+    ),
+    "jetmoe": HFRouting("softmax", rank_on_logits=True, logits_at=4),
+    "doge": _SOFTMAX_OF_LOGITS,  # z of its product keys (doge_health)
+    "cohere2_moe": HFRouting(rank_on_logits=True),  # expert_selection_fn: softmax or sigmoid
+    # top-k of sigmoid(z) (+ an expert bias; DeepSeek-V3 groups where n_group is set)
+    **dict.fromkeys(
+        (
+            "afmoe",
+            "axk1",
+            "bailing_hybrid",
+            "beam",
+            "deepseek_v3",
+            "deepseek_v32",
+            "dots1",
+            "dots3_note",
+            "ergo",
+            "exaone_moe",
+            "flint",
+            "glm4_moe",
+            "glm4_moe_lite",
+            "glm_moe_dsa",
+            "hy_v3",
+            "hy_v4",
+            "inkling",
+            "kimi_linear",
+            "laguna",
+            "lfm2_moe",
+            "mimo_v2_flash",
+            "minicpm5_moe",
+            "minimax_m2",
+            "minimax_m3_vl",
+            "nemotron_h",
+            "solar_open",
+        ),
+        _SIGMOID,
+    ),
+    "llama4": HFRouting("sigmoid", rank_on_logits=True, logits_at=1),
+    # top-k of z + e_score_correction_bias; weights sigmoid of the chosen logits
+    **dict.fromkeys(
+        ("kolibri1", "kolibri1_1"), HFRouting("sigmoid", rank_on_logits=True, bias_on_logits=True)
+    ),
+    # group score: the best expert; experts of the other groups score 0, not -inf
+    "deepseek_v2": HFRouting("softmax", group_score_topk=1, group_masked_score=0.0),
+    "axk2": HFRouting("sigmoid", group_masked_score=0.0),
+    # its first output is softmax(z); z is its proj's output
+    "gemma4": HFRouting("softmax", logits_module="proj"),
+    # zero-computation experts are classes of the router: n_routed_experts = experts + zeros
+    "longcat_flash": HFRouting("softmax", classes="n_routed_experts"),
+    "zaya": HFRouting("softmax", classes="num_router_classes"),  # experts + the skip class
 }
-_SCORE_ATTRIBUTES = ("score_function", "score_func", "scoring_func")
+#: Families whose routing is not a top-k of scores, with the reason (no router_* keys for them).
+HF_UNJUDGED: dict[str, str] = {
+    "phimoe": (
+        "sparsemixer routing samples its experts (Gumbel noise) in training, after masking "
+        "scores by a threshold: no top-k of scores to judge"
+    ),
+}
+_SCORE_ATTRIBUTES = ("score_function", "score_func", "scoring_func", "expert_selection_fn")
+#: activation modules a router keeps as its score function (``score_fn``), by class name
+_SCORE_MODULES = {"Sigmoid": "sigmoid", "SqrtSoftplusActivation": "sqrtsoftplus"}
+#: tensors holding an expert bias the router adds to its selection scores
+_BIAS_NAMES = ("e_score_correction_bias", "expert_bias", "balancing_biases")
 
 
 def hf_model_type(router: nn.Module) -> str | None:
     """``qwen3_moe`` for a class in ``transformers.models.qwen3_moe.modeling_qwen3_moe``."""
-    parts = type(router).__module__.split(".")
+    # The router's own class: FSDP2's fully_shard puts a class from torch in front of it.
+    own = next(c for c in type(router).__mro__ if not c.__module__.startswith("torch."))
+    parts = own.__module__.split(".")
     return parts[2] if len(parts) > 2 and parts[:2] == ["transformers", "models"] else None
 
 
-def hf_score_function(router: nn.Module) -> str | None:
-    """The router's score function: an attribute naming it, else the checked family table."""
-    for name in _SCORE_ATTRIBUTES:
-        value = getattr(router, name, None)
-        if isinstance(value, str):
-            return value
-    return HF_SCORE_FUNCTIONS.get(hf_model_type(router) or "")
+def hf_routing(router: nn.Module) -> HFRouting | str:
+    """How a transformers router decides, or why it cannot be judged.
+
+    The score function from the router itself where it names one (an attribute
+    ``score_function`` / ``score_func`` / ``scoring_func`` / ``expert_selection_fn``, or a
+    ``score_fn`` sigmoid / sqrt-softplus module), else from :data:`HF_ROUTING`.
+    """
+    family = hf_model_type(router) or ""
+    if family in HF_UNJUDGED:
+        return HF_UNJUDGED[family]
+    if getattr(router, "tid2eid", None) is not None:
+        return "hash routing: a fixed token-id -> experts table (tid2eid) chooses, not scores"
+    routing = HF_ROUTING.get(family, HFRouting())
+    named = next(
+        (v for v in (getattr(router, a, None) for a in _SCORE_ATTRIBUTES) if isinstance(v, str)),
+        None,
+    )
+    if named is None and isinstance(getattr(router, "score_fn", None), nn.Module):
+        kind = type(router.score_fn).__name__
+        named = _SCORE_MODULES.get(kind, kind)
+    score = named or routing.score_function
+    if score not in SCORE_FUNCTIONS:
+        kind = family or type(router).__name__
+        return (
+            f"the score function of {kind} routers is not known ({score!r}; known: "
+            f"{', '.join(SCORE_FUNCTIONS)})"
+            if score
+            else f"the routing of {kind} routers is not described (moe/router_scoring.py "
+            "HF_ROUTING lists the families whose router code was read)"
+        )
+    return dataclasses.replace(routing, score_function=score)
+
+
+def _hf_scoring(router: nn.Module, routing: HFRouting, experts: int, topk: int) -> RouterScoring:
+    groups = getattr(router, "n_group", getattr(router, "num_group", None))
+    if getattr(router, "topk_method", None) == "greedy":  # DeepSeek-V2: groups configured, unused
+        groups = None
+    group_topk = getattr(router, "topk_group", None)
+    classes = getattr(router, routing.classes, None) if routing.classes else experts
+    if classes is None:
+        raise ValueError(f"{type(router).__name__} has no {routing.classes} (the classes it ranks)")
+    assert routing.score_function is not None
+    return RouterScoring(
+        score_function=routing.score_function,
+        num_experts=int(classes),
+        topk=int(topk),
+        rank_on_logits=routing.rank_on_logits,
+        num_groups=int(groups) if groups else None,
+        group_topk=int(group_topk) if groups and group_topk else None,
+        group_score_topk=routing.group_score_topk,
+        bias_on_logits=routing.bias_on_logits,
+        group_masked_score=routing.group_masked_score,
+    )
+
+
+def _bias_reader(router: nn.Module) -> Callable[[tuple, dict], torch.Tensor | None]:
+    """Where the router's expert bias is: an argument of its forward named ``...bias...``
+    (the MoE block passes its own buffer), else a tensor of the router named like one."""
+    try:
+        params = list(inspect.signature(type(router).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        params = []
+    for position, name in enumerate(params):
+        if "bias" in name:
+            return lambda args, kwargs: args[position] if len(args) > position else kwargs.get(name)
+    tensors = dict(router.named_buffers()) | dict(router.named_parameters())
+    found = next((n for n in tensors if n.rpartition(".")[2] in _BIAS_NAMES), None)
+    if found is None:
+        return lambda args, kwargs: None
+    owner, _, attr = found.rpartition(".")
+    module = router.get_submodule(owner)
+    return lambda args, kwargs: getattr(module, attr)  # read at each forward: it can be replaced
 
 
 def hf_health(router: nn.Module, parent: nn.Module | None) -> HealthSource | str:
-    """A transformers router returning ``(logits, weights, indices)``; its first item is ``z``.
+    """A transformers router hooked itself: ``z`` is in its own output (:class:`HFRouting`).
 
-    Works for any router module that says its score function (an attribute ``score_function``
-    / ``score_func`` / ``scoring_func``, or a model type in :data:`HF_SCORE_FUNCTIONS`); an
-    ``e_score_correction_bias`` buffer is the expert bias, ``n_group`` (or ``num_group``) with
-    ``topk_group`` the group limit (group score: sum of the best two, as DeepSeek-V3).
+    Its ``num_experts`` and ``top_k`` size the scoring. The expert bias is the argument of its
+    forward named like one, or its ``e_score_correction_bias`` / ``expert_bias`` /
+    ``balancing_biases`` tensor; the group limit its ``n_group`` (or ``num_group``) with
+    ``topk_group``.
     """
-    score = hf_score_function(router)
-    if score not in SCORE_FUNCTIONS:
-        kind = hf_model_type(router) or type(router).__qualname__
-        return (
-            f"the score function of {kind} routers is not known (checked families: "
-            f"{', '.join(sorted(HF_SCORE_FUNCTIONS))})"
-        )
-    groups = getattr(router, "n_group", getattr(router, "num_group", None))
-    group_topk = getattr(router, "topk_group", None)
-    scoring = RouterScoring(
-        score_function=score,
-        num_experts=int(router.num_experts),
-        topk=int(getattr(router, "top_k", getattr(router, "topk", 0))),
-        num_groups=int(groups) if groups else None,
-        group_topk=int(group_topk) if groups and group_topk else None,
-    )
+    routing = hf_routing(router)
+    if isinstance(routing, str):
+        return routing
+    topk = int(getattr(router, "top_k", getattr(router, "topk", 0)))
+    scoring = _hf_scoring(router, routing, int(router.num_experts), topk)
+    bias_of = _bias_reader(router)
 
     def read(args: tuple, kwargs: dict, output: Any):
-        return output[0], getattr(router, "e_score_correction_bias", None), None
+        return logits_of(output, routing.logits_at), bias_of(args, kwargs), None
 
     return HealthSource(scoring, read)
+
+
+def _router_beside(experts: nn.Module, block: nn.Module | None) -> nn.Module | None:
+    # The block's child that routes: `gate` or `router`, or a class named `...Router`.
+    candidates = [
+        child
+        for name, child in (block.named_children() if block is not None else ())
+        if child is not experts and (name in ("gate", "router") or "Router" in type(child).__name__)
+    ]
+    return candidates[0] if len(candidates) == 1 else None
 
 
 def hf_experts_health(experts: nn.Module, block: nn.Module | None) -> HealthSource | str:
     """A transformers experts module (``moe.hf_models``): the router beside it in its MoE block.
 
     The router is the block's child that returns ``(logits, weights, indices)`` (``gate`` or
-    ``router``, or a class named ``...Router``); its logits are captured by a forward hook on
-    it and read when the experts run, in the same forward.
+    ``router``, or a class named ``...Router``); its logits and the bias it was called with are
+    captured by a forward hook on it and read when the experts run, in the same forward.
     """
-    candidates = [
-        child
-        for name, child in (block.named_children() if block is not None else ())
-        if child is not experts and (name in ("gate", "router") or "Router" in type(child).__name__)
-    ]
-    if len(candidates) != 1:
+    router = _router_beside(experts, block)
+    if router is None:
         return f"no single router next to {type(experts).__qualname__} in its MoE block"
-    router = candidates[0]
-    found = hf_health(router, block)
-    if isinstance(found, str):
-        return found
+    routing = hf_routing(router)
+    if isinstance(routing, str):
+        return routing
+    count = experts_num(experts)
+    topk = getattr(router, "top_k", None) or getattr(block, "top_k", None)
+    topk = topk or config_topk(getattr(experts, "config", None))
+    if not topk:
+        return f"the experts per token of {type(router).__qualname__} are not known"
+    scoring = _hf_scoring(router, routing, int(count), int(topk))
+    bias_of = _bias_reader(router)
+    captured: dict[str, Any] = {"logits": None, "bias": None}
+    handles = []
+
+    def keep(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if routing.logits_module is None:
+            captured["logits"] = logits_of(output, routing.logits_at)
+        captured["bias"] = bias_of(args, kwargs)
+
+    handles.append(router.register_forward_hook(keep, with_kwargs=True))
+    if routing.logits_module is not None:
+
+        def keep_logits(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            captured["logits"] = output
+
+        handles.append(
+            router.get_submodule(routing.logits_module).register_forward_hook(keep_logits)
+        )
+
+    def read(args: tuple, kwargs: dict, output: Any):
+        logits, bias = captured["logits"], captured["bias"]
+        captured["logits"] = captured["bias"] = None
+        return logits, bias, None
+
+    def release() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return HealthSource(scoring, read, release)
+
+
+def doge_health(block: nn.Module, parent: nn.Module | None) -> HealthSource | str:
+    """Doge's product-key experts (``DogeCDMoE``): ``z`` built from its two key logit sets.
+
+    Its ``router_gate`` gives, per token, ``num_keys`` logits ``x`` and ``num_keys`` logits
+    ``y`` (split as its forward splits them); expert ``i * num_keys + j`` scores ``x_i + y_j``,
+    and the block takes the top-k of all ``num_keys ** 2`` of these, weighted by a softmax over
+    the chosen ones: a softmax router ranking its logits, ``z = x (+) y``.
+    """
+    keys, experts = int(block.num_keys), int(block.num_experts)
+    if keys * keys != experts:
+        return f"product keys: {keys} x {keys} keys reach {keys * keys} of its {experts} experts"
+    routing = hf_routing(block)
+    assert not isinstance(routing, str)
+    scoring = _hf_scoring(block, routing, experts, int(block.top_k))
     captured: dict[str, Any] = {"logits": None}
 
-    def keep(module: nn.Module, args: tuple, output: Any) -> None:
-        captured["logits"] = output[0] if isinstance(output, tuple) else None
+    def keep(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        x, y = output.reshape(2, -1, keys)  # DogeCDMoE: .view(2, bsz * seq_len, -1)
+        captured["logits"] = (x.unsqueeze(-1) + y.unsqueeze(-2)).reshape(-1, experts)
 
-    handle = router.register_forward_hook(keep)
+    handle = block.router_gate.register_forward_hook(keep)
 
     def read(args: tuple, kwargs: dict, output: Any):
         logits, captured["logits"] = captured["logits"], None
-        return logits, getattr(router, "e_score_correction_bias", None), None
+        return logits, None, None
 
-    return HealthSource(found.scoring, read, handle.remove)
+    return HealthSource(scoring, read, handle.remove)
 
 
 def torchtitan_health(router: nn.Module, parent: nn.Module | None) -> HealthSource | str:
