@@ -316,7 +316,9 @@ def shared_tiny_model(model_type: str, **changes: Any) -> Any:
 
 
 # -- the supported-models table (docs/en/models.md, docs/zh/models.md) -------------------------
-TABLE_HEADER = "| model type | model class | expert loads | aux loss | FLOPs | notes |"
+TABLE_HEADER = (
+    "| model type | model class | expert loads | aux loss | FLOPs | router health | notes |"
+)
 
 
 def _counted_by(spec: Any) -> str:
@@ -354,10 +356,28 @@ def support_row(model_type: str) -> str:
     flops, flops_note = flops_support(model_type)
     if flops_note:
         notes.append(f"FLOPs: {flops_note}")
+    health, why = _health_support(collector)
+    if why:
+        notes.append(f"router health: {why}")
     return (
-        f"| {model_type} | {fam.model_class.__name__} | {counted} | {aux} | {flops} | "
+        f"| {model_type} | {fam.model_class.__name__} | {counted} | {aux} | {flops} | {health} | "
         f"{'; '.join(notes)} |"
     )
+
+
+def _health_support(collector: Any) -> tuple[str, str]:
+    """ "all layers", "some layers" or "no", and why not, from the routers' health readers."""
+    found = []
+    for _, module, spec in collector._routers:
+        source = spec.health(module, collector._parents.get(id(module))) if spec.health else None
+        found.append(source)
+        if source is not None and not isinstance(source, str) and source.release is not None:
+            source.release()  # the reader hooked the router: unhook it again
+    reasons = sorted({f for f in found if isinstance(f, str)})
+    judged = sum(1 for f in found if f is not None and not isinstance(f, str))
+    if not reasons:
+        return "all layers", ""
+    return ("some layers" if judged else "no"), "; ".join(reasons)
 
 
 def flops_support(model_type: str) -> tuple[str, str]:
@@ -375,7 +395,7 @@ def flops_support(model_type: str) -> tuple[str, str]:
 @functools.cache
 def support_table() -> list[str]:
     """The markdown table of every family, one row each (docs/*/models.md embed it)."""
-    return [TABLE_HEADER, "|---|---|---|---|---|---|"] + [
+    return [TABLE_HEADER, "|---|---|---|---|---|---|---|"] + [
         support_row(f.model_type) for f in moe_families()
     ]
 
