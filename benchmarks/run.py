@@ -45,6 +45,10 @@ Measures (JSON keys, targets):
   ``track_router_health`` on / off (every other MoE metric on in both), and
   ``router_health_syncs_per_microbatch`` (0): host reads it adds per microbatch. The step
   benchmark's "every metric on" includes it, so ``step_overhead_ratio`` covers it too.
+- ``attach_seconds_94_layers`` (<= 1): ``PolicyMetrics.attach`` with every MoE flag, FLOPs and
+  router health on a 94-layer x 128-expert transformers model without a registered FLOP formula
+  (GLM-4.5's family, built on the meta device: the estimate is read from its modules),
+  median seconds (``benchmarks/attach_bench.py``).
 
 Exits 1 if a correctness check of the measured path fails (the numbers would mean nothing);
 missed targets are reported, not fatal. Method and results: docs/en/performance.md.
@@ -72,6 +76,7 @@ _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "nemo_moe_metrics").is_dir():
     sys.path.insert(0, str(_REPO))
 
+from benchmarks.attach_bench import attach_bench  # noqa: E402
 from benchmarks.harness import (  # noqa: E402
     BenchConfig,
     StepModel,
@@ -107,6 +112,7 @@ RESULT_KEYS = (
     "store_write_ms_per_table_step_94x256",
     "report_seconds_100k_94x256_every_step",
     "report_peak_rss_mb_100k_94x256_every_step",
+    "attach_seconds_94_layers",
 )
 TARGETS: dict[str, tuple[str, float]] = {
     "step_overhead_ratio": ("<=", 1.02),
@@ -130,6 +136,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "store_write_ms_per_table_step_94x256": ("<=", 5.0),
     "report_seconds_100k_94x256_every_step": ("<=", 60.0),
     "report_peak_rss_mb_100k_94x256_every_step": ("<=", 2048.0),
+    "attach_seconds_94_layers": ("<=", 1.0),
 }
 FLOPS_FIXTURES = {"qwen3_moe": "qwen3-30b-a3b", "qwen3_5_moe": "qwen3.5-35b-a3b"}
 STEP_WORLD_SIZE = 1  # one rank, one thread: the other core absorbs the machine's other load
@@ -148,6 +155,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         wandb_repeats=5,
         routing_pairs=40,
         health_pairs=40,
+        attach_layers=94,
     ),
     "quick": dict(
         bench=BenchConfig(warmup_pairs=1, pairs=40, export_repeats=30),
@@ -158,6 +166,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         wandb_repeats=3,
         routing_pairs=20,
         health_pairs=20,
+        attach_layers=94,
     ),
     # Tiny model and few repeats: exercises every path in seconds; the numbers mean little.
     "smoke": dict(
@@ -184,6 +193,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         wandb_repeats=1,
         routing_pairs=2,
         health_pairs=2,
+        attach_layers=8,
     ),
 }
 
@@ -232,6 +242,7 @@ def summarise(
     report: dict[str, Any],
     routing: dict[str, Any] | None = None,
     health: dict[str, Any] | None = None,
+    attach: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The JSON result: the keys of ``RESULT_KEYS``, then the details they were computed from.
 
@@ -285,6 +296,8 @@ def summarise(
         checks.update(routing["checks"])
     if health is not None:
         checks.update(health["checks"])
+    if attach is not None:
+        checks.update(attach["checks"])
 
     result: dict[str, Any] = {
         "step_overhead_ratio": _median(ratios),
@@ -304,6 +317,8 @@ def summarise(
     if health is not None:
         result["router_health_overhead_ratio"] = health["router_health_overhead_ratio"]
         result["router_health_syncs_per_microbatch"] = health["router_health_syncs_per_microbatch"]
+    if attach is not None:
+        result["attach_seconds_94_layers"] = attach["attach_seconds"]
     if tiled is not None:
         result["report_seconds_100k_94x256_every_step"] = tiled["report_seconds"]
         result["report_peak_rss_mb_100k_94x256_every_step"] = tiled["report_peak_rss_mb"]
@@ -530,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
             report["tiled"] = tiled_report_bench(Path(work), repeats=10)
     routing = routing_bench(bench.step, preset["routing_pairs"], timeout=args.timeout)
     health = router_health_bench(bench.step, preset["health_pairs"], timeout=args.timeout)
-    result = summarise(ranks, exports, flops, store, report, routing, health)
+    attach = attach_bench(layers=preset["attach_layers"])
+    result = summarise(ranks, exports, flops, store, report, routing, health, attach)
     result["machine"] = {
         **machine(),
         "load_average_1m_before": load_before[0],
