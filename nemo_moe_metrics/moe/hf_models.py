@@ -26,6 +26,7 @@ Nothing here imports transformers: classes are recognised by their attributes an
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 from collections.abc import Callable, Iterable
@@ -182,13 +183,8 @@ EXPERTS = RouterSpec(
     routes_fn=_experts_routes,
     health=_experts_health,
 )
-ZERO_COMPUTATION_EXPERTS = RouterSpec(
-    counts_fn=_zero_computation_counts,
-    num_experts=experts_num,
-    topk=_experts_topk,
-    routes_fn=_experts_routes,
-    zero_computation=True,
-    health=_experts_health,
+ZERO_COMPUTATION_EXPERTS = dataclasses.replace(
+    EXPERTS, counts_fn=_zero_computation_counts, zero_computation=True
 )
 
 
