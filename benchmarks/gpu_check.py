@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 import traceback
@@ -28,6 +27,7 @@ if (_REPO / "nemo_moe_metrics").is_dir():
     sys.path.insert(0, str(_REPO))
 
 from nemo_moe_metrics import metric_names as mn  # noqa: E402
+from nemo_moe_metrics.testing import free_port  # noqa: E402
 from nemo_moe_metrics.throughput import StepMeter, lengths_from_attention_mask  # noqa: E402
 
 PEAK = 989e12  # dense bf16 FLOP/s of an H100/H200 SXM; any positive value checks the arithmetic
@@ -58,12 +58,6 @@ class Checks:
     @staticmethod
     def skip(name: str, why: str) -> None:
         print(f"SKIP {name}: {why}", flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _expect(condition: bool, message: str) -> None:
@@ -244,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group(
         "nccl" if cuda else "gloo",
-        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
         rank=0,
         world_size=1,
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import random
 import socket
 import time
 import traceback
@@ -17,10 +18,35 @@ from typing import Any
 
 
 def free_port() -> int:
-    """An unused TCP port on the loopback interface."""
-    with socket.socket() as s:
+    """A TCP port free on the loopback interface, drawn at random below the kernel's ephemeral
+    range.
+
+    Not the port the kernel gives a bind to 0: that range is also where every outgoing
+    connection gets its local port, and gloo opens many, so between this check and the
+    rendezvous server's bind another test session's ranks could take it (CI saw EADDRINUSE
+    with both Python lines' suites running at once).
+    """
+    low = _ephemeral_low()
+    draw = random.SystemRandom()  # never a test's seeded generator: two sessions, one sequence
+    for _ in range(100):
+        port = draw.randrange(max(1024, low - 20000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that whole range busy: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out on its own (Linux's default 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 #: Imported once by the fork server, so that every rank starts with them loaded: importing
@@ -85,16 +111,34 @@ def run_ranks(
 
     Returns ``[(status, value)]`` by rank, status "ok" (value = return value) or "error"
     (value = the exception text, or why its process ended without a result). Raises
-    TimeoutError if a rank still running is not done in time.
+    TimeoutError if a rank still running is not done in time. A rendezvous port another process
+    took first (EADDRINUSE) is not the test's failure: the ranks start again on a new port.
     ``threads`` is each rank's intra-op thread count (1: ranks never oversubscribe the cores).
     """
     ctx = _context()
+    for _ in range(_PORT_ATTEMPTS - 1):
+        out = _run_once(ctx, fn, world_size, args, timeout, env or {}, threads)
+        if not any(_port_taken(status, value) for status, value in out):
+            return out
+    return _run_once(ctx, fn, world_size, args, timeout, env or {}, threads)
+
+
+#: Rendezvous tries, each on a new port, when another process took the port first.
+_PORT_ATTEMPTS = 3
+
+
+def _port_taken(status: str, value: Any) -> bool:
+    return status == "error" and "EADDRINUSE" in str(value)
+
+
+def _run_once(ctx, fn, world_size, args, timeout, env, threads) -> list[tuple[str, Any]]:
+    """One start of the ranks on a fresh port; stops them all at once if the port was taken."""
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, r, world_size, port, args, results, env or {}, threads),
+            args=(fn, r, world_size, port, args, results, env, threads),
         )
         for r in range(world_size)
     ]
@@ -107,6 +151,13 @@ def run_ranks(
             try:
                 rank, status, value = results.get(timeout=1.0)
                 out[rank] = (status, value)
+                if _port_taken(status, value):
+                    # The other ranks would wait on a store that is not ours until their
+                    # timeout, or meet a stranger's: stop them, the caller starts afresh.
+                    for p in procs:
+                        p.kill()
+                    for r in range(world_size):
+                        out.setdefault(r, ("error", "stopped: the rendezvous port was taken"))
                 continue
             except queue.Empty:
                 pass

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from nemo_moe_metrics.testing import free_port
+
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
 PARTITION = "debug"
@@ -72,12 +74,6 @@ def ensure_installed(install: bool = True, timeout_s: float = 600) -> None:
         raise SlurmUnavailable(f"installed {' '.join(PACKAGES)} but {', '.join(still)} missing")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LocalSlurm:
     """munged + slurmctld + ``nodes`` slurmd on this host, configured under ``root``."""
 
@@ -117,7 +113,7 @@ class LocalSlurm:
         lines = [
             f"ClusterName=nmm{os.getpid()}",
             f"SlurmctldHost={host}(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}",
+            f"SlurmctldPort={free_port()}",
             "SlurmUser=root",
             "SlurmdUser=root",
             "AuthType=auth/munge",
@@ -144,7 +140,7 @@ class LocalSlurm:
         ]
         for node in self.nodes:
             lines.append(
-                f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} "
+                f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} "
                 f"CPUs={self.cpus} RealMemory=1000 State=UNKNOWN"
             )
         lines.append(

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from slurm_cluster import LocalSlurm, SlurmUnavailable
 
 from nemo_moe_metrics import metric_names as names
 from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
+from nemo_moe_metrics.testing import free_port
 
 # Slurm, nemo-run and the CLI: the same on every megatron-core line (tests/conftest.py).
 pytestmark = pytest.mark.one_line
@@ -67,12 +67,6 @@ def slurm():
     yield cluster
     cluster.stop()
     shutil.rmtree(root, ignore_errors=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _slurm_py(cluster: LocalSlurm, base: Path, *args, timeout: float = 400):
@@ -155,7 +149,7 @@ def _assert_same_run(job_dir: Path, local_dir: Path, job_stdout: str, tmp_path: 
 
 def _submit_and_wait(cluster: LocalSlurm, base: Path, job: tuple[str, ...]):
     proc = _slurm_py(
-        cluster, base, *job, "--rdzv-port", _free_port(), "--output-dir", base / "runs",
+        cluster, base, *job, "--rdzv-port", free_port(), "--output-dir", base / "runs",
         "--job-dir", base / "jobs", "--submit", "--wait",
     )  # fmt: skip
     return proc, base
@@ -240,7 +234,7 @@ def test_requeued_then_cancelled_job_resumes_with_every_step_once(slurm, tmp_pat
     # it is cancelled; `--resume` submits the rest.
     max_steps = PREEMPT_STEPS
     args = (
-        *PREEMPT, "--rdzv-port", _free_port(), "--output-dir", tmp_path / "runs", "--job-dir",
+        *PREEMPT, "--rdzv-port", free_port(), "--output-dir", tmp_path / "runs", "--job-dir",
         tmp_path / "jobs",
     )  # fmt: skip
     run_dir = tmp_path / "runs" / "grpo_moe_tiny"
@@ -292,7 +286,7 @@ def test_failed_job_shows_its_state_exit_code_and_first_rank_error(slurm, tmp_pa
     proc = _slurm_py(
         slurm, tmp_path, RECIPE, "training.max_steps=1", "policy.model.kv_channels=15",
         *CLUSTER, "--nodes", 1, "--ranks-per-node", 2, "--launcher", "srun", "--rdzv-port",
-        _free_port(), "--output-dir", tmp_path / "runs", "--job-dir", tmp_path / "jobs",
+        free_port(), "--output-dir", tmp_path / "runs", "--job-dir", tmp_path / "jobs",
         "--submit", "--wait",
     )  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr

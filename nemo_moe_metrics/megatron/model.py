@@ -28,14 +28,17 @@ def init_distributed(
 
     apply_cpu_shims()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
         backend = "nccl" if cuda_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        if "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            # One rank meets no one: an in-memory store, no TCP port another process can take.
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
     world = dist.get_world_size()
     model_parallel = megatron_cfg.pipeline_model_parallel_size * megatron_cfg.context_parallel_size
     if world % model_parallel or world % megatron_cfg.expert_model_parallel_size:
@@ -59,14 +62,6 @@ def init_distributed(
     if cuda_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_transformer_config(model: ModelConfig, megatron_cfg: MegatronConfig):
