@@ -181,6 +181,41 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "doge": dict(is_moe=True, num_experts=16, num_experts_per_tok=2),  # product keys: 4 x 4
     # DeepSeek-V2's own routing (V2-Lite and the default are "greedy": no groups)
     "deepseek_v2": dict(topk_method="group_limited_greedy"),
+    # -- vision-language models: text configs by their own type, encoders by the model's --
+    "ernie4_5_vl_moe_text": dict(  # text and vision experts; 3-D rotary over 8 frequencies
+        moe_intermediate_size=[16, 16],
+        rope_parameters=dict(rope_type="default", mrope_section=[3, 3, 2]),
+    ),
+    "deepseek_ocr2_text": dict(mlp_layer_types=["dense"] + ["sparse"] * (LAYERS - 1)),
+    "glm4v_moe_text": dict(rope_parameters=dict(rope_type="default", mrope_section=[2, 1, 1])),
+    "hy_v4_vl_text": dict(
+        _SMALL_DSA, rope_parameters=dict(rope_type="default", mrope_section=[2, 1, 1])
+    ),
+    "glm5_next_text": dict(  # NoPE indexed attention beside KDA layers, 3 MoE layers
+        qk_rope_head_dim=0,
+        layer_types=["linear_attention", "indexed_attention"] * (LAYERS // 2),
+        mlp_layer_types=["dense"] + ["sparse"] * (LAYERS - 1),
+        linear_head_dim=16,
+        linear_num_heads=4,
+        **_SMALL_DSA,
+        index_kpool=4,  # divides the index top-k
+    ),
+    "unlimited_ocr_text": dict(num_key_value_heads=4),
+    "mistral_large4": dict(  # its vision config is any AutoConfig (Pixtral by default)
+        vision_config=dict(
+            model_type="pixtral",
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            head_dim=16,
+        )
+    ),
+    "muse_spark": dict(  # its audio encoder has one entry per stage
+        audio_config=dict(
+            num_hidden_layers=2, patch_sizes=(4, 2), hidden_sizes=(8, 16), depths=(1, 1)
+        )
+    ),
 }
 
 _MOE_CLASS_NAME = re.compile(r"(Experts|MoE|Moe|MoeBlock|MoEBlock|MoELayer)$")
@@ -213,31 +248,43 @@ class Family:
         return self.model_class.__module__.split(".")[2]
 
 
+def _has_routed_experts(module_name: str) -> bool:
+    import torch
+
+    module = importlib.import_module(module_name)
+    return any(
+        is_experts_class(c) or _MOE_CLASS_NAME.search(c.__name__)
+        for c in vars(module).values()
+        if inspect.isclass(c) and c.__module__ == module.__name__ and issubclass(c, torch.nn.Module)
+    )
+
+
+#: Vision-language classes that train as language models (next-token loss from ``labels``);
+#: not diffusion_gemma's ``...ForBlockDiffusion`` (docs/en/models.md says why).
+_GENERATIVE = ("ForConditionalGeneration", "ForCausalLM")
+
+
 @functools.cache
 def moe_families() -> tuple[Family, ...]:
-    """Every MoE model type of the installed transformers' causal-LM mapping, sorted."""
-    import torch
+    """Every MoE model type of the installed transformers' causal-LM mapping, and of its
+    image-text-to-text mapping where no causal-LM type shares the modeling module, sorted."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
 
-    by_module: dict[str, list[Family]] = {}
-    for model_type, class_name in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
-        model_class = getattr(transformers, class_name, None)
-        if model_class is None:
-            continue
-        module = importlib.import_module(model_class.__module__)
-        classes = [
-            c
-            for c in vars(module).values()
-            if inspect.isclass(c)
-            and c.__module__ == module.__name__
-            and issubclass(c, torch.nn.Module)
-        ]
-        if not any(is_experts_class(c) or _MOE_CLASS_NAME.search(c.__name__) for c in classes):
-            continue
-        family = Family(model_type, model_class, CONFIG_MAPPING[model_type])
-        by_module.setdefault(model_class.__module__, []).append(family)
+    def families_of(mapping: dict[str, str]) -> dict[str, list[Family]]:
+        by_module: dict[str, list[Family]] = {}
+        for model_type, class_name in sorted(mapping.items()):
+            model_class = getattr(transformers, class_name, None)
+            if model_class is not None and _has_routed_experts(model_class.__module__):
+                family = Family(model_type, model_class, CONFIG_MAPPING[model_type])
+                by_module.setdefault(model_class.__module__, []).append(family)
+        return by_module
+
+    by_module = families_of(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     out = []
     for families in by_module.values():
         # A multimodal wrapper next to its own text config: the text config is the family.
@@ -245,6 +292,11 @@ def moe_families() -> tuple[Family, ...]:
             f for f in families if "text_config" not in getattr(f.config_class, "sub_configs", {})
         ]
         out += text_only if text_only else families
+    # Vision-language MoE models with no causal-LM type (qwen3_vl_moe, glm4v_moe, ...): the
+    # whole multimodal model, as a VLM trainer loads it, run on text.
+    for module, families in families_of(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES).items():
+        if module not in by_module:
+            out += [f for f in families if f.model_class.__name__.endswith(_GENERATIVE)]
     return tuple(sorted(out, key=lambda f: f.model_type))
 
 
@@ -256,15 +308,52 @@ def family(model_type: str) -> Family:
     raise KeyError(f"{model_type!r} is not a MoE family of this transformers")
 
 
-def tiny_kwargs(config_class: type) -> dict[str, Any]:
-    """The config arguments that make ``config_class`` tiny (shared size rules + overrides)."""
-    fields = {f.name: f for f in dataclasses.fields(config_class)}
+#: The same for the encoders of a vision-language model (vision, audio): one small layer.
+_ENCODER_SIZE_RULES: tuple[tuple[str, Any], ...] = (
+    (r"^(depth|num_hidden_layers|num_layers|encoder_layers)$", 1),
+    (r"^(hidden_size|embed_dim|d_model)$", 32),
+    (r"^(num_heads|num_attention_heads|encoder_attention_heads|num_key_value_heads)$", 2),
+    (r"(^|_)intermediate_size$|^mlp_dim$|ffn_dim$", 32),
+    (r"^global_attn_indexes$", (0,)),
+    (r"^out_hidden_size$", H),  # what it hands the language model
+)
+
+
+def _matching(config_class: type, rules: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
-    for name in fields:
-        for pattern, value in _SIZE_RULES:
+    for name in (f.name for f in dataclasses.fields(config_class)):
+        for pattern, value in rules:
             if re.search(pattern, name):
                 kwargs[name] = value
                 break
+    return kwargs
+
+
+def _tiny_encoder(config_class: type) -> dict[str, Any]:
+    kwargs = _matching(config_class, _ENCODER_SIZE_RULES)
+    for name, sub in getattr(config_class, "sub_configs", {}).items():  # deepseek_ocr2: SAM + LM
+        if dataclasses.is_dataclass(sub):
+            kwargs[name] = _tiny_encoder(sub)
+    return kwargs
+
+
+def tiny_kwargs(config_class: type) -> dict[str, Any]:
+    """The config arguments that make ``config_class`` tiny (shared size rules + overrides).
+
+    A vision-language config gets its text config tiny by the same rules and its encoders'
+    configs one small layer (:data:`_ENCODER_SIZE_RULES`)."""
+    sub_configs = getattr(config_class, "sub_configs", {})
+    if "text_config" in sub_configs:
+        kwargs = {
+            name: tiny_kwargs(sub) if name == "text_config" else _tiny_encoder(sub)
+            for name, sub in sub_configs.items()
+            if dataclasses.is_dataclass(sub)
+        }
+        for name, changes in OVERRIDES.get(config_class.model_type, {}).items():
+            kwargs[name] = {**kwargs.get(name, {}), **changes} if name in kwargs else changes
+        return kwargs
+    fields = {f.name: f for f in dataclasses.fields(config_class)}
+    kwargs = _matching(config_class, _SIZE_RULES)
     if "qk_rope_head_dim" in fields and "head_dim" in fields:
         kwargs["head_dim"] = kwargs["qk_rope_head_dim"]  # MLA families: rotary width
     if "kv_lora_rank" in fields and "num_key_value_heads" in fields:

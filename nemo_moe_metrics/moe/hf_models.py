@@ -258,6 +258,18 @@ _NAMED: dict[str, RouterSpec] = {
         hooked=lambda m: m.router,
         health=_named_health("router"),
     ),
+    # Modality-isolated experts: text tokens go to text_moe, image and video tokens to
+    # vision_moe, two expert sets in one layer. The layer's table is its text experts.
+    "transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe.Ernie4_5_VLMoeMoeBlock": (
+        RouterSpec(
+            counts_fn=_experts_counts,
+            num_experts=lambda m: experts_num(m.text_moe.experts),
+            topk=lambda m: int(m.text_moe.top_k),
+            routes_fn=_experts_routes,
+            hooked=lambda m: m.text_moe.experts,
+            health=lambda m, parent: _experts_health(m.text_moe.experts, m.text_moe),
+        )
+    ),
     "transformers.models.doge.modeling_doge.DogeCDMoE": RouterSpec(
         counts_fn=_doge_counts,
         num_experts=lambda m: int(m.num_experts),
