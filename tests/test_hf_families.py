@@ -416,16 +416,14 @@ def test_aux_loss_equals_transformers_function_per_layer(model_type):
     if model_type == "jetmoe":  # its recorder also returns the attention-head routers' logits
         logits = logits[1::2]
     assert sorted(ours) and len(ours) == len(logits), (model_type, sorted(ours), len(logits))
+    # What the model's own loss passes the function (a vision-language model: its text config).
+    own = model if hasattr(model, "num_experts") else model.config.get_text_config()
+    experts, topk = own.num_experts, own.num_experts_per_tok
     for layer, layer_logits in zip(sorted(ours), logits, strict=True):
         if model_type == "doge":
-            want = function(
-                (layer_logits,),
-                model.num_experts,
-                math.floor(math.sqrt(model.num_experts)),
-                model.num_experts_per_tok,
-            )
+            want = function((layer_logits,), experts, math.floor(math.sqrt(experts)), topk)
         else:
-            want = function((layer_logits,), model.num_experts, model.num_experts_per_tok)
+            want = function((layer_logits,), experts, topk)
         want = float(torch.as_tensor(want).detach())
         assert ours[layer] == pytest.approx(want, rel=1e-5), f"{model_type} layer {layer}"
     mean = float(np.mean(list(ours.values())))
@@ -447,6 +445,46 @@ def test_config_facts_match_the_built_model(model_type):
     )
 
 
+def test_modality_isolated_experts_say_which_set_is_counted():
+    # ernie4_5_vl_moe: text and vision experts in every MoE layer; the table is the text set.
+    if "ernie4_5_vl_moe" not in FAMILIES:
+        pytest.skip("this transformers has no ernie4_5_vl_moe")
+    model = tiny_model("ernie4_5_vl_moe")
+    metrics = PolicyMetrics(MetricsConfig(track_moe_metrics=True, moe_per_layer_logging=True))
+    with pytest.warns(UserWarning, match="the vision experts, which only image and video"):
+        metrics.attach(model, model.config)
+    seen = Observed()  # what each expert set executed, by its own hooks
+    handles = _independent_hooks(model, seen)
+    vision: dict[int, np.ndarray] = {}
+    for name, module in model.named_modules():
+        if name.endswith("vision_moe.experts"):
+            layer = _layer(name)
+
+            def vision_picks(m, a, layer=layer):
+                _add(vision, layer, np.bincount(a[1].reshape(-1).numpy(), minlength=m.num_experts))
+
+            handles.append(module.register_forward_pre_hook(vision_picks))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    kinds = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    kinds[:, 3:7] = 1  # image tokens, as the processor marks them
+    with metrics.step():
+        metrics.microbatch(seq_lens=torch.full((BATCH,), SEQ))
+        model(input_ids=ids, labels=ids, moe_mm_token_type_ids=kinds).loss.backward()
+    for h in handles:
+        h.remove()
+    step = metrics.finish_step(num_microbatches=1)
+    text_tokens = int((kinds == 0).sum())
+    topk = model.config.get_text_config().num_experts_per_tok
+    assert step[mn.ROUTED_TOKENS] == text_tokens
+    table = _table(step)
+    assert vision and sorted(table) == sorted(vision)
+    for layer, counts in table.items():
+        assert vision[layer].sum() == (BATCH * SEQ - text_tokens) * topk  # image tokens ran
+        # the hooks saw both sets' picks; the table is the text set's alone
+        np.testing.assert_array_equal(counts, seen.counts[layer] - vision[layer])
+        assert counts.sum() == text_tokens * topk
+
+
 @pytest.mark.parametrize("lang", ["en", "zh"])
 def test_models_page_holds_the_generated_table(lang):
     from pathlib import Path
@@ -459,3 +497,24 @@ def test_models_page_holds_the_generated_table(lang):
     assert lines[start : start + 2 + len(FAMILIES)] == support_table(), (
         f"docs/{lang}/models.md: regenerate its table with `python tests/hf_families.py --table`"
     )
+
+
+def test_a_model_with_two_moe_stacks_is_refused_naming_both():
+    # diffusion_gemma: an encoder and a decoder, each with MoE layers numbered from 0.
+    import transformers
+    from hf_families import tiny_kwargs
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    if "diffusion_gemma" not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        pytest.skip("this transformers has no diffusion_gemma")
+    config_class = CONFIG_MAPPING["diffusion_gemma"]
+    model_class = getattr(
+        transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES["diffusion_gemma"]
+    )
+    with torch.device("meta"):
+        model = model_class(config_class(**tiny_kwargs(config_class)))
+    with pytest.raises(ValueError, match="two MoE stacks") as refused:
+        PolicyMetrics(MetricsConfig(track_moe_metrics=True)).attach(model, model.config)
+    assert "'model.encoder.language_model'" in str(refused.value)
+    assert "'model.decoder'" in str(refused.value)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -233,6 +234,18 @@ def _doge_routes(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     return chosen, chosen, None, False
 
 
+def _text_experts(block: nn.Module) -> nn.Module:
+    # Modality-isolated experts (ernie4_5_vl_moe): text tokens go to text_moe, image and video
+    # tokens to vision_moe, two expert sets in one layer; a layer's table holds one set.
+    warnings.warn(
+        f"{type(block).__name__}: each MoE layer has text experts and vision experts; the expert "
+        "loads, balance and router health are the text experts' (the vision experts, which only "
+        "image and video tokens reach, are not counted)",
+        stacklevel=2,
+    )
+    return block.text_moe.experts
+
+
 _NAMED: dict[str, RouterSpec] = {
     "transformers.models.dbrx.modeling_dbrx.DbrxFFN": RouterSpec(
         counts_fn=_dbrx_counts,
@@ -258,15 +271,13 @@ _NAMED: dict[str, RouterSpec] = {
         hooked=lambda m: m.router,
         health=_named_health("router"),
     ),
-    # Modality-isolated experts: text tokens go to text_moe, image and video tokens to
-    # vision_moe, two expert sets in one layer. The layer's table is its text experts.
     "transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe.Ernie4_5_VLMoeMoeBlock": (
         RouterSpec(
             counts_fn=_experts_counts,
             num_experts=lambda m: experts_num(m.text_moe.experts),
             topk=lambda m: int(m.text_moe.top_k),
             routes_fn=_experts_routes,
-            hooked=lambda m: m.text_moe.experts,
+            hooked=_text_experts,
             health=lambda m, parent: _experts_health(m.text_moe.experts, m.text_moe),
         )
     ),

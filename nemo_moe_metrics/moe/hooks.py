@@ -218,6 +218,22 @@ def layer_id_from_name(name: str) -> int:
     return int(found[-1])
 
 
+def _same_layer_message(first: str, second: str, layer: int) -> str:
+    """Why two routers with one global layer id are refused, and what to do."""
+    stacks = [_LAYER_RE.split(name)[0] for name in (first, second)]
+    if stacks[0] != stacks[1]:  # two decoder stacks (qwen3_omni_moe thinker + talker, ...)
+        return (
+            f"routers {first!r} and {second!r} both claim global layer {layer}: the model has "
+            f"two MoE stacks ({stacks[0]!r}, {stacks[1]!r}) numbered from 0 each; attach only "
+            "the stack you train (qwen3_omni_moe: model.thinker), or register the router class "
+            "with a layer_id function that numbers the stacks apart (docs/en/models.md)"
+        )
+    return (
+        f"routers {first!r} and {second!r} both claim global layer {layer}; "
+        "pass each model chunk once, or give register_router a layer_id function"
+    )
+
+
 def _in_backward() -> bool:
     # Inside autograd's backward (where checkpointing replays forwards) the engine has a graph
     # task. Compiled graphs never replay Python hooks, and dynamo cannot trace this call.
@@ -303,10 +319,7 @@ class ExpertLoadCollector:
         for name, module, spec in routers:
             layer = self._layer_of(name, module, spec)
             if layer in seen:
-                raise ValueError(
-                    f"routers {seen[layer]!r} and {name!r} both claim global layer {layer}; "
-                    "pass each model chunk once, or give register_router a layer_id function"
-                )
+                raise ValueError(_same_layer_message(seen[layer], name, layer))
             seen[layer] = name
             self.blocks[layer] = name if spec.hooked else name.rpartition(".")[0]
             experts, topk = spec.num_experts(module), spec.topk(module)

@@ -142,11 +142,14 @@ HF_ROUTING: dict[str, HFRouting] = {
             "qwen3_5_moe",
             "qwen3_moe",
             "qwen3_next",
+            "qwen3_omni_moe",
+            "qwen3_vl_moe",
             "qwen4_exp",
         ),
         _SOFTMAX,
     ),
-    "ernie4_5_moe": _SOFTMAX,  # + moe_statics.e_score_correction_bias
+    # + moe_statics.e_score_correction_bias (the VL model: its text and vision routers alike)
+    **dict.fromkeys(("ernie4_5_moe", "ernie4_5_vl_moe"), _SOFTMAX),
     # top-k of z, weights softmax over the chosen logits (the renormalised softmax)
     **dict.fromkeys(
         ("aria", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared"),
@@ -171,9 +174,12 @@ HF_ROUTING: dict[str, HFRouting] = {
             "flint",
             "glm4_moe",
             "glm4_moe_lite",
+            "glm4v_moe",
+            "glm5_next",
             "glm_moe_dsa",
             "hy_v3",
             "hy_v4",
+            "hy_v4_vl",
             "inkling",
             "kimi_linear",
             "laguna",
@@ -182,8 +188,10 @@ HF_ROUTING: dict[str, HFRouting] = {
             "minicpm5_moe",
             "minimax_m2",
             "minimax_m3_vl",
+            "muse_spark",
             "nemotron_h",
             "solar_open",
+            "step3p7",
         ),
         _SIGMOID,
     ),
@@ -193,7 +201,12 @@ HF_ROUTING: dict[str, HFRouting] = {
         ("kolibri1", "kolibri1_1"), HFRouting("sigmoid", rank_on_logits=True, bias_on_logits=True)
     ),
     # group score: the best expert; experts of the other groups score 0, not -inf
-    "deepseek_v2": HFRouting("softmax", group_score_topk=1, group_masked_score=0.0),
+    **dict.fromkeys(
+        ("deepseek_v2", "deepseek_ocr2", "unlimited_ocr"),
+        HFRouting("softmax", group_score_topk=1, group_masked_score=0.0),
+    ),
+    # softmax scores, a group scored by its best two; experts of the other groups score 0
+    **dict.fromkeys(("mistral4", "mistral_large4"), HFRouting("softmax", group_masked_score=0.0)),
     "axk2": HFRouting("sigmoid", group_masked_score=0.0),
     # its first output is softmax(z); z is its proj's output
     "gemma4": HFRouting("softmax", logits_module="proj"),
