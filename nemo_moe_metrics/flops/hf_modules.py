@@ -61,7 +61,8 @@ class UnsupportedModelError(UnknownModelTypeError):
 
 
 class NotInTransformersError(UnknownModelTypeError):
-    """The installed transformers has no causal LM for the config's model_type."""
+    """The installed transformers has no causal LM (nor image-text-to-text model) for the
+    config's model_type."""
 
 
 _TOP_K_FIELDS = (
@@ -207,9 +208,16 @@ class _Walker:
             raise UnsupportedModelError(f"{self.model_type}: the model has no output embeddings")
         claimed |= {id(m) for m in head.modules()}
         vocab, hidden = (int(d) for d in head.weight.shape)
+        # A vision-language model (its text config apart from its config): only the language
+        # model and the output head run on text; its encoders, projectors and resamplers
+        # (ernie4_5_vl_moe's, whatever their names) are not costed.
+        multimodal = self.config is not self.model.config
+        text_modules = {id(m) for m in text_model.modules()}
         other = 0
         for name, module in _named_modules(self.model):
             if id(module) in claimed or _is_tower(name):
+                continue
+            if multimodal and id(module) not in text_modules:
                 continue
             other += self._own_macs(module, name, None)
         per_layer = [self._layer(layer) for layer in layers_list]
@@ -279,6 +287,10 @@ class _Walker:
         if _holds_experts(module) or type(module).__name__.endswith("CDMoE"):
             parts.ffns.append(self._moe(module))
             return
+        modality_moe = self._modality_moe(module)
+        if modality_moe is not None:
+            parts.ffns.append(modality_moe)
+            return
         mixer = self._mixer(module)
         if mixer is not None:
             parts.mixers.extend(mixer if isinstance(mixer, list) else [mixer])
@@ -324,6 +336,22 @@ class _Walker:
             top_k=top_k,
             shared_params=shared,
         )
+
+    def _modality_moe(self, block: Any) -> MoEMLP | None:
+        """Modality-isolated experts (ernie4_5_vl_moe: ``text_moe`` and ``vision_moe`` in one
+        layer), or None for another module. A text token runs the text MoE block and the
+        shared experts; the vision (or audio) experts run on those tokens only and are left out,
+        as the encoders are: the estimate costs every token as a text token."""
+        children = dict(block.named_children())
+        moe = {name: child for name, child in children.items() if _holds_experts(child)}
+        text = [child for name, child in moe.items() if not _is_tower(name)]
+        if len(moe) < 2 or len(text) != 1:
+            return None
+        ffn = self._moe(text[0])
+        shared = self._own_macs(block, "", None) + sum(
+            self.weight_macs(child) for name, child in children.items() if name not in moe
+        )
+        return dataclasses.replace(ffn, shared_params=ffn.shared_params + shared)
 
     def _doge_cdmoe(self, block: Any) -> MoEMLP:
         # Doge's product-key experts: each picked expert is one row of down_embed and one of
@@ -731,25 +759,69 @@ def transformers_config(config: Any) -> Any:
 
 
 def meta_model(config: Any) -> Any:
-    """The causal LM of ``config``'s model type, built on the meta device."""
+    """The model transformers trains ``config`` with, built on the meta device.
+
+    The causal LM of its text config's type or of its own type; else (vision-language models
+    with no causal LM: qwen3_vl_moe, glm4v_moe, step3p7, ...) the image-text-to-text model of
+    its type, or, for a bare text config (``qwen3_vl_moe_text``), that of the composite type
+    whose ``text_config`` it is, with default encoders. Encoders are built but not costed
+    (:func:`model_shape` skips vision and audio towers).
+    """
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    def model_class(mapping: dict[str, str], model_type: Any) -> Any:
+        class_name = mapping.get(model_type) if isinstance(model_type, str) else None
+        return getattr(transformers, class_name, None) if class_name else None
 
     model_type = getattr(config, "model_type", None)
     candidates = [config]
     text = config.get_text_config() if hasattr(config, "get_text_config") else None
     if text is not None and text is not config:
         candidates.insert(0, text)
-    for cfg in candidates:
-        class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(cfg, "model_type", None))
-        model_class = getattr(transformers, class_name, None) if class_name else None
-        if model_class is None:
+    built = None
+    for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+        found = [(model_class(mapping, c.model_type), c) for c in candidates]
+        built = next(((cls, c) for cls, c in found if cls is not None), None)
+        if built is not None:
+            break
+    owner = None if built is not None else _composite_owning(config)
+    if owner is not None:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        # Its defaults, then this text config: the composite would check its encoders'
+        # output widths against the text width, and the encoders are not costed.
+        composite = CONFIG_MAPPING[owner]()
+        composite.text_config = config
+        built = model_class(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, owner), composite
+    if built is None:
+        raise NotInTransformersError(
+            f"transformers {transformers.__version__} has no causal LM or image-text-to-text "
+            f"model for model_type {model_type!r}"
+        )
+    cls, cfg = built
+    with torch.device("meta"):
+        return cls._from_config(cfg)
+
+
+def _composite_owning(config: Any) -> str | None:
+    """The image-text-to-text model type whose ``text_config`` class is ``config``'s class.
+
+    Where several own it, the first by name: they share the text decoder, the only part costed.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    for owner in sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+        if owner not in CONFIG_MAPPING:
             continue
-        with torch.device("meta"):
-            return model_class._from_config(cfg)
-    raise NotInTransformersError(
-        f"transformers {transformers.__version__} has no causal LM for model_type {model_type!r}"
-    )
+        sub_configs = getattr(CONFIG_MAPPING[owner], "sub_configs", None) or {}
+        if sub_configs.get("text_config") is type(config):
+            return owner
+    return None
 
 
 __all__ = [
