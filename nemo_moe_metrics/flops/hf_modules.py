@@ -50,6 +50,7 @@ from nemo_moe_metrics.flops.core import (
     MambaLayer,
     ModelShape,
     MoEMLP,
+    PooledWindow,
     ShortConvLayer,
     Window,
 )
@@ -80,7 +81,15 @@ _ROUTER_CLASS_WORDS = ("Router", "Gating", "TopkGate")
 _ROUTER_NAMES = ("gate", "router", "router_gate")
 # Parameters with two or more dimensions that are not matmul weights (added, gathered, or
 # element-wise), by parameter name.
-_NOT_MATMUL = ("position_bias", "e_score_correction_bias", "A_log", "sinks")
+_NOT_MATMUL = (
+    "position_bias",
+    "e_score_correction_bias",
+    "A_log",
+    "sinks",
+    "index_kpool_compress_ape",  # GLM-5-Next: added to the pool-gate logits
+)
+# Parameters used as matmul weights (F.linear) under another name than ``weight``.
+_MATMUL = ("index_kpool_compress_gate",)  # GLM-5-Next: per-token pool-gate scores
 
 
 @dataclass
@@ -177,7 +186,7 @@ class _Walker:
         for pname, p in params.items():
             if p.dim() < 2 or pname in _NOT_MATMUL:
                 continue
-            if any(word in cls for word in _ROUTER_CLASS_WORDS) or pname == "weight":
+            if any(word in cls for word in _ROUTER_CLASS_WORDS) or pname in ("weight", *_MATMUL):
                 total += p.numel()  # a router's (or a linear-like module's) weight matrix
             elif p.dim() == 3 and cls.endswith("SharedExperts"):
                 total += p.numel()  # shared experts stacked in one tensor: all of them run
@@ -374,7 +383,8 @@ class _Walker:
             return self._delta_rule(
                 module, module.num_v_heads, module.head_k_dim, module.head_v_dim
             )
-        if cls.endswith("DeltaAttention"):
+        if cls.endswith("DeltaAttention") or _calls_kernel(type(module), "kimi_delta_attention"):
+            # Kimi Delta Attention, whatever the class name (GLM-5-Next: ...LinearAttention).
             return self._delta_rule(module, module.num_heads, module.head_dim, module.head_dim)
         if cls.endswith("LightningAttention"):
             return self._lightning_attention(module)
@@ -456,8 +466,11 @@ class _Walker:
             self._layer_type(module) == "indexed_attention"
             and getattr(module, "indexer", None) is None
         ):
-            # HY-V4: a layer whose indexer is "shared" reuses an earlier layer's top-k keys.
-            window = _first_int(self.config, "index_topk") or window
+            # HY-V4, GLM-5-Next: a layer whose indexer is "shared" reuses an earlier layer's
+            # top-k keys.
+            shared_top_k = _first_int(self.config, "index_topk")
+            if shared_top_k is not None:
+                window = _top_k_window(self.config, shared_top_k)
         keep = _first_int(module, "keep_window_size")
         if keep is not None:  # doge: each query keeps its top keep_window_size visible keys
             window = keep if not isinstance(window, int) else min(window, keep)
@@ -465,7 +478,8 @@ class _Walker:
         indexer = None
         indexer_module = getattr(module, "indexer", None)
         if indexer_module is not None:
-            indexer, window = self._indexer(indexer_module, kv_compression=1, query_head_dim=qk)
+            indexer, keep = self._indexer(indexer_module, kv_compression=1, query_head_dim=qk)
+            window = _top_k_window(indexer_module, keep)
             projections -= indexer.projection_params
         compressor = getattr(module, "compressor", None)
         if compressor is None or not hasattr(compressor, "compress_rate"):
@@ -535,7 +549,8 @@ class _Walker:
         """
         heads = _first_int(module, "n_heads", "num_heads", "index_n_heads")
         head_dim = _first_int(module, "head_dim", "index_head_dim") or query_head_dim
-        compress = _first_int(module, "compress_ratio") or 1
+        # Compressed keys scored: Qwen4's QSA blocks, GLM-5-Next's k-pools.
+        compress = _first_int(module, "compress_ratio", "index_kpool") or 1
         keep = _first_int(module, "index_topk", "token_budget")
         if keep is None and hasattr(module, "num_local_tokens"):
             keep = int(module.topk) + int(module.num_local_tokens) + int(module.num_sink_tokens)
@@ -631,6 +646,27 @@ def _builds_sliding_masks(modeling_module: str) -> bool:
         return "sliding_window" in inspect.getsource(importlib.import_module(modeling_module))
     except (OSError, TypeError, ImportError):
         return True  # no source to read: trust the config
+
+
+def _top_k_window(source: Any, keep: int) -> Window:
+    """The keys a query keeps when an indexer picks its top ``keep``: those, or, where the
+    indexer picks pools of ``index_kpool`` keys (GLM-5-Next; ``source``: the indexer or the
+    config), whole pools plus the query's incomplete last pool."""
+    pool = _first_int(source, "index_kpool")
+    if pool is None or pool == 1:
+        return keep
+    tail = bool(getattr(source, "index_kpool_always_select_tail", True))
+    return PooledWindow(pool, keep, tail=tail)
+
+
+@functools.cache
+def _calls_kernel(module_class: type, kernel: str) -> bool:
+    """Whether a module class's forward calls a function whose name ends with ``kernel``."""
+    try:
+        source = inspect.getsource(module_class.forward)
+    except (OSError, TypeError, AttributeError):
+        return False
+    return f"{kernel}(" in source
 
 
 def _experts_parents(module: Any) -> list[Any]:
