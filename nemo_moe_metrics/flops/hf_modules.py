@@ -512,8 +512,9 @@ class _Walker:
 
         1. a module's ``is_sliding`` flag (with its or the config's ``sliding_window``);
         2. a module's own ``sliding_window`` attribute (None there: full attention);
-        3. its layer type in the config: ``chunked_attention`` (Llama 4), and, when the
-           config's ``layer_types`` name sliding layers, sliding or full by layer;
+        3. its layer type in the config: ``chunked_attention`` (Llama 4),
+           ``reference_sliding_attention`` (full over the prefill, i.e. in training), and, when
+           the config's ``layer_types`` name sliding layers, sliding or full by layer;
         4. otherwise the config's ``sliding_window`` on every layer (the Mistral convention:
            Mixtral, MiniMax), unless ``use_sliding_window`` is off or the modeling code never
            builds a sliding-window mask (Nemotron-H's config has the field, unused).
@@ -530,6 +531,10 @@ class _Walker:
         layer_type = self._layer_type(module)
         if layer_type == "chunked_attention":
             return ChunkedWindow(int(config.attention_chunk_size))
+        if layer_type == "reference_sliding_attention":
+            # unlimited_ocr's R-SWA: every prefill token stays visible and the window applies
+            # to decoded tokens only; a training forward is all prefill: full causal attention.
+            return None
         if "sliding_attention" in layer_types:
             return size if layer_type == "sliding_attention" else None
         if getattr(config, "use_sliding_window", True) is False:
