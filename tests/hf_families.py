@@ -201,6 +201,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         index_kpool=4,  # divides the index top-k
     ),
     "unlimited_ocr_text": dict(num_key_value_heads=4),
+    "mistral_large4_text": _SMALL_DSA,
     "mistral_large4": dict(  # its vision config is any AutoConfig (Pixtral by default)
         vision_config=dict(
             model_type="pixtral",

@@ -29,7 +29,12 @@ from nemo_moe_metrics.flops import (
     try_get_flops_estimator,
 )
 from nemo_moe_metrics.flops import registry as registry_module
-from nemo_moe_metrics.flops.core import ChunkedWindow, CompressedWindow, pairs_per_sequence
+from nemo_moe_metrics.flops.core import (
+    ChunkedWindow,
+    CompressedWindow,
+    PooledWindow,
+    pairs_per_sequence,
+)
 
 H, HEADS, KV, HD, FFN, V = 64, 4, 2, 24, 96, 128
 
@@ -83,12 +88,26 @@ def _visible_keys(i: int, window) -> int:
     if isinstance(window, CompressedWindow):  # entries of complete blocks up to it, top keep
         entries = sum(1 for block_end in range(window.rate, i + 2, window.rate))
         return entries if window.keep is None else min(entries, window.keep)
+    if isinstance(window, PooledWindow):  # up to keep // pool complete pools, then its tail
+        pools = [range(s, s + window.pool) for s in range(0, i + 1 - window.pool + 1, window.pool)]
+        kept = sum(len(p) for p in pools[: window.keep // window.pool])
+        tail = (i + 1) - len(pools) * window.pool  # keys after the last complete pool
+        return kept + (tail if window.tail else 0)
     return min(i + 1, window)
 
 
 @pytest.mark.parametrize(
     "window",
-    [ChunkedWindow(4), ChunkedWindow(1), CompressedWindow(4), CompressedWindow(3, keep=2), 6],
+    [
+        ChunkedWindow(4),
+        ChunkedWindow(1),
+        CompressedWindow(4),
+        CompressedWindow(3, keep=2),
+        PooledWindow(4, keep=8),
+        PooledWindow(3, keep=6, tail=False),
+        PooledWindow(1, keep=5),
+        6,
+    ],
 )
 def test_every_window_kind_counts_the_keys_each_query_sees(window):
     import torch

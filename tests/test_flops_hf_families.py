@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import json
 import warnings
 from collections.abc import Callable, Iterator
@@ -34,7 +35,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from flops_counting import StepCount, count_training_step  # noqa: E402
+from flops_counting import KERNEL_FUNCTIONS, StepCount, count_training_step  # noqa: E402
 from hf_families import family, moe_families, shared_tiny_model, tiny_config  # noqa: E402
 
 from nemo_moe_metrics.flops import (  # noqa: E402
@@ -64,11 +65,16 @@ STEP = [26]
 UNSUPPORTED: dict[str, str] = {}
 
 _DSA = "DSA indexer: forward only (only its top-k positions leave it); attention window index_topk"
+#: Vision-language models: the estimate costs the tokens the language model runs (image tokens
+#: included, as tokens), not the encoders that make the image tokens.
+_VLM = "language model only: the vision encoder and its projector are not counted"
+_OMNI = "language model only: the vision and audio encoders and their projectors are not counted"
 #: What the supported-models table notes per family (registered types use their formula).
 FLOPS_NOTES: dict[str, str] = {
     "axk2": _DSA,
     "bailing_hybrid": "Kimi Delta Attention layers: recurrent-equivalent, as Gated DeltaNet",
     "dbrx": "experts stored as a 2-D GLU (w1, v1, w2), not transformers' experts interface",
+    "deepseek_ocr2": _VLM,
     "deepseek_v32": _DSA,
     "deepseek_v4": (
         "compressed attention (CSA, HCA) over one key per compress_rate tokens, its indexer "
@@ -76,10 +82,24 @@ FLOPS_NOTES: dict[str, str] = {
     ),
     "doge": "product-key experts: 2 x hidden multiply-adds per picked expert; top-k attention keys",
     "dots3_note_text": _DSA,
+    "ernie4_5_vl_moe": (
+        _VLM
+        + "; modality-isolated experts: every token is costed with the text experts (text_moe, "
+        "moe_intermediate_size[0]); an image or video token runs the vision experts instead "
+        "(same top_k, moe_intermediate_size[1]: 512 wide against 1536 by default), which the "
+        "estimate does not tell apart"
+    ),
     "gemma4_text": "per-layer input projections; a dense MLP beside the MoE block",
+    "glm4v_moe": _VLM,
+    "glm5_next": (
+        _VLM + "; DSA indexer over pools of index_kpool keys, forward only; attention window "
+        "index_topk keys in whole pools plus the query's incomplete pool; Kimi Delta Attention "
+        "layers: recurrent-equivalent, as Gated DeltaNet; hyper-connections"
+    ),
     "glm_moe_dsa": _DSA,
     "granitemoehybrid": "Mamba-2 layers (SSD scan, recurrent-equivalent)",
     "hy_v4": _DSA + "; hyper-connections",
+    "hy_v4_vl": _VLM + "; " + _DSA + "; hyper-connections",
     "inkling2_loop_text": (
         "looped layers counted once per pass (with their message gates); attention residuals "
         "over block states; relative position logits; dynamic short convolutions"
@@ -107,10 +127,19 @@ FLOPS_NOTES: dict[str, str] = {
         "weight 0, counted as executed (top_k experts)"
     ),
     "minimax": "lightning attention: recurrent-equivalent, 2 state-sized multiply-adds per head",
+    "mistral_large4": _VLM + "; " + _DSA,
+    "muse_spark": _OMNI,
     "nemotron_h": "Mamba-2 layers (SSD scan, recurrent-equivalent)",
+    "qwen3_omni_moe_thinker": _OMNI,
+    "qwen3_vl_moe": _VLM,
     "qwen4_exp_text": (
         "QSA indexer over key blocks, forward only; attention window indexer_budget; "
         "hyper-connections and n-gram embeddings"
+    ),
+    "step3p7": _VLM,
+    "unlimited_ocr": (
+        _VLM + "; reference sliding-window attention: full causal attention in training (its "
+        "window applies to decoded tokens only)"
     ),
     "zaya": (
         "convolutional q/k projections (CCA); the delayed-value projection of one zero token per "
@@ -225,9 +254,11 @@ def _expected_and_counted(model_type: str) -> tuple[float, float]:
     with _dynamic_conv_taps(model) as taps:
         step = count_training_step(model, STEP)
     expected = estimate.total - taps[0]
-    # Kernels counted alone on the counter's side: their components leave the estimate.
+    # Kernels counted alone on the counter's side: their components leave the estimate (which
+    # must have them: a kernel the step ran is never costed as zero).
     for component in {c for call in step.calls for c in call.components}:
-        expected -= estimate.by_component.get(component, 0.0)
+        assert estimate.by_component.get(component, 0.0) > 0, (model_type, component)
+        expected -= estimate.by_component[component]
     # 1-D convolutions: the estimate counts weight elements per token, x 3 for training.
     expected -= sum(6.0 * c.conv_weight.numel() * c.tokens for c in step.calls if not c.components)
     counted = step.rest
@@ -246,6 +277,13 @@ def test_noncausal_estimate_equals_flop_counter(model_type):
 
 
 # ---- kernels against their modules' sizes ------------------------------------------------
+def _runs_kimi_kernel(module: Any) -> bool:
+    """A Kimi Delta Attention mixer by what its forward runs, whatever its class name."""
+    if not type(module).__module__.startswith("transformers.models."):
+        return False
+    return "chunk_kimi_delta_attention(" in inspect.getsource(type(module).forward)
+
+
 def _recurrent_macs(module: Any) -> tuple[str, int] | None:
     """(component, recurrent-equivalent multiply-adds per token) of a linear-attention or
     state-space mixer, from the module's own sizes (docs/en/flops.md)."""
@@ -255,7 +293,7 @@ def _recurrent_macs(module: Any) -> tuple[str, int] | None:
             "linear_attention_core",
             3 * module.num_v_heads * module.head_k_dim * module.head_v_dim,
         )
-    if name.endswith("DeltaAttention"):  # Kimi Delta Attention: the same three
+    if name.endswith("DeltaAttention") or _runs_kimi_kernel(module):  # KDA: the same three
         return "linear_attention_core", 3 * module.num_heads * module.head_dim**2
     if name.endswith("LightningAttention"):  # k v^T into the state, S^T q
         return "linear_attention_core", 2 * module.num_attention_heads * module.head_dim**2
@@ -267,11 +305,16 @@ def _recurrent_macs(module: Any) -> tuple[str, int] | None:
 
 
 def _recurrent_families() -> list[str]:
+    """Families with a recurrent mixer by class name, or whose modeling module defines a
+    recurrent kernel (GLM-5-Next's Kimi Delta Attention is named ...LinearAttention)."""
     names = ("GatedDeltaNet", "DeltaAttention", "LightningAttention", "Mamba", "ShortConv")
     out = []
     for f in moe_families():
         module = importlib.import_module(f.model_class.__module__)
-        if any(isinstance(c, type) and c.__name__.endswith(names) for c in vars(module).values()):
+        named = any(
+            isinstance(c, type) and c.__name__.endswith(names) for c in vars(module).values()
+        )
+        if named or any(hasattr(module, kernel) for kernel in KERNEL_FUNCTIONS):
             out.append(f.model_type)
     return out
 
@@ -360,12 +403,18 @@ def test_a_config_without_a_model_costs_the_same(model_type):
     # Registered types use their formula: compared with the modules in the next test.
     model = flops_model(model_type)
     built = estimator_from_model(model)
-    from_config = get_flops_estimator(model.config)  # a skeleton on the meta device
-    from_dict = get_flops_estimator(json.loads(model.config.to_json_string(use_diff=False)))
+    configs = [model.config]
+    text = model.config.get_text_config()
+    if text is not model.config:  # a vision-language model: its text config alone too
+        configs.append(text)
+    estimators = []
+    for config in configs:
+        estimators.append(get_flops_estimator(config))  # a skeleton on the meta device
+        estimators.append(get_flops_estimator(json.loads(config.to_json_string(use_diff=False))))
     for causal in (True, False):
         want = built(LENGTHS, causal=causal).total
-        assert from_config(LENGTHS, causal=causal).total == pytest.approx(want, rel=1e-12)
-        assert from_dict(LENGTHS, causal=causal).total == pytest.approx(want, rel=1e-12)
+        for from_config in estimators:
+            assert from_config(LENGTHS, causal=causal).total == pytest.approx(want, rel=1e-12)
 
 
 def _registered_families() -> list[str]:
@@ -476,6 +525,22 @@ def test_cli_flops_reads_a_model_directory_of_any_family(tmp_path, capsys):
     want = estimator_from_model(meta_model(config))(LENGTHS)
     assert got["total"] == pytest.approx(want.total, rel=1e-12)
     assert got["by_component"]["linear_attention_core"] > 0
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "ernie4_5_vl_moe"])
+def test_cli_flops_reads_a_vision_language_model_directory(model_type, tmp_path, capsys):
+    # No causal LM in transformers: the config.json of the whole model, as published.
+    from nemo_moe_metrics.cli import main
+
+    config = tiny_config(model_type)
+    config.save_pretrained(tmp_path)
+    assert main(["flops", "--config", str(tmp_path), "--seq-lens", "17", "26", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    with torch.device("meta"):
+        model = family(model_type).model_class._from_config(config)
+    want = estimator_from_model(model)(LENGTHS)
+    assert got["total"] == pytest.approx(want.total, rel=1e-12)
+    assert got["by_component"] == pytest.approx(want.by_component, rel=1e-12)
 
 
 def test_every_family_is_supported_or_says_why():

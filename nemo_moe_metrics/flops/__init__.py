@@ -22,6 +22,7 @@ from nemo_moe_metrics.flops.core import (
     ModelShape,
     MoEMLP,
     ParameterCounts,
+    PooledWindow,
     ShortConvLayer,
 )
 from nemo_moe_metrics.flops.fixtures import fixture_names, load_fixture
@@ -49,6 +50,7 @@ __all__ = [
     "ModelShape",
     "MoEMLP",
     "ParameterCounts",
+    "PooledWindow",
     "ShortConvLayer",
     "UnknownModelTypeError",
     "fixture_names",

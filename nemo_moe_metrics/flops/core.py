@@ -107,7 +107,23 @@ class CompressedWindow:
             raise ValueError(f"a compressed window needs rate > 0 and keep > 0, got {self}")
 
 
-Window = int | ChunkedWindow | CompressedWindow | None
+@dataclass(frozen=True)
+class PooledWindow:
+    """Top-k over pools of ``pool`` consecutive keys (GLM-5-Next's k-pool DSA indexer): the
+    query at position ``t`` (0-based) keeps the keys of the complete pools up to it, at most
+    ``keep // pool`` of them, and, with ``tail``, the ``(t+1) mod pool`` keys of its incomplete
+    last pool: ``min(t+1, keep + (t+1) mod pool)`` keys when ``pool`` divides ``keep``."""
+
+    pool: int
+    keep: int
+    tail: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pool <= 0 or self.keep < self.pool:
+            raise ValueError(f"a pooled window needs pool > 0 and keep >= pool, got {self}")
+
+
+Window = int | ChunkedWindow | CompressedWindow | PooledWindow | None
 
 
 @dataclass(frozen=True)
@@ -135,7 +151,8 @@ class AttentionLayer:
 
     ``window`` is the number of keys a query sees under a sliding window (itself included,
     the Hugging Face convention), or at most (the top-k keys of sparse attention), or a
-    :class:`ChunkedWindow` or :class:`CompressedWindow`; None means full causal attention.
+    :class:`ChunkedWindow`, :class:`CompressedWindow` or :class:`PooledWindow`; None means full
+    causal attention.
     ``indexer``: the sparse-attention indexer that picks the keys, if any.
     """
 
@@ -340,7 +357,8 @@ def attended_pairs(lengths: np.ndarray, *, causal: bool, window: Window) -> floa
     sliding window of ``w`` keys (self included): ``sum_i min(i+1, w)``; chunked attention
     with chunks of ``c``: ``c(c+1)/2`` per full chunk plus ``r(r+1)/2`` for the last ``r``;
     compressed keys (rate ``m``, at most ``k``): ``sum_i min(floor((i+1)/m), k)``, and
-    ``L x floor(L/m)`` without the causal mask.
+    ``L x floor(L/m)`` without the causal mask; pools of ``p`` keys (at most ``k`` keys in
+    complete pools, plus the tail): ``sum_i p min(floor((i+1)/p), k // p) + (i+1) mod p``.
     """
     return float(np.sum(pairs_per_sequence(lengths, causal=causal, window=window)))
 
@@ -358,6 +376,16 @@ def pairs_per_sequence(lengths: Any, *, causal: bool, window: Window) -> Any:
         return seen * (lengths + 1) - rate * (seen * (seen + 1) // 2)
     if not causal:
         return lengths * lengths
+    if isinstance(window, PooledWindow):
+        # Complete pools: a compressed window of rate p and keep // p entries, p keys each.
+        pool = int(window.pool)
+        seen = (lengths // pool).clip(max=int(window.keep) // pool)
+        pooled = pool * (seen * (lengths + 1) - pool * (seen * (seen + 1) // 2))
+        if not window.tail:
+            return pooled
+        # Tails: sum of n mod p over n = 1..L, in (L+1) // p full cycles and a partial one.
+        rest = (lengths + 1) % pool
+        return pooled + ((lengths + 1) // pool) * (pool * (pool - 1) // 2) + rest * (rest - 1) // 2
     if window is None:
         return lengths * (lengths + 1) // 2  # L(L+1) is even: exact in floats too
     if isinstance(window, ChunkedWindow):

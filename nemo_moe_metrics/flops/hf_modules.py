@@ -50,6 +50,7 @@ from nemo_moe_metrics.flops.core import (
     MambaLayer,
     ModelShape,
     MoEMLP,
+    PooledWindow,
     ShortConvLayer,
     Window,
 )
@@ -61,7 +62,8 @@ class UnsupportedModelError(UnknownModelTypeError):
 
 
 class NotInTransformersError(UnknownModelTypeError):
-    """The installed transformers has no causal LM for the config's model_type."""
+    """The installed transformers has no causal LM (nor image-text-to-text model) for the
+    config's model_type."""
 
 
 _TOP_K_FIELDS = (
@@ -79,7 +81,15 @@ _ROUTER_CLASS_WORDS = ("Router", "Gating", "TopkGate")
 _ROUTER_NAMES = ("gate", "router", "router_gate")
 # Parameters with two or more dimensions that are not matmul weights (added, gathered, or
 # element-wise), by parameter name.
-_NOT_MATMUL = ("position_bias", "e_score_correction_bias", "A_log", "sinks")
+_NOT_MATMUL = (
+    "position_bias",
+    "e_score_correction_bias",
+    "A_log",
+    "sinks",
+    "index_kpool_compress_ape",  # GLM-5-Next: added to the pool-gate logits
+)
+# Parameters used as matmul weights (F.linear) under another name than ``weight``.
+_MATMUL = ("index_kpool_compress_gate",)  # GLM-5-Next: per-token pool-gate scores
 
 
 @dataclass
@@ -176,7 +186,7 @@ class _Walker:
         for pname, p in params.items():
             if p.dim() < 2 or pname in _NOT_MATMUL:
                 continue
-            if any(word in cls for word in _ROUTER_CLASS_WORDS) or pname == "weight":
+            if any(word in cls for word in _ROUTER_CLASS_WORDS) or pname in ("weight", *_MATMUL):
                 total += p.numel()  # a router's (or a linear-like module's) weight matrix
             elif p.dim() == 3 and cls.endswith("SharedExperts"):
                 total += p.numel()  # shared experts stacked in one tensor: all of them run
@@ -207,9 +217,16 @@ class _Walker:
             raise UnsupportedModelError(f"{self.model_type}: the model has no output embeddings")
         claimed |= {id(m) for m in head.modules()}
         vocab, hidden = (int(d) for d in head.weight.shape)
+        # A vision-language model (its text config apart from its config): only the language
+        # model and the output head run on text; its encoders, projectors and resamplers
+        # (ernie4_5_vl_moe's, whatever their names) are not costed.
+        multimodal = self.config is not self.model.config
+        text_modules = {id(m) for m in text_model.modules()}
         other = 0
         for name, module in _named_modules(self.model):
             if id(module) in claimed or _is_tower(name):
+                continue
+            if multimodal and id(module) not in text_modules:
                 continue
             other += self._own_macs(module, name, None)
         per_layer = [self._layer(layer) for layer in layers_list]
@@ -279,6 +296,10 @@ class _Walker:
         if _holds_experts(module) or type(module).__name__.endswith("CDMoE"):
             parts.ffns.append(self._moe(module))
             return
+        modality_moe = self._modality_moe(module)
+        if modality_moe is not None:
+            parts.ffns.append(modality_moe)
+            return
         mixer = self._mixer(module)
         if mixer is not None:
             parts.mixers.extend(mixer if isinstance(mixer, list) else [mixer])
@@ -325,6 +346,22 @@ class _Walker:
             shared_params=shared,
         )
 
+    def _modality_moe(self, block: Any) -> MoEMLP | None:
+        """Modality-isolated experts (ernie4_5_vl_moe: ``text_moe`` and ``vision_moe`` in one
+        layer), or None for another module. A text token runs the text MoE block and the
+        shared experts; the vision (or audio) experts run on those tokens only and are left out,
+        as the encoders are: the estimate costs every token as a text token."""
+        children = dict(block.named_children())
+        moe = {name: child for name, child in children.items() if _holds_experts(child)}
+        text = [child for name, child in moe.items() if not _is_tower(name)]
+        if len(moe) < 2 or len(text) != 1:
+            return None
+        ffn = self._moe(text[0])
+        shared = self._own_macs(block, "", None) + sum(
+            self.weight_macs(child) for name, child in children.items() if name not in moe
+        )
+        return dataclasses.replace(ffn, shared_params=ffn.shared_params + shared)
+
     def _doge_cdmoe(self, block: Any) -> MoEMLP:
         # Doge's product-key experts: each picked expert is one row of down_embed and one of
         # up_embed (2 x hidden multiply-adds); gate/up/down_proj are a shared MLP.
@@ -346,7 +383,8 @@ class _Walker:
             return self._delta_rule(
                 module, module.num_v_heads, module.head_k_dim, module.head_v_dim
             )
-        if cls.endswith("DeltaAttention"):
+        if cls.endswith("DeltaAttention") or _calls_kernel(type(module), "kimi_delta_attention"):
+            # Kimi Delta Attention, whatever the class name (GLM-5-Next: ...LinearAttention).
             return self._delta_rule(module, module.num_heads, module.head_dim, module.head_dim)
         if cls.endswith("LightningAttention"):
             return self._lightning_attention(module)
@@ -428,8 +466,11 @@ class _Walker:
             self._layer_type(module) == "indexed_attention"
             and getattr(module, "indexer", None) is None
         ):
-            # HY-V4: a layer whose indexer is "shared" reuses an earlier layer's top-k keys.
-            window = _first_int(self.config, "index_topk") or window
+            # HY-V4, GLM-5-Next: a layer whose indexer is "shared" reuses an earlier layer's
+            # top-k keys.
+            shared_top_k = _first_int(self.config, "index_topk")
+            if shared_top_k is not None:
+                window = _top_k_window(self.config, shared_top_k)
         keep = _first_int(module, "keep_window_size")
         if keep is not None:  # doge: each query keeps its top keep_window_size visible keys
             window = keep if not isinstance(window, int) else min(window, keep)
@@ -437,7 +478,8 @@ class _Walker:
         indexer = None
         indexer_module = getattr(module, "indexer", None)
         if indexer_module is not None:
-            indexer, window = self._indexer(indexer_module, kv_compression=1, query_head_dim=qk)
+            indexer, keep = self._indexer(indexer_module, kv_compression=1, query_head_dim=qk)
+            window = _top_k_window(indexer_module, keep)
             projections -= indexer.projection_params
         compressor = getattr(module, "compressor", None)
         if compressor is None or not hasattr(compressor, "compress_rate"):
@@ -470,8 +512,9 @@ class _Walker:
 
         1. a module's ``is_sliding`` flag (with its or the config's ``sliding_window``);
         2. a module's own ``sliding_window`` attribute (None there: full attention);
-        3. its layer type in the config: ``chunked_attention`` (Llama 4), and, when the
-           config's ``layer_types`` name sliding layers, sliding or full by layer;
+        3. its layer type in the config: ``chunked_attention`` (Llama 4),
+           ``reference_sliding_attention`` (full over the prefill, i.e. in training), and, when
+           the config's ``layer_types`` name sliding layers, sliding or full by layer;
         4. otherwise the config's ``sliding_window`` on every layer (the Mistral convention:
            Mixtral, MiniMax), unless ``use_sliding_window`` is off or the modeling code never
            builds a sliding-window mask (Nemotron-H's config has the field, unused).
@@ -488,6 +531,10 @@ class _Walker:
         layer_type = self._layer_type(module)
         if layer_type == "chunked_attention":
             return ChunkedWindow(int(config.attention_chunk_size))
+        if layer_type == "reference_sliding_attention":
+            # unlimited_ocr's R-SWA: every prefill token stays visible and the window applies
+            # to decoded tokens only; a training forward is all prefill: full causal attention.
+            return None
         if "sliding_attention" in layer_types:
             return size if layer_type == "sliding_attention" else None
         if getattr(config, "use_sliding_window", True) is False:
@@ -507,7 +554,8 @@ class _Walker:
         """
         heads = _first_int(module, "n_heads", "num_heads", "index_n_heads")
         head_dim = _first_int(module, "head_dim", "index_head_dim") or query_head_dim
-        compress = _first_int(module, "compress_ratio") or 1
+        # Compressed keys scored: Qwen4's QSA blocks, GLM-5-Next's k-pools.
+        compress = _first_int(module, "compress_ratio", "index_kpool") or 1
         keep = _first_int(module, "index_topk", "token_budget")
         if keep is None and hasattr(module, "num_local_tokens"):
             keep = int(module.topk) + int(module.num_local_tokens) + int(module.num_sink_tokens)
@@ -603,6 +651,27 @@ def _builds_sliding_masks(modeling_module: str) -> bool:
         return "sliding_window" in inspect.getsource(importlib.import_module(modeling_module))
     except (OSError, TypeError, ImportError):
         return True  # no source to read: trust the config
+
+
+def _top_k_window(source: Any, keep: int) -> Window:
+    """The keys a query keeps when an indexer picks its top ``keep``: those, or, where the
+    indexer picks pools of ``index_kpool`` keys (GLM-5-Next; ``source``: the indexer or the
+    config), whole pools plus the query's incomplete last pool."""
+    pool = _first_int(source, "index_kpool")
+    if pool is None or pool == 1:
+        return keep
+    tail = bool(getattr(source, "index_kpool_always_select_tail", True))
+    return PooledWindow(pool, keep, tail=tail)
+
+
+@functools.cache
+def _calls_kernel(module_class: type, kernel: str) -> bool:
+    """Whether a module class's forward calls a function whose name ends with ``kernel``."""
+    try:
+        source = inspect.getsource(module_class.forward)
+    except (OSError, TypeError, AttributeError):
+        return False
+    return f"{kernel}(" in source
 
 
 def _experts_parents(module: Any) -> list[Any]:
@@ -731,25 +800,69 @@ def transformers_config(config: Any) -> Any:
 
 
 def meta_model(config: Any) -> Any:
-    """The causal LM of ``config``'s model type, built on the meta device."""
+    """The model transformers trains ``config`` with, built on the meta device.
+
+    The causal LM of its text config's type or of its own type; else (vision-language models
+    with no causal LM: qwen3_vl_moe, glm4v_moe, step3p7, ...) the image-text-to-text model of
+    its type, or, for a bare text config (``qwen3_vl_moe_text``), that of the composite type
+    whose ``text_config`` it is, with default encoders. Encoders are built but not costed
+    (:func:`model_shape` skips vision and audio towers).
+    """
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    def model_class(mapping: dict[str, str], model_type: Any) -> Any:
+        class_name = mapping.get(model_type) if isinstance(model_type, str) else None
+        return getattr(transformers, class_name, None) if class_name else None
 
     model_type = getattr(config, "model_type", None)
     candidates = [config]
     text = config.get_text_config() if hasattr(config, "get_text_config") else None
     if text is not None and text is not config:
         candidates.insert(0, text)
-    for cfg in candidates:
-        class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(cfg, "model_type", None))
-        model_class = getattr(transformers, class_name, None) if class_name else None
-        if model_class is None:
+    built = None
+    for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+        found = [(model_class(mapping, c.model_type), c) for c in candidates]
+        built = next(((cls, c) for cls, c in found if cls is not None), None)
+        if built is not None:
+            break
+    owner = None if built is not None else _composite_owning(config)
+    if owner is not None:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        # Its defaults, then this text config: the composite would check its encoders'
+        # output widths against the text width, and the encoders are not costed.
+        composite = CONFIG_MAPPING[owner]()
+        composite.text_config = config
+        built = model_class(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES, owner), composite
+    if built is None:
+        raise NotInTransformersError(
+            f"transformers {transformers.__version__} has no causal LM or image-text-to-text "
+            f"model for model_type {model_type!r}"
+        )
+    cls, cfg = built
+    with torch.device("meta"):
+        return cls._from_config(cfg)
+
+
+def _composite_owning(config: Any) -> str | None:
+    """The image-text-to-text model type whose ``text_config`` class is ``config``'s class.
+
+    Where several own it, the first by name: they share the text decoder, the only part costed.
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    for owner in sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+        if owner not in CONFIG_MAPPING:
             continue
-        with torch.device("meta"):
-            return model_class._from_config(cfg)
-    raise NotInTransformersError(
-        f"transformers {transformers.__version__} has no causal LM for model_type {model_type!r}"
-    )
+        sub_configs = getattr(CONFIG_MAPPING[owner], "sub_configs", None) or {}
+        if sub_configs.get("text_config") is type(config):
+            return owner
+    return None
 
 
 __all__ = [

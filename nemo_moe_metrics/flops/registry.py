@@ -51,7 +51,8 @@ def _unknown(model_type: Any) -> UnknownModelTypeError:
     what = "has no model_type" if model_type is None else f"has model_type {model_type!r}"
     return UnknownModelTypeError(
         f"the config {what}, which has no FLOP estimator: no formula is registered for it and "
-        "the installed transformers has no causal LM to read it from. Registered types: "
+        "the installed transformers has no causal LM or image-text-to-text model to read it "
+        "from. Registered types: "
         f"{', '.join(registered_model_types())}. Register one with "
         "nemo_moe_metrics.flops.register_flops_estimator('<model_type>', factory), where "
         "factory(config_dict) returns FlopsEstimator(ModelShape(...)) or any callable "
@@ -114,8 +115,10 @@ def get_flops_estimator(
 
     A registered ``model_type`` uses its formula. Any other type transformers knows is read
     from its modules (:mod:`nemo_moe_metrics.flops.hf_modules`): from ``model`` when given (the
-    built model itself, e.g. at attach), else from a skeleton of the config's causal LM built on
-    the meta device (no memory, well under a second even for 671B parameters).
+    built model itself, e.g. at attach), else from a skeleton of the config's causal LM (or, for
+    a vision-language model without one, its image-text-to-text model: the text decoder is
+    costed, not the encoders) built on the meta device (no memory, well under a second even
+    for 671B parameters).
     """
     from nemo_moe_metrics.moe.torchtitan import is_torchtitan_config
 
