@@ -651,7 +651,8 @@ class PolicyMetrics:
                 out.update(metrics)
             if out.get(mn.ROUTED_TOKENS) == 0:
                 self._drop_empty_moe_step(out)
-            _check_tokens_against_routers(out)
+            if self._collector is None or self._collector.routes_every_token:
+                _check_tokens_against_routers(out)
             if self._meter is not None:
                 self._check_microbatches_recorded(out)
         finally:

@@ -279,6 +279,7 @@ _NAMED: dict[str, RouterSpec] = {
             routes_fn=_experts_routes,
             hooked=_text_experts,
             health=lambda m, parent: _experts_health(m.text_moe.experts, m.text_moe),
+            token_subset=True,
         )
     ),
     "transformers.models.doge.modeling_doge.DogeCDMoE": RouterSpec(

@@ -68,6 +68,9 @@ class RouterSpec:
     #   reader of one forward's logits, bias and padding) or a string saying why its decisions
     #   cannot be judged; called once per router when track_router_health is on.
     health: Callable[[nn.Module, nn.Module | None], Any] | None = None
+    #: the counted experts see only some of the layer's tokens by design (ernie4_5_vl_moe's
+    #: text experts: image and video tokens go to its vision experts)
+    token_subset: bool = False
 
 
 def _megatron_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
@@ -339,6 +342,8 @@ class ExpertLoadCollector:
             self._handles.append(chunk.register_forward_pre_hook(self._enter))
             self._handles.append(chunk.register_forward_hook(self._leave, always_call=True))
         self._accs.sort(key=lambda a: a.layer_id)
+        #: some counted layer routes every token: then no step routes fewer than its real tokens
+        self.routes_every_token = any(not spec.token_subset for _, _, spec in routers)
         self._bias_sources: list[tuple[int, Callable[[], torch.Tensor | None]]] = []
 
     def _layer_of(self, name: str, module: nn.Module, spec: RouterSpec) -> int:
