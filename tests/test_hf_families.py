@@ -522,3 +522,45 @@ def test_a_model_with_two_moe_stacks_is_refused_naming_both():
         PolicyMetrics(MetricsConfig(track_moe_metrics=True)).attach(model, model.config)
     assert "'model.encoder.language_model'" in str(refused.value)
     assert "'model.decoder'" in str(refused.value)
+
+
+def test_a_vision_language_model_trained_on_an_image_counts_its_image_tokens():
+    # The matrix trains on text; here qwen3_vl_moe sees an image as a VLM trainer feeds it:
+    # pixel values through its vision tower, merged patches in place of the image tokens.
+    if "qwen3_vl_moe" not in FAMILIES:
+        pytest.skip("this transformers has no qwen3_vl_moe")
+    special = dict(
+        image_token_id=5, video_token_id=6, vision_start_token_id=7, vision_end_token_id=8
+    )
+    model = tiny_model("qwen3_vl_moe", **special)
+    vision = model.config.vision_config
+    grid = torch.tensor([[1, 4, 4]])  # one image of 4 x 4 patches
+    patch_width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    pixels = torch.randn(int(grid.prod()), patch_width, generator=torch.Generator().manual_seed(3))
+    image_tokens = int(grid.prod()) // vision.spatial_merge_size**2
+    ids = torch.randint(10, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    ids[0, 2], ids[0, 3 : 3 + image_tokens], ids[0, 3 + image_tokens] = 7, 5, 8
+    cfg = MetricsConfig(track_moe_metrics=True, moe_per_layer_logging=True, track_throughput=True)
+    metrics = PolicyMetrics(cfg)
+    metrics.attach(model, model.config)
+    seen = Observed()
+    handles = _independent_hooks(model, seen)
+    with metrics.step():
+        metrics.microbatch(seq_lens=torch.tensor([SEQ]))
+        out = model(
+            input_ids=ids,
+            labels=ids,
+            pixel_values=pixels,
+            image_grid_thw=grid,
+            mm_token_type_ids=(ids == 5).long(),
+        )
+        out.loss.backward()
+    for h in handles:
+        h.remove()
+    step = metrics.finish_step(num_microbatches=1)
+    assert step[mn.ROUTED_TOKENS] == step[mn.TOKENS] == SEQ  # the image's tokens routed too
+    table = _table(step)
+    assert table and sorted(table) == sorted(seen.counts)
+    for layer, counts in seen.counts.items():
+        np.testing.assert_array_equal(table[layer], counts)
+        assert counts.sum() == SEQ * seen.topk[layer]
