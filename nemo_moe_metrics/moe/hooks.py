@@ -224,7 +224,7 @@ def layer_id_from_name(name: str) -> int:
 def _same_layer_message(first: str, second: str, layer: int) -> str:
     """Why two routers with one global layer id are refused, and what to do."""
     stacks = [_LAYER_RE.split(name)[0] for name in (first, second)]
-    if stacks[0] != stacks[1]:  # two decoder stacks (qwen3_omni_moe thinker + talker, ...)
+    if stacks[0] != stacks[1]:  # two decoder stacks (diffusion_gemma's encoder and decoder)
         return (
             f"routers {first!r} and {second!r} both claim global layer {layer}: the model has "
             f"two MoE stacks ({stacks[0]!r}, {stacks[1]!r}) numbered from 0 each; attach only "
