@@ -171,6 +171,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     )
 
 
+def add_run_dir_flags(parser: argparse.ArgumentParser) -> None:
+    """``--resume`` / ``--overwrite``: what to do with a run directory that holds a run."""
+    again = parser.add_mutually_exclusive_group()
+    again.add_argument(
+        "--resume", action="store_true", help="continue the run already in the run directory"
+    )
+    again.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run directory's old run (JSONL, TensorBoard, W&B, pictures) first",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one subcommand per job."""
     parser = argparse.ArgumentParser(
@@ -249,15 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--output-dir", default="runs", help="runs go to DIR/<recipe name>/ (default runs/)"
     )
-    again = run.add_mutually_exclusive_group()
-    again.add_argument(
-        "--resume", action="store_true", help="continue the run already in the run directory"
-    )
-    again.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="delete the run directory's old run (JSONL, TensorBoard, W&B, pictures) first",
-    )
+    add_run_dir_flags(run)
     run.set_defaults(func=_cmd_run)
     parser.subparsers = sub.choices  # type: ignore[attr-defined]  # name -> subparser
     return parser

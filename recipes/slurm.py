@@ -25,6 +25,7 @@ import os
 import shutil
 import sys
 
+from nemo_moe_metrics.cli import add_run_dir_flags
 from nemo_moe_metrics.config import ConfigError
 from nemo_moe_metrics.extras import MissingExtraError, check_extra
 from nemo_moe_metrics.slurm import SlurmError
@@ -74,13 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--follow", metavar="JOB_ID", help="follow a job submitted earlier (same --job-dir)"
     )
-    again = parser.add_mutually_exclusive_group()
-    again.add_argument(
-        "--resume", action="store_true", help="continue the run in the run directory"
-    )
-    again.add_argument(
-        "--overwrite", action="store_true", help="delete the run directory's old run first"
-    )
+    add_run_dir_flags(parser)
     return parser
 
 

@@ -30,6 +30,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.torchtitan)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module's tests (``pytestmark = usefixtures("one_thread")``):
+    tiny matmuls gain nothing from threads, and one avoids oversubscribing shared CPUs."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def main_job_run(tmp_path_factory):
     """The README's main job, launched once per test session through the real launcher.

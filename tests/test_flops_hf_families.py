@@ -54,6 +54,7 @@ from nemo_moe_metrics.flops.hf_modules import (  # noqa: E402
 )
 
 MODEL_TYPES = [f.model_type for f in moe_families()]
+pytestmark = pytest.mark.usefixtures("one_thread")
 # One training step over two sequences. Odd, unequal lengths: no window, chunk or compression
 # rate of the tiny configs divides them, so partial blocks are exercised.
 LENGTHS = [17, 26]
@@ -166,15 +167,6 @@ def _registered(model_type: str) -> bool:
 def flops_model(model_type: str) -> Any:
     """The family's shared tiny model."""
     return shared_tiny_model(model_type)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls gain nothing from threads; one thread avoids oversubscribing shared CPUs.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(autouse=True)

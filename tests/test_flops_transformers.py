@@ -128,15 +128,7 @@ def _tiny_configs():
 
 
 CONFIGS = dict(_tiny_configs())
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls gain nothing from threads; one thread avoids oversubscribing shared CPUs.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _build(config):
