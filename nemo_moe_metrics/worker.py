@@ -1,0 +1,10 @@
+"""Old import path of :class:`~nemo_moe_metrics.metrics.PolicyMetrics` (kept for users' code).
+
+``PolicyMetrics`` lives in ``nemo_moe_metrics.metrics`` (also ``nemo_moe_metrics.PolicyMetrics``);
+``ModelFacts`` and ``model_facts`` in ``nemo_moe_metrics.adapters.facts``.
+"""
+
+from nemo_moe_metrics.adapters.facts import ModelFacts, model_facts
+from nemo_moe_metrics.metrics import PolicyMetrics
+
+__all__ = ["ModelFacts", "PolicyMetrics", "model_facts"]
