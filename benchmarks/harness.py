@@ -111,7 +111,7 @@ def step_rank(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any]:
     from nemo_moe_metrics.megatron.model import init_distributed
 
     init_distributed(MegatronConfig(), seed=cfg.seed)
-    step = _StepBench(cfg, rank, world_size)
+    step = StepBench(cfg, rank, world_size)
     out: dict[str, Any] = {"step": step.run_pairs()}
     out["direct"] = step.account_direct_costs(cfg.direct_steps)
     out["host_reads"] = step.count_host_reads()
@@ -184,7 +184,7 @@ def _is_package_hook(fn: Any) -> bool:
     return getattr(fn, "__module__", "").startswith("nemo_moe_metrics.")
 
 
-class _StepBench:
+class StepBench:
     """One megatron-core MoE GPTModel stepped alternately with the metrics on and off.
 
     One model for both variants: in an A/A run two separately built copies with the same weights
@@ -248,7 +248,7 @@ class _StepBench:
         self.position_ids = torch.arange(s.seq_length).expand(s.micro_batch_size, s.seq_length)
         self.gen = torch.Generator().manual_seed(cfg.seed + rank)
 
-    def _batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         s = self.cfg.step
         shape = (s.micro_batch_size, s.seq_length)
         return [
@@ -328,7 +328,7 @@ class _StepBench:
         finish: list[float] = []
         last_on: dict[str, Any] = {}
         for i in range(self.cfg.warmup_pairs + self.cfg.pairs):
-            batches = self._batches()  # the same batch for both variants of a pair
+            batches = self.batches()  # the same batch for both variants of a pair
             order = ("off", "on") if i % 2 == 0 else ("on", "off")
             for name in order:
                 seconds, cpu_seconds, finish_seconds, metrics = self.step(
@@ -394,7 +394,7 @@ class _StepBench:
         try:
             for _ in range(steps):
                 hooks[0] = microbatch[0] = 0.0
-                _, _, finish_seconds, _ = self.step(variant, self._batches())
+                _, _, finish_seconds, _ = self.step(variant, self.batches())
                 out["hooks_s"].append(hooks[0])
                 out["microbatch_s"].append(microbatch[0])
                 out["finish_s"].append(finish_seconds)
@@ -407,7 +407,7 @@ class _StepBench:
         """Host reads of one step of each variant, per segment (counted, not timed)."""
         from benchmarks.host_reads import HostReadCounter
 
-        batches = self._batches()
+        batches = self.batches()
         out: dict[str, Any] = {}
         for name in ("off", "on"):
             variant = self.variants[name]

@@ -36,7 +36,7 @@ Every accumulator lives on the router's device; nothing here reads a value on th
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,11 +171,12 @@ def _rank(
 def _scores(
     z: torch.Tensor, scoring: RouterScoring, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(p, p log p, f(z) or p (the unbiased scores), s)`` of float32 logits ``[T, E]``."""
+    """``(p, sum(p log p) per token, f(z) or p (the unbiased scores), s)`` of float32 logits
+    ``[T, E]``."""
     if scoring.score_function == "softmax":
         log_p = torch.log_softmax(z, dim=-1)
         p = log_p.exp()
-        p_log_p = p * log_p
+        entropy = torch.linalg.vecdot(p, log_p)
         base = p
     else:
         base = (
@@ -184,14 +185,14 @@ def _scores(
             else torch.nn.functional.softplus(z).sqrt()
         )
         p = base / base.sum(dim=-1, keepdim=True)
-        p_log_p = torch.special.xlogy(p, p)
+        entropy = torch.special.xlogy(p, p).sum(dim=-1)
     if bias is None:
         selection = base
     else:
         bias = bias.detach().to(z.device, z.dtype)
         bias = bias if bias.dim() == 1 else bias.reshape(-1)  # ernie4_5_moe keeps it [1, E]
         selection = (z if scoring.bias_on_logits else base) + bias
-    return p, p_log_p, base, selection
+    return p, entropy, base, selection
 
 
 def _ranked(
@@ -222,6 +223,82 @@ def chosen_experts(
         return _rank(ranked, selection, scoring, scoring.topk)[0]
 
 
+def _decision_table(
+    logits: torch.Tensor,
+    scoring: RouterScoring,
+    near_tie_gap: float,
+    bias: torch.Tensor | None,
+    valid: torch.Tensor | None,
+    ones: Callable[[int, torch.device], torch.Tensor],
+) -> tuple[torch.Tensor, tuple[int, ...], torch.Tensor]:
+    """``(per-token table [T, n], the slot of each column, max |z|)`` of one router forward.
+
+    One pass over the logits, as few device ops as the definitions allow (each is a kernel
+    launch per layer and microbatch, and on a CPU its Python dispatch): the entropy column is
+    ``sum(p log p)`` and the logit column ``sum(z^2)``, unscaled (:func:`slot_scale` finishes
+    both); padding rows are zeroed; ``ones(T, device)`` gives the weight column when no token
+    is padding (the tracker caches it).
+    """
+    experts, k = scoring.num_experts, scoring.topk
+    z = logits.detach().reshape(-1, experts)
+    z = z if z.dtype == torch.float32 else z.float()
+    tokens = z.shape[0]
+    p, entropy, base, selection = _scores(z, scoring, bias)
+    ranked = _ranked(z, base, selection, scoring, bias is not None)
+    gap_defined = scoring.gap_defined
+    order, measured = _rank(ranked, selection, scoring, k + 1 if gap_defined else k)
+    if measured is p:  # one gather serves the confidence and the gap
+        picked = p.gather(1, order)
+        confidence = picked[:, :k].sum(dim=-1)
+        edge = picked[:, k - 1 :] if gap_defined else None
+    else:
+        confidence = p.gather(1, order[:, :k]).sum(dim=-1)
+        edge = measured.gather(1, order[:, k - 1 : k + 1]) if gap_defined else None
+    weight = (
+        ones(tokens, z.device)
+        if valid is None
+        else valid.reshape(-1).to(device=z.device, dtype=z.dtype)
+    )
+    columns = [weight, confidence, entropy, torch.linalg.vecdot(z, z)]
+    slots: tuple[int, ...] = (TOKENS, CONFIDENCE, ENTROPY, LOGIT_SQUARES)
+    if edge is not None:
+        last_in = edge[:, 0]
+        gap = (last_in - edge[:, 1]) / last_in.abs().clamp_min(torch.finfo(z.dtype).tiny)
+        columns += [gap, (gap < near_tie_gap).to(z.dtype), weight]
+        slots += (GAP, NEAR_TIE, GAP_TOKENS)
+    if bias is not None:
+        unbiased_ranked = z if scoring.rank_on_logits else base
+        unbiased = _rank(unbiased_ranked, unbiased_ranked, scoring, k)[0]
+        shared = (order[:, :k].unsqueeze(2) == unbiased.unsqueeze(1)).any(dim=2).sum(dim=1)
+        columns += [weight, shared.to(z.dtype)]
+        slots += (BIASED_TOKENS, BIAS_OVERLAP)
+    table = torch.stack(columns, dim=1)
+    if valid is not None:
+        table = table * weight.unsqueeze(1)
+    if not tokens:
+        max_abs = torch.zeros((), dtype=z.dtype, device=z.device)
+    elif valid is None:
+        max_abs = torch.linalg.vector_norm(z, float("inf"))
+    else:
+        max_abs = (z.abs() * weight.unsqueeze(1)).amax()
+    return table, slots, max_abs
+
+
+def _new_ones(tokens: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(tokens, dtype=torch.float32, device=device)
+
+
+def slot_scale(scoring: RouterScoring) -> list[float]:
+    """Per slot, the factor that turns a layer's raw sums into :data:`SLOTS` sums: ``1/ln(E)``
+    for the entropy (``H(p) / ln(E)``, ``E`` this router's classes, which the layout's experts
+    may not be), ``1/E`` for the squared logits (a per-token mean), 1 elsewhere."""
+    experts = scoring.num_experts
+    scale = [1.0] * SLOTS
+    scale[ENTROPY] = 1.0 / math.log(experts) if experts > 1 else 0.0
+    scale[LOGIT_SQUARES] = 1.0 / experts
+    return scale
+
+
 def decision_sums(
     logits: torch.Tensor,
     scoring: RouterScoring,
@@ -234,64 +311,35 @@ def decision_sums(
 
     ``logits`` ``[..., E]`` (any leading token shape), ``bias`` ``[E]`` (the expert bias the
     router adds to its selection scores) or None, ``valid`` (``[tokens]`` bool, False =
-    padding) or None. Device ops only, as few as the definitions allow (each is a kernel launch
-    per layer and microbatch); no value is read on the host. The entropy slot holds
+    padding) or None. Device ops only; no value is read on the host. The entropy slot holds
     ``sum(p log p) / ln(E)`` and the overlap slot ``|S & unbiased top-k|``:
-    :func:`router_health_metrics` negates the one and divides the other by ``top_k``, on the host.
+    :func:`router_health_metrics` negates the one and divides the other by ``top_k``, on the
+    host. (:class:`RouterHealthTracker` adds the same table straight into its accumulators.)
     """
-    experts, k = scoring.num_experts, scoring.topk
     with torch.no_grad():
-        z = logits.detach().reshape(-1, experts)
-        z = z if z.dtype == torch.float32 else z.float()
-        p, p_log_p, base, selection = _scores(z, scoring, bias)
-        ranked = _ranked(z, base, selection, scoring, bias is not None)
-        order, measured = _rank(ranked, selection, scoring, k + 1 if scoring.gap_defined else k)
-        chosen = order[:, :k]
-        weight = (
-            valid.reshape(-1).to(device=z.device, dtype=z.dtype)
-            if valid is not None
-            else torch.ones(z.shape[0], dtype=z.dtype, device=z.device)
+        table, slots, max_abs = _decision_table(
+            logits, scoring, near_tie_gap, bias, valid, _new_ones
         )
-        zeros = torch.zeros_like(weight)
-        # H(p) / ln(E) per token: E is this router's classes, which the layout's experts may not be
-        entropy_scale = 1.0 / math.log(experts) if experts > 1 else 0.0
-        columns = [weight, p.gather(1, chosen).sum(dim=-1), p_log_p.sum(dim=-1) * entropy_scale]
-        if scoring.gap_defined:
-            edge = measured.gather(1, order[:, k - 1 : k + 1])
-            last_in = edge[:, 0]
-            gap = (last_in - edge[:, 1]) / last_in.abs().clamp_min(torch.finfo(z.dtype).tiny)
-            columns += [gap, (gap < near_tie_gap).to(z.dtype), weight]
-        else:
-            columns += [zeros, zeros, zeros]
-        columns.append(z.square().mean(dim=-1))
-        if bias is not None:
-            unbiased_ranked = z if scoring.rank_on_logits else base
-            unbiased = _rank(unbiased_ranked, unbiased_ranked, scoring, k)[0]
-            shared = (chosen.unsqueeze(2) == unbiased.unsqueeze(1)).any(dim=2).sum(dim=1)
-            columns += [weight, shared.to(z.dtype)]
-        else:
-            columns += [zeros, zeros]
-        # Per token [T, slots], padding zeroed, summed in float64: one reduction.
-        table = torch.stack(columns, dim=1)
-        if valid is not None:
-            table = table * weight.unsqueeze(1)
-        sums = table.sum(dim=0, dtype=torch.float64)
-        if not z.shape[0]:
-            max_abs = torch.zeros((), dtype=z.dtype, device=z.device)
-        elif valid is None:
-            max_abs = z.abs().amax()
-        else:
-            max_abs = (z.abs() * weight.unsqueeze(1)).amax()
-    return sums, max_abs
+        sums = torch.zeros(DECISION_SLOTS, dtype=torch.float64, device=table.device)
+        index = torch.tensor(slots, dtype=torch.int64, device=table.device)
+        sums.index_add_(0, index, table.sum(dim=0, dtype=torch.float64))
+        scale = torch.tensor(slot_scale(scoring)[:DECISION_SLOTS], dtype=torch.float64)
+    return sums * scale.to(sums.device), max_abs
 
 
 def microbatch_balance(counts: torch.Tensor) -> torch.Tensor:
     """``[max(c) * E / sum(c), 1]`` of one forward's routed counts ``[E]``; zeros if empty."""
+    return forwards_balance(counts.reshape(1, -1)).sum(dim=0)
+
+
+def forwards_balance(counts: torch.Tensor) -> torch.Tensor:
+    """``[F, 2]``: per forward (a row of routed counts ``[F, E]``), ``max(c) * E / sum(c)``
+    and 1, or zeros for a forward that routed nothing."""
     c = counts.to(torch.float64)
-    total = c.sum()
+    total = c.sum(dim=1)
     routed = total > 0
-    ratio = torch.where(routed, c.amax() * c.numel() / total, 0.0)
-    return torch.stack([ratio, routed.to(torch.float64)])
+    ratio = torch.where(routed, c.amax(dim=1) * c.shape[1] / total, 0.0)
+    return torch.stack([ratio, routed.to(torch.float64)], dim=1)
 
 
 class RouterHealthTracker:
@@ -299,6 +347,9 @@ class RouterHealthTracker:
 
     ``scorings``: per hooked layer (global id), how its router decides, or None when its score
     function is unknown (then only ``max_over_ideal_microbatch`` is measured for it).
+
+    Each forward's routed counts are kept (a reference to the collector's fresh tensor, no
+    copy) until :meth:`local_stats` turns them into the microbatch balance in one pass.
     """
 
     def __init__(
@@ -314,12 +365,34 @@ class RouterHealthTracker:
         self.near_tie_gap = float(near_tie_gap)
         self._scoring = dict(scorings)
         self._row = {layer: i for i, layer in enumerate(self.layer_ids)}
+        scale = [
+            slot_scale(s) if s is not None else [1.0] * SLOTS
+            for s in (self._scoring[layer] for layer in self.layer_ids)
+        ]
+        self._scale = torch.tensor(scale, dtype=torch.float64).reshape(-1, SLOTS)
+        self._forwards: list[list[torch.Tensor]] = [[] for _ in self.layer_ids]
+        self._allocate(device)
+
+    def _allocate(self, device: torch.device) -> None:
         self.sums = torch.zeros(len(self.layer_ids), SLOTS, dtype=torch.float64, device=device)
         self.max_abs = torch.zeros(len(self.layer_ids), dtype=torch.float64, device=device)
+        self._scale = self._scale.to(device)
+        # Row views and slot indices made once per device: each is a dispatch saved per call.
+        self._rows = [(self.sums[i], self.max_abs[i]) for i in range(len(self.layer_ids))]
+        self._index: dict[tuple[int, ...], torch.Tensor] = {}
+        self._ones: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def scoring(self, layer_id: int) -> RouterScoring | None:
         """How the router of global layer ``layer_id`` decides; None when it is not judged."""
         return self._scoring[layer_id]
+
+    def _ones_of(self, tokens: int, device: torch.device) -> torch.Tensor:
+        ones = self._ones.get((tokens, device))
+        if ones is None:
+            if len(self._ones) > 64:  # varying lengths: keep the cache small
+                self._ones.clear()
+            ones = self._ones[(tokens, device)] = _new_ones(tokens, device)
+        return ones
 
     # -- per router forward (hot path: device ops only) -------------------------------------
     def observe(
@@ -334,12 +407,10 @@ class RouterHealthTracker:
         """One counted router forward: its routed counts ``[E]`` and, where known, its logits."""
         row = self._row[layer_id]
         if self.sums.device != counts.device:  # the model moved after attach
-            self.sums = self.sums.to(counts.device)
-            self.max_abs = self.max_abs.to(counts.device)
-        micro = microbatch_balance(counts)
+            self._move(counts.device)
+        self._forwards[row].append(counts)
         scoring = self._scoring[layer_id]
         if scoring is None or logits is None:
-            self.sums[row, MICRO_RATIO:].add_(micro)
             return
         if logits.shape[-1] != scoring.num_experts:  # a shape: no sync
             raise ValueError(
@@ -348,21 +419,54 @@ class RouterHealthTracker:
                 "its routing is described wrongly (adapters/hf_health.py): turn "
                 "track_router_health off for this model and report the model"
             )
-        sums, max_abs = decision_sums(
-            logits, scoring, near_tie_gap=self.near_tie_gap, bias=bias, valid=valid
-        )
-        self.sums[row].add_(torch.cat([sums.to(counts.device), micro]))
-        self.max_abs[row].clamp_min_(max_abs.to(counts.device))
+        with torch.no_grad():
+            table, slots, max_abs = _decision_table(
+                logits, scoring, self.near_tie_gap, bias, valid, self._ones_of
+            )
+            index = self._index.get(slots)
+            if index is None:
+                index = self._index[slots] = torch.tensor(slots, dtype=torch.int64).to(
+                    self.sums.device
+                )
+            sums, peak = self._rows[row]
+            sums.index_add_(0, index, table.sum(dim=0, dtype=torch.float64).to(sums.device))
+            peak.clamp_min_(max_abs.to(peak.device))
+
+    def _move(self, device: torch.device) -> None:
+        sums, max_abs = self.sums.to(device), self.max_abs.to(device)
+        self._allocate(device)
+        self.sums.copy_(sums)
+        self.max_abs.copy_(max_abs)
 
     # -- step boundary ---------------------------------------------------------------------
+    def _fold_forwards(self) -> None:
+        """Add the kept forwards' microbatch balance to the sums: one pass when every layer
+        saw the same number of forwards with the same experts (the usual step)."""
+        kept = self._forwards
+        if not any(kept):
+            return
+        self._forwards = [[] for _ in self.layer_ids]
+        shapes = {(len(f), f[0].shape, f[0].device) if f else None for f in kept}
+        if len(shapes) == 1:
+            forwards = torch.stack([c for f in kept for c in f]).to(self.sums.device)
+            per_layer = forwards_balance(forwards).reshape(len(kept), -1, 2).sum(dim=1)
+            self.sums[:, MICRO_RATIO:].add_(per_layer)
+            return
+        for row, f in enumerate(kept):
+            if f:
+                stacked = torch.stack([c.to(self.sums.device) for c in f])
+                self.sums[row, MICRO_RATIO:].add_(forwards_balance(stacked).sum(dim=0))
+
     def local_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``([local layers, SLOTS] sums, [local layers] max |z|)`` float64 device tensors."""
-        return self.sums, self.max_abs
+        self._fold_forwards()
+        return self.sums * self._scale, self.max_abs
 
     def reset(self) -> None:
         """Zero the step's accumulators (start of a new step)."""
         self.sums.zero_()
         self.max_abs.zero_()
+        self._forwards = [[] for _ in self.layer_ids]
 
 
 def _mean(values: list[float]) -> float:
