@@ -47,7 +47,6 @@ from nemo_moe_metrics.moe.router_spec import (
     in_decoder_layer,
     layer_id_from_name,
 )
-from nemo_moe_metrics.moe.routing import indices_to_map
 
 
 def _routing_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -75,8 +74,9 @@ def _zero_computation_counts(module: nn.Module, args: tuple, kwargs: dict, outpu
 
 
 def _experts_routes(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    # The chosen ids themselves: routing consistency compares ids with ids, no [T, E] map.
     index, _ = _routing_args(args, kwargs)
-    chosen = indices_to_map(index.reshape(index.shape[0], -1), int(module.num_experts))
+    chosen = index.reshape(index.shape[0], -1)
     return chosen, chosen, None, False
 
 
@@ -123,9 +123,7 @@ def _logits_topk_counts(logits_at: int) -> Callable:
 def _logits_topk_routes(logits_at: int) -> Callable:
     def routes(module: nn.Module, args: tuple, kwargs: dict, output: Any):
         logits = output[logits_at]
-        chosen = indices_to_map(
-            torch.topk(logits, int(module.top_k), dim=-1).indices, logits.shape[-1]
-        )
+        chosen = torch.topk(logits, int(module.top_k), dim=-1).indices
         return chosen, chosen, None, False
 
     return routes
@@ -140,8 +138,7 @@ def _doge_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
 
 
 def _doge_routes(module: nn.Module, args: tuple, kwargs: dict, output: Any):
-    index = args[0].reshape(-1, args[0].shape[-1])
-    chosen = indices_to_map(index, int(module.num_embeddings))
+    chosen = args[0].reshape(-1, args[0].shape[-1])
     return chosen, chosen, None, False
 
 

@@ -52,8 +52,9 @@ class RouterSpec:
     # expert_bias(router, parent) -> the layer's aux-loss-free bias buffer [E] or None (the
     # buffer is read again at every export, so a buffer replaced after attach is followed).
     expert_bias: Callable[[nn.Module, nn.Module | None], torch.Tensor | None] | None = None
-    # routes_fn(module, args, kwargs, output) -> (own choice [T, E] bool, executed [T, E] bool,
-    #   non-padding tokens [T] bool or None, replay active): for routing consistency.
+    # routes_fn(module, args, kwargs, output) -> (own choice: [T, E] bool map or [T, k] expert
+    #   ids, executed [T, E] bool (read only under replay), non-padding tokens [T] bool or None,
+    #   replay active): for routing consistency. Ids compare directly (no [T, E] map built).
     routes_fn: Callable[[nn.Module, tuple, dict, Any], tuple] | None = None
     #: called once per compared decoder router when routing consistency is on, for a router
     #: whose executed experts can differ from its own choice (megatron's router replay)

@@ -107,21 +107,32 @@ def indices_to_map(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def compare(
-    rollout: torch.Tensor, chosen_map: torch.Tensor, num_experts: int
+    rollout: torch.Tensor, chosen: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token: whether the rollout row is a route, and ``|rollout set & chosen set|``.
 
-    ``rollout`` ``[T, k]`` int64 (``-1`` or out-of-range ids: no route), ``chosen_map``
-    ``[T, E]`` bool. A row with a repeated expert id is not a route either (a set of k).
+    ``rollout`` ``[T, k]`` int64 (``-1`` or out-of-range ids: no route); ``chosen`` the
+    training router's experts, a ``[T, E]`` bool map or ``[T, k']`` integer ids (compared
+    directly, no map built; ids outside ``[0, E)`` match nothing). A row with a repeated expert
+    id is not a route either (a set of k).
     """
+    return _compare(rollout, chosen, num_experts, (rollout >= 0) & (rollout < num_experts))
+
+
+def _compare(
+    rollout: torch.Tensor, chosen: torch.Tensor, num_experts: int, in_range: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     k = rollout.shape[1]
-    in_range = (rollout >= 0) & (rollout < num_experts)
-    safe = torch.where(in_range, rollout, 0)
+    # A row with an id out of range is no route whatever the clamped ids say.
+    safe = rollout.clamp(0, num_experts - 1)
     # k distinct ids: each id equals only itself among the row's k ([T, k, k], k is small).
     distinct = (safe.unsqueeze(2) == safe.unsqueeze(1)).sum(dim=(1, 2)) == k
     valid = in_range.all(dim=1) & distinct
-    overlap = chosen_map.gather(1, safe).sum(dim=1)
-    return valid, torch.where(valid, overlap, 0)
+    if chosen.dtype == torch.bool:
+        overlap = chosen.gather(1, safe).sum(dim=1)
+    else:  # ids: membership of each rollout id among the router's ([T, k, k'], no [T, E] map)
+        overlap = (safe.unsqueeze(2) == chosen.unsqueeze(1)).any(dim=2).sum(dim=1)
+    return valid, overlap * valid
 
 
 class RoutingTracker:
@@ -163,6 +174,7 @@ class RoutingTracker:
             if rollout_experts
             else None
         )
+        self._index: dict[torch.device, torch.Tensor] = {}
         self._routes: torch.Tensor | None = None
         self._routes_used = False  # a host flag: a training forward saw the routes
         # Per token of the current forward: layers with a route, layers that differ.
@@ -208,28 +220,26 @@ class RoutingTracker:
     def observe(
         self,
         layer_id: int,
-        chosen_map: torch.Tensor,
+        chosen: torch.Tensor,
         executed_map: torch.Tensor,
         valid_tokens: torch.Tensor | None,
         replay: bool,
     ) -> None:
-        """One router forward: its own top-k choice and its executed map, both ``[T, E]`` bool.
+        """One router forward: its own top-k choice and the experts it executed.
 
-        ``valid_tokens`` ``[T]`` bool (False = padding the router knows of) or None.
+        ``chosen``: a ``[T, E]`` bool map or ``[T, k]`` expert ids (compared directly);
+        ``executed_map``: ``[T, E]`` bool (read under router replay only) or, where the router
+        executes its own choice, the same tensor as ``chosen``. ``valid_tokens`` ``[T]`` bool
+        (False = padding the router knows of) or None.
         """
         row = self._row[layer_id]
-        num_tokens = chosen_map.shape[0]
+        num_tokens = chosen.shape[0]
+        if self.stats.device != chosen.device:  # the model moved after attach
+            self._move(chosen.device)
         stats = self.stats[row]
-        if stats.device != chosen_map.device:  # the model moved after attach
-            self._move(chosen_map.device)
-            stats = self.stats[row]
-        real = (
-            torch.ones(num_tokens, dtype=torch.bool, device=chosen_map.device)
-            if valid_tokens is None
-            else valid_tokens.reshape(-1).bool()
-        )
+        real = None if valid_tokens is None else valid_tokens.reshape(-1).bool()
         if self._routes is None:
-            stats[PAIRS] += real.sum()
+            stats[PAIRS] += num_tokens if real is None else real.sum()
             return
         if self._routes.shape[0] != num_tokens:
             raise RoutingShapeError(
@@ -240,18 +250,26 @@ class RoutingTracker:
         self._routes_used = True
         rollout = self._routes[:, self._axis[layer_id]]
         experts = self._experts[layer_id]
-        has_route, overlap = compare(rollout, chosen_map, experts)
-        has_route = has_route & real
+        above = rollout >= 0
+        below = rollout < experts
+        has_route, overlap = _compare(rollout, chosen, experts, above & below)
+        out_of_range = ((rollout < -1) | ~below).any(dim=1)
+        if real is not None:
+            has_route = has_route & real
+            overlap = overlap * real
+            out_of_range = out_of_range & real
         differ = has_route & (overlap < self.topk)
-        stats[OUT_OF_RANGE] += (((rollout < -1) | (rollout >= experts)).any(dim=1) & real).sum()
-        stats[PAIRS] += real.sum()
-        stats[ROUTED] += has_route.sum()
-        stats[DIFFER] += differ.sum()
-        stats[OVERLAP] += torch.where(has_route, overlap, 0).sum()
+        # Per token [T, 4], summed once into the layer's slots (one reduction, one add).
+        columns = torch.stack([has_route, differ, overlap, out_of_range], dim=1)
+        if real is None:
+            stats[PAIRS] += num_tokens
+        else:
+            stats[PAIRS] += real.sum()
+        stats.index_add_(0, self._slot_index(stats.device), columns.sum(dim=0))
         if self.rollout_counts is not None:
             # The engine's own load: rows without a full route (-1, e.g. the last generated
             # token) and padding are left out; fixed-size scatter, no host read.
-            ids = torch.where((rollout >= 0) & (rollout < experts), rollout, 0)
+            ids = torch.where(above & below, rollout, 0)
             taken = has_route.unsqueeze(1).expand_as(ids).to(torch.int64)
             self.rollout_counts[row].scatter_add_(0, ids.reshape(-1), taken.reshape(-1))
         if replay:
@@ -263,11 +281,18 @@ class RoutingTracker:
             stats[REPLAY_FORWARDS] += 1
         if self._routed_layers is None or self._routed_layers.shape[0] != num_tokens:
             self.fold()
-            self._routed_layers = torch.zeros(num_tokens, dtype=torch.int64, device=real.device)
+            self._routed_layers = torch.zeros(num_tokens, dtype=torch.int64, device=chosen.device)
             self._differ_layers = torch.zeros_like(self._routed_layers)
         assert self._differ_layers is not None
         self._routed_layers += has_route
         self._differ_layers += differ
+
+    def _slot_index(self, device: torch.device) -> torch.Tensor:
+        index = self._index.get(device)
+        if index is None:  # made once per device: a host-to-device copy
+            slots = [ROUTED, DIFFER, OVERLAP, OUT_OF_RANGE]
+            index = self._index[device] = torch.tensor(slots, dtype=torch.int64).to(device)
+        return index
 
     def _move(self, device: torch.device) -> None:
         self.stats = self.stats.to(device)
