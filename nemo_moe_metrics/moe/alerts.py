@@ -48,6 +48,7 @@ import numpy as np
 
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import AlertsConfig
+from nemo_moe_metrics.expert_table import ExpertTable
 from nemo_moe_metrics.moe.timeline import DeadStreaks, Drift
 from nemo_moe_metrics.sinks.jsonl import ALERTS_FIELD  # the reserved field of a JSONL line
 
@@ -79,12 +80,15 @@ class Alert:
         }
 
 
-def _table(rows: Any) -> tuple[list[int], np.ndarray, np.ndarray]:
+def _table(table: Any) -> tuple[list[int], np.ndarray, np.ndarray]:
     """Layer ids, counts ``[L, E]`` and each layer's number of experts (layers may differ:
-    columns beyond a layer's width are no expert)."""
+    columns beyond a layer's width are no expert): an :class:`ExpertTable`'s own arrays, or
+    from a list of rows (a table built by hand)."""
+    if isinstance(table, ExpertTable):
+        return table.layer_ids.tolist(), table.counts, table.widths
     from nemo_moe_metrics.sinks.store import table_to_counts_and_widths
 
-    layer_ids, counts, widths = table_to_counts_and_widths(rows)
+    layer_ids, counts, widths = table_to_counts_and_widths(table)
     return [int(la) for la in layer_ids], counts, widths
 
 

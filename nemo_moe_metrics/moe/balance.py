@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.expert_table import ExpertTable
 
 
 @dataclass(frozen=True)
@@ -228,8 +229,9 @@ def max_over_ideal_spread(
 
 def expert_load_metrics(
     loads: ExpertLoads, *, per_layer: bool, table: bool, ep_size: int = 1
-) -> dict[str, float | list]:
-    """Balance summaries (and optionally per-layer values and the expert table) of one step.
+) -> dict[str, float | ExpertTable]:
+    """Balance summaries (and optionally per-layer values and the expert table, an
+    :class:`~nemo_moe_metrics.expert_table.ExpertTable`) of one step.
 
     Summaries: ``moe/max_over_ideal`` and ``moe/ep_imbalance`` are means over MoE layers that
     routed tokens this step, ``..._max`` the worst layer, ``moe/max_over_ideal_p50`` / ``_p90``
@@ -265,9 +267,8 @@ def expert_load_metrics(
         if zero:  # every pick went to a zero-computation expert: that much is true
             return {mn.ROUTED_TOKENS: routed, mn.ZERO_EXPERT_FRACTION: zero / picks}
         return {mn.ROUTED_TOKENS: routed}
-    out: dict[str, float | list] = {mn.ROUTED_TOKENS: routed}
+    out: dict[str, float | ExpertTable] = {mn.ROUTED_TOKENS: routed}
     stats = []
-    rows: list[list] = []
     for i, layer in enumerate(loads.layer_ids):
         c = counts[i, : loads.experts_of(i)]
         x = executed[i, : loads.experts_of(i)]
@@ -284,11 +285,6 @@ def expert_load_metrics(
         if per_layer:
             for name, value in s.items():
                 out[mn.layer_stat_key(layer, name)] = value
-        if table:
-            pct = load_percent(c)
-            # tolist() converts a layer at once; indexing numpy scalars cell by cell is slower.
-            pairs = zip(c.tolist(), pct.tolist(), strict=True)
-            rows += [[int(layer), e, n, p] for e, (n, p) in enumerate(pairs)]
     active = [s for ok, s in stats if ok]
     out[mn.MAX_OVER_IDEAL] = (
         float(np.mean([s["max_over_ideal"] for s in active])) if active else 0.0
@@ -304,6 +300,7 @@ def expert_load_metrics(
         out[mn.ZERO_EXPERT_FRACTION] = zero / picks if picks > 0 else 0.0
     work = float(executed.sum())
     out[mn.PADDING_FRACTION] = float(1.0 - counts.sum() / work) if work > 0 else 0.0
-    if table:
-        out[mn.EXPERT_LOADS] = rows
+    if table:  # one array value; the rows only where a sink asks for them
+        widths = [loads.experts_of(i) for i in range(n)]
+        out[mn.EXPERT_LOADS] = ExpertTable(loads.layer_ids, counts, widths)
     return out

@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from nemo_moe_metrics.expert_table import ExpertTable
 from nemo_moe_metrics.metric_names import EXPERT_LOADS
 from nemo_moe_metrics.sinks.base import Metrics
 
@@ -856,10 +857,13 @@ class ExpertLoadSink:
 
     def log(self, metrics: Metrics, step: int) -> None:
         """Append the step's counts when it has a table and ``step`` is on the cadence."""
-        rows = metrics.get(EXPERT_LOADS)
-        if rows is None or step % self.table_every:
+        table = metrics.get(EXPERT_LOADS)
+        if table is None or step % self.table_every:
             return
-        self.store.append(step, *table_to_counts_and_widths(rows))
+        if isinstance(table, ExpertTable):  # the arrays themselves: no rows
+            self.store.append(step, table.layer_ids, table.counts, table.widths)
+        else:
+            self.store.append(step, *table_to_counts_and_widths(table))
 
     def close(self) -> None:
         """Close the store file."""

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from nemo_moe_metrics.expert_table import ExpertTable
 from nemo_moe_metrics.metric_names import TABLE_COLUMNS
 from nemo_moe_metrics.sinks.base import Metrics, split_tables
 
@@ -88,8 +89,9 @@ class WandbSink:
         row of the wrong length, is refused as W&B would refuse it.
         """
         columns = list(TABLE_COLUMNS[key])
+        checked = isinstance(rows, ExpertTable)  # numbers by construction, checked as arrays
         rows = list(rows)
-        if rows:
+        if rows and not checked:
             try:
                 cells = np.asarray(rows, dtype=np.float64)
             except (TypeError, ValueError) as err:
