@@ -114,6 +114,7 @@ def step_rank(rank: int, world_size: int, cfg: BenchConfig) -> dict[str, Any]:
     step = StepBench(cfg, rank, world_size)
     out: dict[str, Any] = {"step": step.run_pairs()}
     out["direct"] = step.account_direct_costs(cfg.direct_steps)
+    out["families"] = step.account_family_costs(cfg.direct_steps)
     out["host_reads"] = step.count_host_reads()
     step.close()
     return out
@@ -403,6 +404,69 @@ class StepBench:
             del variant.metrics.microbatch
         return out
 
+    def account_family_costs(self, steps: int) -> dict[str, list[float]]:
+        """CPU seconds of each metric family's own code per on-step (``metrics.families``).
+
+        Each family's step calls (enter, leave, ``microbatch``, ``enqueue`` and the host
+        arithmetic of its ``Pending``, ``check``, ``end_export``) are timed with the process's
+        CPU clock; the router hooks go to the family whose code runs in them: router health's
+        and routing consistency's ``observe``, throughput's input hook, and the rest of the
+        collector's hooks (counting, the hook's dispatch, reading the captured logits) to the
+        expert loads. Nearly blind to other processes' load; not timed: the step timer's
+        context (throughput's ``around_step``), indirect costs (memory kept alive).
+        """
+        from nemo_moe_metrics.host_read import Pending
+
+        metrics = self.variants["on"].metrics
+        families = list(metrics._families)
+        spent = {type(f).__name__: [0.0] for f in families}
+        undo: list[Callable[[], None]] = []
+
+        def wrap(owner: Any, name: str, bucket: list[float]) -> None:
+            original = getattr(owner, name)
+            setattr(owner, name, _cpu_timed(original, bucket))
+            undo.append(lambda: delattr(owner, name))
+
+        def timed_enqueue(enqueue: Callable, bucket: list[float]) -> Callable:
+            def enqueue_timed(n: int) -> list[Any]:
+                pending = _cpu_timed(enqueue, bucket)(n)
+                return [Pending(p.tensors, _cpu_timed(p.finish, bucket), p.fence) for p in pending]
+
+            return enqueue_timed
+
+        for family in families:
+            bucket = spent[type(family).__name__]
+            for name in ("enter_step", "leave_step", "microbatch", "check", "end_export"):
+                wrap(family, name, bucket)
+            family.enqueue = timed_enqueue(family.enqueue, bucket)
+            undo.append(lambda f=family: delattr(f, "enqueue"))
+        collector = metrics._collector
+        nested = [0.0]  # health / routing observe inside the collector's hooks
+        for attr, family_name in (("health", "RouterHealth"), ("routing", "RoutingConsistency")):
+            tracker = getattr(collector, attr, None) if collector is not None else None
+            if tracker is not None and family_name in spent:
+                inner = _cpu_timed(tracker.observe, spent[family_name])
+                tracker.observe = _cpu_timed(inner, nested)
+                undo.append(lambda t=tracker: delattr(t, "observe"))
+        hooks, throughput_hooks = [0.0], spent.get("Throughput", [0.0])
+        self.hooks.enable(True)
+        restore = _wrap_package_hooks_by_owner(self.model, hooks, throughput_hooks)
+        out: dict[str, list[float]] = {name: [] for name in spent}
+        try:
+            for _ in range(steps):
+                for bucket in (*spent.values(), hooks, nested):
+                    bucket[0] = 0.0
+                self.step(self.variants["on"], self.batches())
+                if "ExpertLoads" in spent:
+                    spent["ExpertLoads"][0] += hooks[0] - nested[0]
+                for name, bucket in spent.items():
+                    out[name].append(bucket[0])
+        finally:
+            restore()
+            for fn in reversed(undo):
+                fn()
+        return out
+
     def count_host_reads(self) -> dict[str, Any]:
         """Host reads of one step of each variant, per segment (counted, not timed)."""
         from benchmarks.host_reads import HostReadCounter
@@ -447,6 +511,39 @@ def _timed(fn: Callable, acc: list[float]) -> Callable:
             acc[0] += time.perf_counter() - t0
 
     return timed
+
+
+def _cpu_timed(fn: Callable, acc: list[float]) -> Callable:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.process_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[0] += time.process_time() - t0
+
+    return timed
+
+
+def _wrap_package_hooks_by_owner(
+    model: nn.Module, collector_acc: list[float], throughput_acc: list[float]
+) -> Callable[[], None]:
+    """CPU-time the package's forward (pre-)hooks on ``model``: throughput's input hook into
+    ``throughput_acc``, every other (the collector's) into ``collector_acc``; returns undo."""
+    replaced: list[tuple[dict, int, Callable]] = []
+    for module in model.modules():
+        for hooks in (module._forward_hooks, module._forward_pre_hooks):
+            for hook_id, fn in list(hooks.items()):
+                if _is_package_hook(fn):
+                    replaced.append((hooks, hook_id, fn))
+                    owner = getattr(fn, "__qualname__", "")
+                    acc = throughput_acc if owner.startswith("Throughput.") else collector_acc
+                    hooks[hook_id] = _cpu_timed(fn, acc)
+
+    def restore() -> None:
+        for hooks, hook_id, fn in replaced:
+            hooks[hook_id] = fn
+
+    return restore
 
 
 def _wrap_package_hooks(model: nn.Module, acc: list[float]) -> tuple[Callable[[], None], int]:
