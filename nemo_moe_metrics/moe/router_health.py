@@ -63,6 +63,7 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 ) = range(11)
 SLOTS = 11
 DECISION_SLOTS = 9  # TOKENS .. BIAS_OVERLAP: what a router forward with logits adds
+_TINY = torch.finfo(torch.float32).tiny  # the logits are judged in float32
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def _group_drop(ranked: torch.Tensor, scoring: RouterScoring) -> torch.Tensor:
     grouped = ranked.reshape(ranked.shape[0], scoring.num_groups, -1)
     per_group = min(scoring.group_score_topk, grouped.shape[-1])
     group_scores = grouped.topk(per_group, dim=-1).values.sum(dim=-1)
-    chosen = group_scores.topk(scoring.group_topk, dim=-1, sorted=False).indices
+    chosen = group_scores.topk(scoring.group_topk, dim=-1, sorted=False)[1]
     drop = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, chosen, False)
     return drop.unsqueeze(-1)
 
@@ -155,7 +156,7 @@ def _rank(
     the experts outside the chosen groups at ``group_masked_score``.
     """
     if not scoring.grouped:
-        return ranked.topk(k, dim=-1).indices, selection
+        return ranked.topk(k, dim=-1)[1], selection
     drop = _group_drop(ranked, scoring)
     fill = scoring.group_masked_score
     masked = _masked(ranked, drop, fill)
@@ -165,7 +166,7 @@ def _rank(
         measured = selection
     else:
         measured = _masked(selection, drop, fill)
-    return masked.topk(k, dim=-1).indices, measured
+    return masked.topk(k, dim=-1)[1], measured
 
 
 def _scores(
@@ -189,7 +190,7 @@ def _scores(
     if bias is None:
         selection = base
     else:
-        bias = bias.detach().to(z.device, z.dtype)
+        bias = bias.to(z.device, z.dtype)  # under no_grad: no graph to detach from
         bias = bias if bias.dim() == 1 else bias.reshape(-1)  # ernie4_5_moe keeps it [1, E]
         selection = (z if scoring.bias_on_logits else base) + bias
     return p, entropy, base, selection
@@ -240,9 +241,9 @@ def _decision_table(
     is padding (the tracker caches it).
     """
     experts, k = scoring.num_experts, scoring.topk
-    z = logits.detach().reshape(-1, experts)
+    z = logits.reshape(-1, experts)  # the callers hold no_grad: no graph, no detach needed
     z = z if z.dtype == torch.float32 else z.float()
-    tokens = z.shape[0]
+    tokens, device = z.shape[0], z.device
     p, entropy, base, selection = _scores(z, scoring, bias)
     ranked = _ranked(z, base, selection, scoring, bias is not None)
     gap_defined = scoring.gap_defined
@@ -255,28 +256,28 @@ def _decision_table(
         confidence = p.gather(1, order[:, :k]).sum(dim=-1)
         edge = measured.gather(1, order[:, k - 1 : k + 1]) if gap_defined else None
     weight = (
-        ones(tokens, z.device)
+        ones(tokens, device)
         if valid is None
-        else valid.reshape(-1).to(device=z.device, dtype=z.dtype)
+        else valid.reshape(-1).to(device=device, dtype=torch.float32)
     )
     columns = [weight, confidence, entropy, torch.linalg.vecdot(z, z)]
     slots: tuple[int, ...] = (TOKENS, CONFIDENCE, ENTROPY, LOGIT_SQUARES)
     if edge is not None:
-        last_in = edge[:, 0]
-        gap = (last_in - edge[:, 1]) / last_in.abs().clamp_min(torch.finfo(z.dtype).tiny)
-        columns += [gap, (gap < near_tie_gap).to(z.dtype), weight]
+        last_in, first_out = edge.unbind(1)
+        gap = (last_in - first_out) / last_in.abs().clamp_min(_TINY)
+        columns += [gap, gap < near_tie_gap, weight]  # stack promotes the bool column
         slots += (GAP, NEAR_TIE, GAP_TOKENS)
     if bias is not None:
         unbiased_ranked = z if scoring.rank_on_logits else base
         unbiased = _rank(unbiased_ranked, unbiased_ranked, scoring, k)[0]
         shared = (order[:, :k].unsqueeze(2) == unbiased.unsqueeze(1)).any(dim=2).sum(dim=1)
-        columns += [weight, shared.to(z.dtype)]
+        columns += [weight, shared]  # stack promotes the int64 column
         slots += (BIASED_TOKENS, BIAS_OVERLAP)
     table = torch.stack(columns, dim=1)
     if valid is not None:
         table = table * weight.unsqueeze(1)
     if not tokens:
-        max_abs = torch.zeros((), dtype=z.dtype, device=z.device)
+        max_abs = torch.zeros((), dtype=torch.float32, device=device)
     elif valid is None:
         max_abs = torch.linalg.vector_norm(z, float("inf"))
     else:
@@ -374,6 +375,7 @@ class RouterHealthTracker:
         self._allocate(device)
 
     def _allocate(self, device: torch.device) -> None:
+        self._device = torch.device(device)
         self.sums = torch.zeros(len(self.layer_ids), SLOTS, dtype=torch.float64, device=device)
         self.max_abs = torch.zeros(len(self.layer_ids), dtype=torch.float64, device=device)
         self._scale = self._scale.to(device)
@@ -406,7 +408,7 @@ class RouterHealthTracker:
     ) -> None:
         """One counted router forward: its routed counts ``[E]`` and, where known, its logits."""
         row = self._row[layer_id]
-        if self.sums.device != counts.device:  # the model moved after attach
+        if counts.device != self._device:  # the model moved after attach
             self._move(counts.device)
         self._forwards[row].append(counts)
         scoring = self._scoring[layer_id]
@@ -425,12 +427,13 @@ class RouterHealthTracker:
             )
             index = self._index.get(slots)
             if index is None:
-                index = self._index[slots] = torch.tensor(slots, dtype=torch.int64).to(
-                    self.sums.device
-                )
+                index = self._index[slots] = torch.tensor(slots, dtype=torch.int64).to(self._device)
             sums, peak = self._rows[row]
-            sums.index_add_(0, index, table.sum(dim=0, dtype=torch.float64).to(sums.device))
-            peak.clamp_min_(max_abs.to(peak.device))
+            added = table.sum(dim=0, dtype=torch.float64)
+            if logits.device != self._device:  # logits on another device than the counts
+                added, max_abs = added.to(self._device), max_abs.to(self._device)
+            sums.index_add_(0, index, added)
+            peak.clamp_min_(max_abs)
 
     def _move(self, device: torch.device) -> None:
         sums, max_abs = self.sums.to(device), self.max_abs.to(device)

@@ -175,6 +175,7 @@ class RoutingTracker:
             else None
         )
         self._index: dict[torch.device, torch.Tensor] = {}
+        self._ones: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._routes: torch.Tensor | None = None
         self._routes_used = False  # a host flag: a training forward saw the routes
         # Per token of the current forward: layers with a route, layers that differ.
@@ -259,13 +260,10 @@ class RoutingTracker:
             overlap = overlap * real
             out_of_range = out_of_range & real
         differ = has_route & (overlap < self.topk)
-        # Per token [T, 4], summed once into the layer's slots (one reduction, one add).
-        columns = torch.stack([has_route, differ, overlap, out_of_range], dim=1)
-        if real is None:
-            stats[PAIRS] += num_tokens
-        else:
-            stats[PAIRS] += real.sum()
-        stats.index_add_(0, self._slot_index(stats.device), columns.sum(dim=0))
+        # Per token [T, 5], summed once into the layer's slots (one reduction, one add).
+        pairs = self._all_tokens(num_tokens, chosen.device) if real is None else real
+        columns = torch.stack([pairs, has_route, differ, overlap, out_of_range], dim=1)
+        stats.index_add_(0, self._slot_index(chosen.device), columns.sum(dim=0))
         if self.rollout_counts is not None:
             # The engine's own load: rows without a full route (-1, e.g. the last generated
             # token) and padding are left out; fixed-size scatter, no host read.
@@ -290,9 +288,20 @@ class RoutingTracker:
     def _slot_index(self, device: torch.device) -> torch.Tensor:
         index = self._index.get(device)
         if index is None:  # made once per device: a host-to-device copy
-            slots = [ROUTED, DIFFER, OVERLAP, OUT_OF_RANGE]
+            slots = [PAIRS, ROUTED, DIFFER, OVERLAP, OUT_OF_RANGE]
             index = self._index[device] = torch.tensor(slots, dtype=torch.int64).to(device)
         return index
+
+    def _all_tokens(self, tokens: int, device: torch.device) -> torch.Tensor:
+        """``[tokens]`` True (no padding known), kept per length: one op less per forward."""
+        ones = self._ones.get((tokens, device))
+        if ones is None:
+            if len(self._ones) > 64:  # varying lengths: keep the cache small
+                self._ones.clear()
+            ones = self._ones[(tokens, device)] = torch.ones(
+                tokens, dtype=torch.bool, device=device
+            )
+        return ones
 
     def _move(self, device: torch.device) -> None:
         self.stats = self.stats.to(device)
