@@ -450,7 +450,7 @@ class StepBench:
                 undo.append(lambda t=tracker: delattr(t, "observe"))
         hooks, throughput_hooks = [0.0], spent.get("Throughput", [0.0])
         self.hooks.enable(True)
-        restore = _wrap_package_hooks_by_owner(self.model, hooks, throughput_hooks)
+        restore, _ = _wrap_package_hooks(self.model, hooks, throughput_hooks, time.process_time)
         out: dict[str, list[float]] = {name: [] for name in spent}
         try:
             for _ in range(steps):
@@ -502,33 +502,33 @@ class StepBench:
         self.variants.clear()
 
 
-def _timed(fn: Callable, acc: list[float]) -> Callable:
+def _timed(
+    fn: Callable, acc: list[float], clock: Callable[[], float] = time.perf_counter
+) -> Callable:
     def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0 = clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            acc[0] += time.perf_counter() - t0
+            acc[0] += clock() - t0
 
     return timed
 
 
 def _cpu_timed(fn: Callable, acc: list[float]) -> Callable:
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.process_time()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            acc[0] += time.process_time() - t0
-
-    return timed
+    return _timed(fn, acc, time.process_time)
 
 
-def _wrap_package_hooks_by_owner(
-    model: nn.Module, collector_acc: list[float], throughput_acc: list[float]
-) -> Callable[[], None]:
-    """CPU-time the package's forward (pre-)hooks on ``model``: throughput's input hook into
-    ``throughput_acc``, every other (the collector's) into ``collector_acc``; returns undo."""
+def _wrap_package_hooks(
+    model: nn.Module,
+    acc: list[float],
+    throughput_acc: list[float] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[Callable[[], None], int]:
+    """Time every forward (pre-)hook the package registered on ``model``; (undo, hooks timed).
+
+    ``throughput_acc``: where throughput's input hook goes (default: ``acc`` with the rest).
+    """
     replaced: list[tuple[dict, int, Callable]] = []
     for module in model.modules():
         for hooks in (module._forward_hooks, module._forward_pre_hooks):
@@ -536,25 +536,10 @@ def _wrap_package_hooks_by_owner(
                 if _is_package_hook(fn):
                     replaced.append((hooks, hook_id, fn))
                     owner = getattr(fn, "__qualname__", "")
-                    acc = throughput_acc if owner.startswith("Throughput.") else collector_acc
-                    hooks[hook_id] = _cpu_timed(fn, acc)
-
-    def restore() -> None:
-        for hooks, hook_id, fn in replaced:
-            hooks[hook_id] = fn
-
-    return restore
-
-
-def _wrap_package_hooks(model: nn.Module, acc: list[float]) -> tuple[Callable[[], None], int]:
-    """Time every forward (pre-)hook the package registered on ``model``; (undo, hooks timed)."""
-    replaced: list[tuple[dict, int, Callable]] = []
-    for module in model.modules():
-        for hooks in (module._forward_hooks, module._forward_pre_hooks):
-            for hook_id, fn in list(hooks.items()):
-                if _is_package_hook(fn):
-                    replaced.append((hooks, hook_id, fn))
-                    hooks[hook_id] = _timed(fn, acc)
+                    into = acc
+                    if throughput_acc is not None and owner.startswith("Throughput."):
+                        into = throughput_acc
+                    hooks[hook_id] = _timed(fn, into, clock)
 
     def restore() -> None:
         for hooks, hook_id, fn in replaced:
