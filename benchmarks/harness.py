@@ -229,6 +229,7 @@ class StepBench:
             track_throughput=throughput,
             track_flops=throughput,
             track_router_health=moe,
+            track_routing_consistency=moe,
             log_expert_table=True,
             # No accelerator to look up on CPU; any positive peak exercises the MFU path.
             peak_flops_per_gpu=1e12 if throughput else None,
@@ -249,13 +250,17 @@ class StepBench:
         self.position_ids = torch.arange(s.seq_length).expand(s.micro_batch_size, s.seq_length)
         self.gen = torch.Generator().manual_seed(cfg.seed + rank)
 
-    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per microbatch: tokens, loss mask, and rollout routes (``[b, s, layers, top_k]``,
+        distinct random experts per token: what an engine's routed_experts look like)."""
         s = self.cfg.step
         shape = (s.micro_batch_size, s.seq_length)
+        routes_shape = (*shape, s.num_layers, s.num_experts)
         return [
             (
                 torch.randint(0, s.vocab_size, shape, generator=self.gen),
                 torch.ones(shape, dtype=torch.int64),  # loss mask: every token is real
+                torch.rand(routes_shape, generator=self.gen).argsort(dim=-1)[..., : s.topk],
             )
             for _ in range(s.num_microbatches)
         ]
@@ -264,9 +269,13 @@ class StepBench:
         def forward_step(data_iterator, model):
             if variant.counter is not None:
                 variant.counter.mark()  # a new microbatch starts here
-            tokens, loss_mask = next(data_iterator)
-            # What a policy worker does per microbatch: real lengths, on device, no sync.
-            variant.metrics.microbatch(seq_lens=loss_mask.sum(-1))
+            tokens, loss_mask, routes = next(data_iterator)
+            # What a policy worker does per microbatch: real lengths (and, with routing
+            # consistency on, the rollout's routes), on device, no sync.
+            if variant.name == "on" and self.cfg.on in ("all", "moe"):
+                variant.metrics.microbatch(seq_lens=loss_mask.sum(-1), rollout_routes=routes)
+            else:
+                variant.metrics.microbatch(seq_lens=loss_mask.sum(-1))
             output = model(tokens, self.position_ids, self.mask, labels=tokens)
 
             def loss_func(output_tensor):
@@ -373,6 +382,7 @@ class StepBench:
             "check_flops": metrics.get(mn.ESTIMATED_FLOPS, 0.0) > 0,
             "check_aux_loss": 0.5 < metrics.get("moe/load_balancing_loss", 0.0) < 4.0,
             "check_expert_bias": (mn.EXPERT_BIAS_RANGE in metrics) == s.expert_bias,
+            "check_routing": mn.ROUTING_DISAGREEMENT in metrics,
         }
 
     def account_direct_costs(self, steps: int) -> dict[str, list[float]]:

@@ -8,8 +8,9 @@
 Measures (JSON keys, targets):
 
 - ``step_overhead_ratio`` (<= 1.01): median over interleaved pairs of (step with every metric on)
-  / (step with every metric off), a megatron-core MoE GPTModel trained by megatron's schedule on
-  one gloo rank with one thread; ``details.step.family_cpu_ms_per_step`` gives the metrics' own
+  / (step with every metric off: expert loads, aux losses, per-layer keys, the expert table,
+  expert bias, router health, routing consistency with rollout routes, throughput and FLOPs), a
+  megatron-core MoE GPTModel trained by megatron's schedule on one gloo rank with one thread; ``details.step.family_cpu_ms_per_step`` gives the metrics' own
   CPU time per step by metric family (``nemo_moe_metrics.families``: expert loads with the
   collector's hooks, aux losses, expert bias, router health, throughput and FLOPs);
 - ``export_ms_40x256`` (<= 20): reduce + normalise + expert table, 40 layers x 256 experts,

@@ -190,7 +190,7 @@ def _scores(
     if bias is None:
         selection = base
     else:
-        bias = bias.to(z.device, z.dtype)  # under no_grad: no graph to detach from
+        bias = bias.detach().to(z.device, z.dtype)
         bias = bias if bias.dim() == 1 else bias.reshape(-1)  # ernie4_5_moe keeps it [1, E]
         selection = (z if scoring.bias_on_logits else base) + bias
     return p, entropy, base, selection
@@ -241,7 +241,7 @@ def _decision_table(
     is padding (the tracker caches it).
     """
     experts, k = scoring.num_experts, scoring.topk
-    z = logits.reshape(-1, experts)  # the callers hold no_grad: no graph, no detach needed
+    z = logits.detach().reshape(-1, experts)  # everything below derives from z: no graph
     z = z if z.dtype == torch.float32 else z.float()
     tokens, device = z.shape[0], z.device
     p, entropy, base, selection = _scores(z, scoring, bias)
@@ -264,7 +264,9 @@ def _decision_table(
     slots: tuple[int, ...] = (TOKENS, CONFIDENCE, ENTROPY, LOGIT_SQUARES)
     if edge is not None:
         last_in, first_out = edge.unbind(1)
-        gap = (last_in - first_out) / last_in.abs().clamp_min(_TINY)
+        # Unbiased scores are >= 0 (p, sigmoid, sqrt-softplus): |s_k| is s_k, one op less.
+        size = last_in if bias is None else last_in.abs()
+        gap = (last_in - first_out) / size.clamp_min(_TINY)
         columns += [gap, gap < near_tie_gap, weight]  # stack promotes the bool column
         slots += (GAP, NEAR_TIE, GAP_TOKENS)
     if bias is not None:
@@ -421,19 +423,19 @@ class RouterHealthTracker:
                 "its routing is described wrongly (adapters/hf_health.py): turn "
                 "track_router_health off for this model and report the model"
             )
-        with torch.no_grad():
-            table, slots, max_abs = _decision_table(
-                logits, scoring, self.near_tie_gap, bias, valid, self._ones_of
-            )
-            index = self._index.get(slots)
-            if index is None:
-                index = self._index[slots] = torch.tensor(slots, dtype=torch.int64).to(self._device)
-            sums, peak = self._rows[row]
-            added = table.sum(dim=0, dtype=torch.float64)
-            if logits.device != self._device:  # logits on another device than the counts
-                added, max_abs = added.to(self._device), max_abs.to(self._device)
-            sums.index_add_(0, index, added)
-            peak.clamp_min_(max_abs)
+        # No no_grad block: the table derives from the detached logits and bias only.
+        table, slots, max_abs = _decision_table(
+            logits, scoring, self.near_tie_gap, bias, valid, self._ones_of
+        )
+        index = self._index.get(slots)
+        if index is None:
+            index = self._index[slots] = torch.tensor(slots, dtype=torch.int64).to(self._device)
+        sums, peak = self._rows[row]
+        added = table.sum(dim=0, dtype=torch.float64)
+        if logits.device != self._device:  # logits on another device than the counts
+            added, max_abs = added.to(self._device), max_abs.to(self._device)
+        sums.index_add_(0, index, added)
+        peak.clamp_min_(max_abs)
 
     def _move(self, device: torch.device) -> None:
         sums, max_abs = self.sums.to(device), self.max_abs.to(device)
