@@ -8,14 +8,13 @@ from typing import Any
 
 from nemo_moe_metrics.flops import deepseek, hf_defaults, hf_dense, hf_moe, megatron, qwen_hybrid
 from nemo_moe_metrics.flops.core import FlopsEstimator
+from nemo_moe_metrics.flops.errors import NotInTransformersError, UnknownModelTypeError
+from nemo_moe_metrics.flops.torchtitan import torchtitan_flops_estimator
+from nemo_moe_metrics.moe.torchtitan import is_torchtitan_config
 
 Factory = Callable[[Mapping[str, Any]], FlopsEstimator]
 
 _REGISTRY: dict[str, Factory] = {}
-
-
-class UnknownModelTypeError(ValueError):
-    """No FLOP formula is registered for the config's model_type."""
 
 
 def register_flops_estimator(model_type: str, factory: Factory) -> None:
@@ -120,11 +119,7 @@ def get_flops_estimator(
     costed, not the encoders) built on the meta device (no memory, well under a second even
     for 671B parameters).
     """
-    from nemo_moe_metrics.moe.torchtitan import is_torchtitan_config
-
     if is_torchtitan_config(config):  # read layer by layer, not through a config dict
-        from nemo_moe_metrics.flops.torchtitan import torchtitan_flops_estimator
-
         return torchtitan_flops_estimator(config, vocab_size=vocab_size)
     data = normalise_config(config, vocab_size=vocab_size)
     model_type = data.get("model_type")
@@ -146,6 +141,7 @@ def _from_transformers_modules(
 ) -> FlopsEstimator:
     """The estimate read from a transformers model's modules: ``model``, else a meta skeleton."""
     try:
+        # Imported here: reading modules needs torch, the formulas above do not.
         from nemo_moe_metrics.flops import hf_modules
     except ImportError as err:  # no torch: only the formulas are available
         raise _unknown(model_type) from err
@@ -157,7 +153,7 @@ def _from_transformers_modules(
     try:
         hf_config = hf_modules.transformers_config(config)
         return hf_modules.estimator_from_config(hf_config, vocab_size=vocab_size)
-    except (hf_modules.NotInTransformersError, ImportError) as err:
+    except (NotInTransformersError, ImportError) as err:
         raise _unknown(model_type) from err
     except UnknownModelTypeError:
         raise
