@@ -22,7 +22,7 @@ from torch import nn  # noqa: E402
 
 from nemo_moe_metrics import metric_names as mn  # noqa: E402
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig  # noqa: E402
-from nemo_moe_metrics.moe.timeline import DeadStreaks  # noqa: E402
+from nemo_moe_metrics.moe.load_over_steps import DeadStreaks  # noqa: E402
 from nemo_moe_metrics.report import HEATMAP_FILE, OVER_STEPS_FILE, render_report  # noqa: E402
 from nemo_moe_metrics.report.timeline import prepare_block  # noqa: E402
 from nemo_moe_metrics.sinks import build_sinks  # noqa: E402

@@ -48,7 +48,7 @@ import numpy as np
 
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import AlertsConfig
-from nemo_moe_metrics.moe.timeline import DeadStreaks, Drift
+from nemo_moe_metrics.moe.load_over_steps import DeadStreaks, Drift
 from nemo_moe_metrics.sinks.jsonl import ALERTS_FIELD  # the reserved field of a JSONL line
 
 log = logging.getLogger("nemo_moe_metrics.alerts")

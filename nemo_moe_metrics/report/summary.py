@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.moe.timeline import Streak, real_experts
+from nemo_moe_metrics.moe.load_over_steps import Streak, real_experts
+from nemo_moe_metrics.report.expert_counts import jsonl_table_counts, store_blocks, store_has_steps
 from nemo_moe_metrics.report.pictures import (
     DRIFT_FILE,
     HEATMAP_FILE,
@@ -33,13 +34,10 @@ from nemo_moe_metrics.report.reading import (
     Window,
     alert_records,
     experts_text,
-    jsonl_table_counts,
     last_values,
     layer_key_series,
     run_info,
     scan_jsonl,
-    store_blocks,
-    store_has_steps,
     window_text,
 )
 from nemo_moe_metrics.report.timeline import Timeline
@@ -247,7 +245,7 @@ def render_report(
 
     bias = bias_report_lines(run, path, lines_, out_dir)  # [] without an expert bias
     out += bias
-    from nemo_moe_metrics.report.router_health import router_health_report_lines
+    from nemo_moe_metrics.report.router_health_section import router_health_report_lines
 
     out += router_health_report_lines(run, path, lines_, out_dir, draw)  # [] without the flag
     if aux:
