@@ -14,6 +14,8 @@ from typing import Any, ClassVar, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from nemo_moe_metrics.layer_pattern import hybrid_layer_symbols, moe_layer_flags
+
 
 class ConfigError(ValueError):
     """A recipe or override that cannot be used; the message names the key and the fix."""
@@ -228,16 +230,12 @@ class ModelConfig(StrictModel):
     @classmethod
     def _check_pattern(cls, pattern: str | None) -> str | None:
         if pattern is not None:
-            from nemo_moe_metrics.megatron.compat import hybrid_layer_symbols
-
             hybrid_layer_symbols(pattern)  # a bad symbol is reported at this field's path
         return pattern
 
     @model_validator(mode="after")
     def _check_shape(self) -> ModelConfig:
         if self.hybrid_layer_pattern is not None:
-            from nemo_moe_metrics.megatron.compat import hybrid_layer_symbols
-
             symbols = hybrid_layer_symbols(self.hybrid_layer_pattern)
             if len(symbols) != self.num_layers:
                 raise ValueError(
@@ -286,13 +284,7 @@ class ModelConfig(StrictModel):
         """One 0/1 entry per layer, 1 where the layer is MoE."""
         if not self.num_experts:
             return [0] * self.num_layers
-        if self.hybrid_layer_pattern is not None:
-            from nemo_moe_metrics.megatron.compat import MOE_SYMBOL, hybrid_layer_symbols
-
-            return [int(s == MOE_SYMBOL) for s in hybrid_layer_symbols(self.hybrid_layer_pattern)]
-        if isinstance(self.moe_layer_freq, list):
-            return list(self.moe_layer_freq)
-        return [1 if i % self.moe_layer_freq == 0 else 0 for i in range(self.num_layers)]
+        return moe_layer_flags(self.num_layers, self.moe_layer_freq, self.hybrid_layer_pattern)
 
 
 class PolicyConfig(StrictModel):

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_moe_metrics.host_read import Pending, done, read_once
+from nemo_moe_metrics.layer_pattern import config_moe_layer_flags
 from nemo_moe_metrics.metric_names import (
     AUX_LOSS_TRACKER_NAMES,
     Z_LOSS,
@@ -90,38 +91,6 @@ def tracked_aux_loss_names(config: Any) -> list[str]:
     return names
 
 
-def _moe_layer_pattern(config: Any) -> list[int]:
-    """One 0/1 entry per decoder layer: from the hybrid layer pattern (``E`` = MoE) when the
-    config carries one, else from ``moe_layer_freq`` as megatron-core's GPT decoder reads it."""
-    from nemo_moe_metrics.megatron.compat import MOE_SYMBOL, config_hybrid_symbols
-
-    symbols = config_hybrid_symbols(config)
-    if symbols is not None:
-        if len(symbols) != config.num_layers:
-            raise ValueError(
-                f"the hybrid layer pattern has {len(symbols)} layers but num_layers is "
-                f"{config.num_layers}; pass the model's own config"
-            )
-        return [1 if s == MOE_SYMBOL else 0 for s in symbols]
-    num_layers = config.num_layers
-    freq = config.moe_layer_freq
-    if isinstance(freq, bool) or not isinstance(freq, (int, list, tuple)):
-        raise ValueError(
-            f"moe_layer_freq={freq!r} is neither an int nor a list of 0/1 per layer; "
-            "pass e.g. 1 (every layer MoE), 2 (every other layer) or [0, 1, 1, 1]"
-        )
-    if isinstance(freq, int):
-        if freq < 1:
-            raise ValueError(f"moe_layer_freq={freq} must be >= 1 (1 = every layer is MoE)")
-        return [1 if i % freq == 0 else 0 for i in range(num_layers)]
-    if len(freq) != num_layers:
-        raise ValueError(
-            f"moe_layer_freq has {len(freq)} entries but num_layers is {num_layers}; "
-            "give one 0/1 entry per decoder layer"
-        )
-    return [int(v) for v in freq]
-
-
 def tracker_length(config: Any) -> int:
     """Length of megatron's tracker vectors: decoder layers plus multi-token-prediction layers."""
     return config.num_layers + (getattr(config, "mtp_num_layers", None) or 0)
@@ -135,7 +104,7 @@ def moe_layer_indices(config: Any) -> list[int]:
     """
     if not getattr(config, "num_moe_experts", None):
         return []
-    pattern = _moe_layer_pattern(config)
+    pattern = config_moe_layer_flags(config)
     layers = [i for i, is_moe in enumerate(pattern) if is_moe]
     mtp = getattr(config, "mtp_num_layers", None) or 0
     if mtp and pattern and pattern[-1]:
