@@ -412,7 +412,7 @@ def test_dead_streaks_skip_padding_and_blocks_equal_single_steps():
 
 def test_alerts_judge_each_layer_by_its_own_experts():
     from nemo_moe_metrics.config import AlertsConfig
-    from nemo_moe_metrics.moe.alerts import AlertMonitor
+    from nemo_moe_metrics.sinks.alerts import AlertMonitor
 
     off = dict(drift=None, dropped_fraction=None, routing_disagreement=None)
     monitor = AlertMonitor(AlertsConfig(enabled=True, max_over_ideal=1.5, dead_steps=1, **off))

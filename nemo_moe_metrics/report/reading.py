@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.sinks.alerts import recorded_alerts
 
 METRICS_FILE = "metrics.jsonl"
 RUN_FILE = "run.json"
@@ -198,8 +199,6 @@ def last_values(path: Path, lines: list[Line], keys: list[str]) -> dict[str, flo
 
 def alert_records(path: Path, lines: list[Line]) -> list[tuple[int, list[dict[str, Any]]]]:
     """``(step, alert records)`` of the lines that recorded alerts (the JSONL's ``"alerts"``)."""
-    from nemo_moe_metrics.moe.alerts import recorded_alerts
-
     out = []
     with path.open("rb") as f:
         for line in lines:
