@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.host_read import Pending, read_once
+from nemo_moe_metrics.host_read import Pending, collective_device, read_once
 
 # lengths_from_*: public here too (docs/en/throughput.md, docs/en/integration.md).
 from nemo_moe_metrics.sequence_lengths import (
@@ -524,14 +524,7 @@ class StepMeter:
         return 1
 
     def _collective_device(self, group: Any) -> torch.device:
-        backend = str(dist.get_backend(group))
-        if backend == "gloo":
-            return torch.device("cpu")
-        if self._device is not None and self._device.type == "cuda":
-            return self._device
-        if "nccl" in backend:
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return collective_device(group, self._device)
 
 
 class _InputPositions:

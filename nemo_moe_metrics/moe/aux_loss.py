@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from nemo_moe_metrics.host_read import Pending, done, read_once
 from nemo_moe_metrics.layer_pattern import config_moe_layer_flags
+from nemo_moe_metrics.megatron import compat
 from nemo_moe_metrics.metric_names import (
     AUX_LOSS_TRACKER_NAMES,
     Z_LOSS,
@@ -125,8 +126,6 @@ def local_aux_loss_values(config: Any, names: Sequence[str]) -> torch.Tensor:
     Names this rank never recorded (a stage without MoE layers, no forward yet) are zeros, so
     every rank brings the same shape to the collectives. Megatron's tracker is not modified.
     """
-    from nemo_moe_metrics.megatron import compat
-
     length = tracker_length(config)
     tracker = compat.tracker_values()
     rows = []
@@ -267,7 +266,8 @@ def summarize_aux_losses(
     return metrics
 
 
-def _check_num_microbatches(num_microbatches: Any) -> int:
+def check_num_microbatches(num_microbatches: Any) -> int:
+    """``num_microbatches`` when it is an int >= 1; a TypeError or ValueError naming the fix."""
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
         raise TypeError(
             f"num_microbatches must be an int (microbatches run in this optimizer step), "
@@ -283,22 +283,16 @@ def _check_num_microbatches(num_microbatches: Any) -> int:
 
 def clear_aux_loss_tracker() -> None:
     """Zero megatron's layer-wise aux-loss tracker (every name), as megatron-core does per step."""
-    from nemo_moe_metrics.megatron import compat
-
     compat.clear_tracker()
 
 
 def tracker_snapshot() -> dict[str, torch.Tensor]:
     """Device copies of megatron's tracker vectors, by name (no host read)."""
-    from nemo_moe_metrics.megatron import compat
-
     return {name: values.detach().clone() for name, values in compat.tracker_values().items()}
 
 
 def restore_tracker(snapshot: Mapping[str, torch.Tensor]) -> None:
     """Put megatron's tracker back to ``snapshot`` in place; names recorded since are zeroed."""
-    from nemo_moe_metrics.megatron import compat
-
     for name, values in compat.tracker_values().items():
         before = snapshot.get(name)
         if before is None or before.shape != values.shape:
@@ -350,7 +344,7 @@ def enqueue_aux_loss_metrics(
     and groups (:func:`nemo_moe_metrics.megatron.compat.reduce_like_megatron`), so the values
     equal that report's in the same step on every rank that logs.
     """
-    _check_num_microbatches(num_microbatches)
+    check_num_microbatches(num_microbatches)
     if tracker not in ("own", "shared"):
         raise ValueError(f"tracker must be 'own' or 'shared', got {tracker!r}")
     own = tracker == "own"
@@ -366,8 +360,6 @@ def enqueue_aux_loss_metrics(
     if own:
         reduce_aux_losses(values, names, pg_collection=pg_collection)
     else:
-        from nemo_moe_metrics.megatron import compat
-
         compat.reduce_like_megatron(values, names, pg_collection)
 
     def finish(host: list[np.ndarray]) -> dict[str, float]:
