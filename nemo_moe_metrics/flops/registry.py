@@ -1,4 +1,11 @@
-"""model_type -> estimator factory, and config normalisation (HF object, config.json, megatron)."""
+"""The FLOP estimator registry and its dispatch.
+
+``model_type`` -> estimator factory (the registered formulas, and ``register_flops_estimator``
+for a user's own), config normalisation (a transformers config, a config.json dict, a
+megatron-core ``TransformerConfig``), and :func:`get_flops_estimator`'s choice: a torchtitan
+config read layer by layer, else a registered formula, else the transformers model's modules
+(:mod:`nemo_moe_metrics.flops.hf_modules`).
+"""
 
 from __future__ import annotations
 

@@ -383,10 +383,12 @@ class RoutingReducer:
                 per_layer=per_layer,
             )
             if experts:
-                from nemo_moe_metrics.moe.router_health import rollout_balance_metrics
-
                 counts = values[tail_end:-1].reshape(n_layers, experts)
-                out.update(rollout_balance_metrics(self.moe_layers, counts, per_layer=per_layer))
+                out.update(
+                    router_health.rollout_balance_metrics(
+                        self.moe_layers, counts, per_layer=per_layer
+                    )
+                )
             return out
 
         return Pending((payload,), finish)

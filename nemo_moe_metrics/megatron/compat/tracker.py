@@ -227,6 +227,7 @@ def megatron_report(
     else:
         from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
+        # Imported here, as torch is: the shims import torch, the adapter's import does not.
         from nemo_moe_metrics.megatron.cpu_shims import cpu_device_mode
 
         # 0.16 force-initialises missing names with device="cuda" (rewritten to the CPU here;
