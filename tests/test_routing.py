@@ -26,6 +26,8 @@ from nemo_moe_metrics.report import ROUTING_DISAGREEMENT_FILE, render_report
 from nemo_moe_metrics.sinks import build_sinks
 from nemo_moe_metrics.sinks.alerts import AlertMonitor
 
+pytestmark = pytest.mark.megatron
+
 E = 8
 
 
