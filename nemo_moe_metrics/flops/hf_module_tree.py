@@ -15,20 +15,12 @@ from typing import Any
 
 import torch
 
-from nemo_moe_metrics.adapters.hf_fields import is_experts_module
+from nemo_moe_metrics.adapters.hf_fields import EXPERT_COUNT_FIELDS, TOPK_FIELDS, is_experts_module
 from nemo_moe_metrics.flops.errors import UnsupportedModelError
 
-TOP_K_FIELDS = (
-    "top_k",
-    "num_experts_per_tok",
-    "experts_per_token",
-    "num_experts_per_token",
-    "moe_topk",
-    "moe_k",
-    "top_k_experts",
-    "moe_top_k",
-)
-NUM_EXPERTS_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# A module's own attribute first (routers and MoE blocks keep `top_k`), then the config fields.
+TOP_K_FIELDS = ("top_k", *TOPK_FIELDS)
+NUM_EXPERTS_FIELDS = EXPERT_COUNT_FIELDS
 ROUTER_CLASS_WORDS = ("Router", "Gating", "TopkGate")
 ROUTER_NAMES = ("gate", "router", "router_gate")
 # Parameters with two or more dimensions that are not matmul weights (added, gathered, or
