@@ -106,6 +106,33 @@ def indices_to_map(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
     return out[:, :num_experts]
 
 
+def route_checks(routes: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(is a route, holds an out-of-range id)``, bool ``[...]``, of rollout rows ``[..., k]``.
+
+    A row is a route when its ``k`` ids are distinct and in ``[0, num_experts)``; an id below
+    ``-1`` or at least ``num_experts`` is out of range (``-1`` marks no route). Elementwise
+    over the rows: one call checks every layer of a microbatch's ``[T, layers, k]`` routes.
+    """
+    k = routes.shape[-1]
+    below = routes < num_experts
+    valid = ((routes >= 0) & below).all(dim=-1)
+    # k distinct ids: no pair equal (k (k - 1) / 2 row-sized compares, no [..., k, k] tensor).
+    for i in range(k - 1):
+        valid &= ~(routes[..., i + 1 :] == routes[..., i : i + 1]).any(dim=-1)
+    out_of_range = ((routes < -1) | ~below).any(dim=-1)
+    return valid, out_of_range
+
+
+def _overlap(rollout: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``|rollout set & chosen set|`` per token (meaningful where the rollout row is a route)."""
+    # An out-of-range row is no route whatever its clamped ids say.
+    safe = rollout.clamp(0, num_experts - 1)
+    if chosen.dtype == torch.bool:
+        return chosen.gather(1, safe).sum(dim=1)
+    # ids: membership of each rollout id among the router's ([T, k, k'], no [T, E] map)
+    return (safe.unsqueeze(2) == chosen.unsqueeze(1)).any(dim=2).sum(dim=1)
+
+
 def compare(
     rollout: torch.Tensor, chosen: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,23 +143,8 @@ def compare(
     directly, no map built; ids outside ``[0, E)`` match nothing). A row with a repeated expert
     id is not a route either (a set of k).
     """
-    return _compare(rollout, chosen, num_experts, (rollout >= 0) & (rollout < num_experts))
-
-
-def _compare(
-    rollout: torch.Tensor, chosen: torch.Tensor, num_experts: int, in_range: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    k = rollout.shape[1]
-    # A row with an id out of range is no route whatever the clamped ids say.
-    safe = rollout.clamp(0, num_experts - 1)
-    # k distinct ids: each id equals only itself among the row's k ([T, k, k], k is small).
-    distinct = (safe.unsqueeze(2) == safe.unsqueeze(1)).sum(dim=(1, 2)) == k
-    valid = in_range.all(dim=1) & distinct
-    if chosen.dtype == torch.bool:
-        overlap = chosen.gather(1, safe).sum(dim=1)
-    else:  # ids: membership of each rollout id among the router's ([T, k, k'], no [T, E] map)
-        overlap = (safe.unsqueeze(2) == chosen.unsqueeze(1)).any(dim=2).sum(dim=1)
-    return valid, overlap * valid
+    valid, _ = route_checks(rollout, num_experts)
+    return valid, _overlap(rollout, chosen, num_experts) * valid
 
 
 class RoutingTracker:
@@ -175,6 +187,10 @@ class RoutingTracker:
             else None
         )
         self._index: dict[torch.device, torch.Tensor] = {}
+        experts = set(num_experts)
+        self._uniform_experts = experts.pop() if len(experts) == 1 else None
+        # The current microbatch's routes split by layer, checked: (rollout, route, bad id).
+        self._checked: tuple[tuple[torch.Tensor, ...], ...] | None = None
         self._ones: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._routes: torch.Tensor | None = None
         self._routes_used = False  # a host flag: a training forward saw the routes
@@ -198,13 +214,14 @@ class RoutingTracker:
             if routes.device != self.stats.device:
                 routes = routes.to(self.stats.device, non_blocking=True)
         self._routes = routes
+        self._checked = None
         self._routes_used = False
 
     def _check_routes_used(self) -> None:
         # Counted, not raised: the export raises on every rank together (no rank left waiting
         # in a collective), from the summed count.
         if self._routes is not None and not self._routes_used:
-            self._routes = None
+            self._routes = self._checked = None
             self.tokens[UNUSED_ROUTES] += 1  # a device op with a host number: no sync
 
     def fold(self) -> None:
@@ -249,12 +266,9 @@ class RoutingTracker:
                 "for exactly the microbatch's tokens (padding included, as -1)"
             )
         self._routes_used = True
-        rollout = self._routes[:, self._axis[layer_id]]
+        rollout, has_route, out_of_range = self._layer_routes(layer_id)
         experts = self._experts[layer_id]
-        above = rollout >= 0
-        below = rollout < experts
-        has_route, overlap = _compare(rollout, chosen, experts, above & below)
-        out_of_range = ((rollout < -1) | ~below).any(dim=1)
+        overlap = _overlap(rollout, chosen, experts) * has_route
         if real is not None:
             has_route = has_route & real
             overlap = overlap * real
@@ -267,7 +281,7 @@ class RoutingTracker:
         if self.rollout_counts is not None:
             # The engine's own load: rows without a full route (-1, e.g. the last generated
             # token) and padding are left out; fixed-size scatter, no host read.
-            ids = torch.where(above & below, rollout, 0)
+            ids = torch.where((rollout >= 0) & (rollout < experts), rollout, 0)
             taken = has_route.unsqueeze(1).expand_as(ids).to(torch.int64)
             self.rollout_counts[row].scatter_add_(0, ids.reshape(-1), taken.reshape(-1))
         if replay:
@@ -284,6 +298,22 @@ class RoutingTracker:
         assert self._differ_layers is not None
         self._routed_layers += has_route
         self._differ_layers += differ
+
+    def _layer_routes(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(rollout [T, k], is a route [T], out of range [T])`` of one layer this microbatch.
+
+        Checked for every layer at the microbatch's first forward when the layers have one
+        expert count (a few calls over ``[T, layers, k]`` instead of a dozen per layer)."""
+        assert self._routes is not None
+        axis = self._axis[layer_id]
+        if self._uniform_experts is None:
+            rollout = self._routes[:, axis]
+            return rollout, *route_checks(rollout, self._experts[layer_id])
+        if self._checked is None:
+            valid, out_of_range = route_checks(self._routes, self._uniform_experts)
+            self._checked = (self._routes.unbind(1), valid.unbind(1), out_of_range.unbind(1))
+        rollouts, valid_rows, out_rows = self._checked
+        return rollouts[axis], valid_rows[axis], out_rows[axis]
 
     def _slot_index(self, device: torch.device) -> torch.Tensor:
         index = self._index.get(device)
@@ -310,6 +340,7 @@ class RoutingTracker:
             self.rollout_counts = self.rollout_counts.to(device)
         if self._routes is not None:
             self._routes = self._routes.to(device)
+            self._checked = None
 
     # -- step boundary ---------------------------------------------------------------------
     def local_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,7 +355,7 @@ class RoutingTracker:
         self.tokens.zero_()
         if self.rollout_counts is not None:
             self.rollout_counts.zero_()
-        self._routes = None
+        self._routes = self._checked = None
         self._routes_used = False
         self._routed_layers = self._differ_layers = None
 
