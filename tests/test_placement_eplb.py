@@ -95,9 +95,7 @@ def test_gpu_loads_split_a_replicated_expert_evenly_by_hand():
     loads = gpu_loads(np.array([[6, 2, 2, 2]]), np.array([[0, 1, 0, 2, 3, 0]]), 2)
     assert loads.tolist() == [[6.0, 6.0]]
     # Contiguous [0, 1 | 2, 3]: 8 and 4, balancedness 6 / 8.
-    assert balancedness(gpu_loads(np.array([[6, 2, 2, 2]]), np.array([[0, 1, 2, 3]]), 2)) == [
-        0.75
-    ]
+    assert balancedness(gpu_loads(np.array([[6, 2, 2, 2]]), np.array([[0, 1, 2, 3]]), 2)) == [0.75]
 
 
 def test_sweep_is_monotone_in_r_and_never_below_eplb():

@@ -157,8 +157,10 @@ class PlacementPlan:
 
     @property
     def policy(self) -> str:
-        """``hierarchical`` or ``global``, as the reference decides."""
-        return "hierarchical" if uses_hierarchical_policy(self.groups, self.nodes) else "global"
+        """``hierarchical`` or ``global``, as the reference decides (one group on one node is
+        the global policy: the hierarchical one computes exactly that there)."""
+        hierarchical = uses_hierarchical_policy(self.groups, self.nodes)
+        return "hierarchical" if hierarchical and (self.groups, self.nodes) != (1, 1) else "global"
 
     @property
     def balancedness_before(self) -> np.ndarray:

@@ -19,6 +19,8 @@ from typing import Any
 from nemo_moe_metrics.sinks.store_format import (
     FILE_HEADER_SIZE,
     FORMAT_VERSION,
+    PHASE_FILES,
+    ROLLOUT_STORE_FILE,
     STORE_FILE,
     Gap,
     RecordHeader,
@@ -45,6 +47,8 @@ from nemo_moe_metrics.sinks.store_writer import (
 __all__ = [
     "FILE_HEADER_SIZE",
     "FORMAT_VERSION",
+    "PHASE_FILES",
+    "ROLLOUT_STORE_FILE",
     "STORE_FILE",
     "ExpertLoadSink",
     "ExpertLoadStore",

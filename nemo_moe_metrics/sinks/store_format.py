@@ -52,6 +52,11 @@ from typing import Any
 import numpy as np
 
 STORE_FILE = "expert_loads.bin"
+#: The rollout engine's own expert loads: a second store of the same format beside training's
+#: (runs written before it have none; readers of a run without it see no rollout phase).
+ROLLOUT_STORE_FILE = "rollout_expert_loads.bin"
+#: Which file holds each phase's loads.
+PHASE_FILES = {"train": STORE_FILE, "rollout": ROLLOUT_STORE_FILE}
 #: The record version this code writes (1: the first format, still read).
 FORMAT_VERSION = 2
 
@@ -78,9 +83,12 @@ class StoreError(ValueError):
     """The file is not an expert-load store, or the data given to it cannot be stored."""
 
 
-def store_path(run_dir: Path) -> Path:
-    """Where a run directory keeps its expert-load store (beside ``metrics.jsonl``)."""
-    return Path(run_dir) / STORE_FILE
+def store_path(run_dir: Path, phase: str = "train") -> Path:
+    """Where a run directory keeps a phase's expert-load store (beside ``metrics.jsonl``):
+    ``train`` (the training forwards) or ``rollout`` (what the rollout engine served)."""
+    if phase not in PHASE_FILES:
+        raise StoreError(f"phase must be one of {sorted(PHASE_FILES)}, got {phase!r}")
+    return Path(run_dir) / PHASE_FILES[phase]
 
 
 @dataclass(frozen=True)
