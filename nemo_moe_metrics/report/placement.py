@@ -73,17 +73,18 @@ def _draw_sweeps(path: Path, panels: list[tuple[str, list[SweepRow], np.ndarray]
 
 
 def _last_steps(run_dir: Path, phase: str) -> WindowLoads | None:
+    """The last stored steps of ``phase``; None without any (an unreadable store is the rest
+    of the report's to name)."""
     path = store_path(run_dir, phase)
     if not path.is_file():
         return None
-    with path.open("rb") as f:
-        steps = scan_store(f).steps
-    if not steps:
-        return None
-    first = sorted(steps)[-REPORT_STEPS:][0]
     try:
-        return window_loads(run_dir, phase, first, None)
-    except ValueError:
+        with path.open("rb") as f:
+            steps = scan_store(f).steps
+        if not steps:
+            return None
+        return window_loads(run_dir, phase, sorted(steps)[-REPORT_STEPS:][0], None)
+    except (ValueError, OSError):
         return None
 
 
