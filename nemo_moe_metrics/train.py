@@ -19,10 +19,10 @@ import torch
 from nemo_moe_metrics import processes
 from nemo_moe_metrics.config import ConfigError, Recipe, dump_recipe, load_recipe
 from nemo_moe_metrics.failures import record_failure
+from nemo_moe_metrics.metrics import PolicyMetrics
 from nemo_moe_metrics.preflight import preflight
 from nemo_moe_metrics.run_dir import TOKEN_ENV, RunDirLock
 from nemo_moe_metrics.sinks import ResumeState, build_sinks, prepare_resume
-from nemo_moe_metrics.worker import PolicyMetrics
 
 
 def make_hooks(recipe: Recipe) -> PolicyMetrics | None:
