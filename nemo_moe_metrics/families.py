@@ -31,10 +31,12 @@ from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import MetricsConfig
 from nemo_moe_metrics.host_read import Pending, done
 from nemo_moe_metrics.moe import aux_loss
+from nemo_moe_metrics.moe.balance import ExpertLoads as BalanceLoads
 from nemo_moe_metrics.moe.balance import expert_load_metrics
 from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 from nemo_moe_metrics.moe.expert_bias import ExpertBiasTracker, split_layer_keys
 from nemo_moe_metrics.moe.hf_aux_loss import HFAuxLossAccumulator, enqueue_hf_aux_loss_metrics
+from nemo_moe_metrics.moe.imbalance_cost import busiest_rank_share
 from nemo_moe_metrics.moe.reduction import (
     ExpertLoadReducer,
     RouterHealthReducer,
@@ -98,6 +100,7 @@ class ExpertLoads(MetricFamily):
         self.reducer = reducer
         self.cfg = cfg
         self.ep_size = ep_size
+        self.busiest_share: float | None = None  # of the last export (None: no work)
         if collector is not None:
             collector.counting = False  # only inside step()
 
@@ -115,18 +118,23 @@ class ExpertLoads(MetricFamily):
             self.collector.reset()
 
     def enqueue(self, num_microbatches: int) -> list[Pending[dict[str, Any]]]:
-        cfg = self.cfg
         loads = self.reducer.enqueue(self.collector)
-        return [
-            loads.then(
-                lambda result: expert_load_metrics(
-                    result,
-                    per_layer=cfg.moe_per_layer_logging,
-                    table=cfg.log_expert_table,
-                    ep_size=self.ep_size,
-                )
-            )
-        ]
+        return [loads.then(self._metrics)]
+
+    def _metrics(self, result: BalanceLoads) -> dict[str, Any]:
+        widths = [result.experts_of(i) for i in range(len(result.layer_ids))]
+        # The busiest EP rank's share of the step's work, for expert_imbalance_slowdown.
+        self.busiest_share = (
+            busiest_rank_share(result.executed_counts, self.ep_size, widths)
+            if len(result.layer_ids)
+            else None
+        )
+        return expert_load_metrics(
+            result,
+            per_layer=self.cfg.moe_per_layer_logging,
+            table=self.cfg.log_expert_table,
+            ep_size=self.ep_size,
+        )
 
     def detach(self) -> None:
         if self.collector is not None:

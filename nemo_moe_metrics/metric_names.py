@@ -180,6 +180,8 @@ ESTIMATED_FLOPS_PER_SECOND = "train_perf/estimated_flops_per_second"
 CUMULATIVE_ESTIMATED_FLOPS_PER_SECOND = "train_perf/cumulative_estimated_flops_per_second"
 TFLOPS_PER_GPU = "train_perf/tflops_per_gpu"
 MFU = "train_perf/mfu"
+#: Estimated step time with this step's expert loads over the time with balanced loads.
+EXPERT_IMBALANCE_SLOWDOWN = "train_perf/expert_imbalance_slowdown"
 
 THROUGHPUT_KEYS = (
     TOKENS,
@@ -217,7 +219,7 @@ def documented_key_patterns() -> list[str]:
     keys += [f"{MOE_PREFIX}{{name}}_layer_{{i}}"]
     keys += [*BALANCE_SUMMARY_KEYS, ZERO_EXPERT_FRACTION]
     keys += [f"{MOE_PREFIX}layer_{{i}}/{stat}" for stat in LAYER_STATS + OPTIONAL_LAYER_STATS]
-    keys += [ALERTS, EXPERT_LOADS, *THROUGHPUT_KEYS, *FLOPS_KEYS]
+    keys += [ALERTS, EXPERT_LOADS, *THROUGHPUT_KEYS, *FLOPS_KEYS, EXPERT_IMBALANCE_SLOWDOWN]
     keys += [*EXPERT_BIAS_KEYS, *(f"{MOE_PREFIX}layer_{{i}}/{s}" for s in BIAS_LAYER_STATS)]
     keys += [*ROUTING_KEYS, *(f"{MOE_PREFIX}layer_{{i}}/{s}" for s in ROUTING_LAYER_STATS)]
     keys += [*ROUTER_HEALTH_KEYS]
