@@ -162,7 +162,9 @@ def _cmd_placement(args: argparse.Namespace) -> int:
     if rows is not None:
         print(sweep_text(rows, loads.layer_ids))
         picture = (args.out.parent if args.out else Path(args.run_dir)) / SWEEP_FILE
-        print(draw_sweep(picture, rows, loads.layer_ids, f"{args.phase} loads, G={args.ep_size}"))
+        title = f"{args.phase} loads, G={args.ep_size}"
+        today = float(plan.balancedness_before.mean())
+        print(draw_sweep(picture, rows, loads.layer_ids, title, today))
     if args.out is not None:
         data = plan.to_json()
         if rows is not None:

@@ -13,14 +13,23 @@ Both read the last :data:`REPORT_STEPS` stored steps of each phase.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 
+from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.extras import missing_extra_message, missing_modules
 from nemo_moe_metrics.placement.loads import WindowLoads, window_loads
-from nemo_moe_metrics.placement.plan import SweepRow, sweep
+from nemo_moe_metrics.placement.plan import (
+    SweepRow,
+    balancedness,
+    contiguous_placement,
+    gpu_loads,
+    sweep,
+)
 from nemo_moe_metrics.report.pictures import save_figure
+from nemo_moe_metrics.report.reading import RUN_FILE, Line, last_values
 from nemo_moe_metrics.sinks.store import scan_store, store_path
 
 __all__ = [
@@ -43,12 +52,19 @@ def _ep_size(experts: int) -> int:
     return max(g for g in range(1, REPORT_EP_SIZE + 1) if experts % g == 0)
 
 
-def draw_sweep(path: Path, rows: list[SweepRow], layer_ids: np.ndarray, title: str) -> str:
-    """Balancedness vs R, a line per layer; returns the summary line (written or skipped)."""
-    return _draw_sweeps(path, [(title, rows, layer_ids)])
+#: One panel: title, sweep rows, layer ids, today's (contiguous) mean balancedness.
+Panel = tuple[str, list[SweepRow], np.ndarray, float]
 
 
-def _draw_sweeps(path: Path, panels: list[tuple[str, list[SweepRow], np.ndarray]]) -> str:
+def draw_sweep(
+    path: Path, rows: list[SweepRow], layer_ids: np.ndarray, title: str, today: float
+) -> str:
+    """Balancedness vs R, a line per layer, today's contiguous placement dashed; returns the
+    summary line (written, or skipped without matplotlib)."""
+    return _draw_sweeps(path, [(title, rows, layer_ids, today)])
+
+
+def _draw_sweeps(path: Path, panels: list[Panel]) -> str:
     missing = missing_modules("report")
     if missing:
         return f"{path.name} skipped: " + missing_extra_message(missing[0], "report", "drawing it")
@@ -56,12 +72,13 @@ def _draw_sweeps(path: Path, panels: list[tuple[str, list[SweepRow], np.ndarray]
 
     fig = Figure(figsize=(6 * len(panels), 4), layout="constrained")
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
-    for ax, (title, rows, layer_ids) in zip(axes, panels, strict=True):
+    for ax, (title, rows, layer_ids, today) in zip(axes, panels, strict=True):
         rs = [r.redundant_experts for r in rows]
         table = np.stack([r.balancedness for r in rows])  # [R values, layers]
         for j in range(table.shape[1]):
             ax.plot(rs, table[:, j], lw=0.8, alpha=0.5)
-        ax.plot(rs, table.mean(axis=1), color="black", lw=2.2, label="mean over layers")
+        ax.plot(rs, table.mean(axis=1), color="black", lw=2.2, label="EPLB, mean over layers")
+        ax.axhline(today, color="grey", ls="--", lw=1.2, label="today (contiguous), mean")
         ax.set_xlabel("redundant experts R")
         ax.set_ylabel("balancedness (mean / max GPU load)")
         ax.set_ylim(0, 1.02)
@@ -111,39 +128,78 @@ def _draw_side_by_side(path: Path, train: WindowLoads, rollout: WindowLoads) -> 
     return f"wrote {path}"
 
 
-def placement_report_lines(run_dir: Path, out_dir: Path, draw: bool) -> list[str]:
-    """The report's placement section (``[]`` when the run has no stored loads)."""
-    phases = [(p, w) for p in ("train", "rollout") if (w := _last_steps(run_dir, p)) is not None]
-    if not phases:
+def _run_ep_size(run_dir: Path) -> int | None:
+    """The recipe's ``expert_model_parallel_size`` from ``run.json`` (None when unknown)."""
+    try:
+        meta = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8"))
+        cfg = meta["config"]["policy"]["megatron_cfg"]["expert_model_parallel_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return cfg if isinstance(cfg, int) and cfg >= 1 else None
+
+
+def _ep_rank_lines(w: WindowLoads, g: int) -> list[str]:
+    """Per layer, the busiest EP rank over the mean rank (today's contiguous placement)."""
+    loads = gpu_loads(w.weight, contiguous_placement(*w.weight.shape, g), g)
+    ratio = loads.max(axis=1) / np.maximum(loads.mean(axis=1), 1e-300)
+    worst = np.argsort(-ratio, kind="stable")[:5]
+    listed = ", ".join(f"layer {int(w.layer_ids[i])} {ratio[i]:.2f}" for i in worst)
+    return [f"EP ranks (G={g}): busiest rank's tokens / mean rank's per layer, worst: {listed}"]
+
+
+def _slowdown_lines(path: Path, lines: list[Line]) -> list[str]:
+    values = last_values(path, lines, [mn.EXPERT_IMBALANCE_SLOWDOWN, mn.MFU])
+    slowdown = values.get(mn.EXPERT_IMBALANCE_SLOWDOWN)
+    if slowdown is None:
         return []
-    out: list[str] = []
+    text = (
+        f"expert imbalance (last step, {mn.EXPERT_IMBALANCE_SLOWDOWN}): the step took an "
+        f"estimated {slowdown:.3f}x its time with balanced experts"
+    )
+    mfu = values.get(mn.MFU)
+    if mfu is not None:
+        text += f"; MFU {100 * mfu:.1f}% would be {100 * mfu * slowdown:.1f}% with balance"
+    return [text]
+
+
+def placement_report_lines(
+    run_dir: Path, out_dir: Path, draw: bool, path: Path, lines: list[Line]
+) -> list[str]:
+    """The report's placement section (``[]`` when the run has no stored loads): the cost of
+    imbalance, the busiest EP ranks per layer, EPLB's sweep, rollout beside training."""
+    out = _slowdown_lines(path, lines)
+    phases = [(p, w) for p in ("train", "rollout") if (w := _last_steps(run_dir, p)) is not None]
+    run_g = _run_ep_size(run_dir)
     panels = []
     for phase, w in phases:
         experts = w.weight.shape[1]
-        g = _ep_size(experts)
+        g = run_g if run_g and run_g > 1 and experts % run_g == 0 else _ep_size(experts)
+        if phase == "train" and g > 1:
+            out += _ep_rank_lines(w, g)
         rows = sweep(w.weight, ep_size=g)
-        b0, b1 = rows[0].balancedness, rows[min(1, len(rows) - 1)]
+        b1 = rows[min(1, len(rows) - 1)]
+        today = float(
+            balancedness(gpu_loads(w.weight, contiguous_placement(*w.weight.shape, g), g)).mean()
+        )
         out.append(
             f"placement ({phase} loads, steps {w.first}–{w.last}, {g} GPUs): balancedness "
-            f"{b0.mean():.3f} today; EPLB with R={b1.redundant_experts}: "
+            f"{today:.3f} today; EPLB with R={b1.redundant_experts}: "
             f"{b1.balancedness.mean():.3f}, expert time {100 * b1.expert_time_ratio:.1f}% of "
             f"today's (nemo-moe-metrics placement {run_dir} --ep-size G --sweep for yours)"
         )
-        panels.append((f"{phase} loads, G={g}", rows, w.layer_ids))
-    if draw:
+        panels.append((f"{phase} loads, G={g}", rows, w.layer_ids, today))
+    if draw and panels:
         out.append(_draw_sweeps(out_dir / SWEEP_FILE, panels))
     loads = dict(phases)
     if "rollout" in loads and "train" in loads:
         t, r = loads["train"], loads["rollout"]
         common = np.intersect1d(t.layer_ids, r.layer_ids)
         if common.size and t.weight.shape[1] == r.weight.shape[1]:
-            pick = lambda w: w.weight[np.searchsorted(w.layer_ids, common)]  # noqa: E731
-            tp, rp = pick(t), pick(r)
-            hot_t, hot_r = tp.argmax(axis=1), rp.argmax(axis=1)
-            same = int((hot_t == hot_r).sum())
+            hot_t = t.weight[np.searchsorted(t.layer_ids, common)].argmax(axis=1)
+            hot_r = r.weight[np.searchsorted(r.layer_ids, common)].argmax(axis=1)
             out.append(
-                f"rollout vs training load: the hottest expert is the same in {same} of "
-                f"{common.size} layers"
+                f"rollout vs training load: the hottest expert is the same in "
+                f"{int((hot_t == hot_r).sum())} of {common.size} layers"
             )
             if draw:
                 out.append(_draw_side_by_side(out_dir / ROLLOUT_VS_TRAIN_FILE, t, r))

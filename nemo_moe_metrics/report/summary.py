@@ -251,7 +251,7 @@ def render_report(
     from nemo_moe_metrics.report.router_health import router_health_report_lines
 
     out += router_health_report_lines(run, path, lines_, out_dir, draw)  # [] without the flag
-    out += placement_report_lines(run_dir, out_dir, draw)  # [] without stored loads
+    out += placement_report_lines(run_dir, out_dir, draw, path, lines_)  # [] without loads
     if aux:
         out.append("aux losses (last step): " + ", ".join(aux))
     elif routed == 0:
