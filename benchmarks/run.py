@@ -49,6 +49,10 @@ Measures (JSON keys, targets):
   router health on a 94-layer x 128-expert transformers model without a registered FLOP formula
   (GLM-4.5's family, built on the meta device: the estimate is read from its modules),
   median seconds (``benchmarks/attach_bench.py``).
+- ``placement_seconds_10k_94x256`` (<= 10): wall seconds of ``nemo-moe-metrics placement
+  --ep-size 32 --redundant-experts 32 --sweep --out PLAN.json`` in its own process over the
+  report's 10,000-step run with a table every step (every step read; the sweep R = 0, 32, ...,
+  256), the plan checked (``benchmarks/placement_bench.py``).
 
 Exits 1 if a correctness check of the measured path fails (the numbers would mean nothing);
 missed targets are reported, not fatal. Method and results: docs/en/performance.md.
@@ -86,6 +90,7 @@ from benchmarks.harness import (  # noqa: E402
     step_rank,
 )
 from benchmarks.long_run import report_bench, tiled_report_bench  # noqa: E402
+from benchmarks.placement_bench import placement_bench  # noqa: E402
 from benchmarks.routing_bench import router_health_bench, routing_bench  # noqa: E402
 from benchmarks.store_bench import store_bench  # noqa: E402
 from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, LoggerConfig  # noqa: E402
@@ -113,6 +118,7 @@ RESULT_KEYS = (
     "report_seconds_100k_94x256_every_step",
     "report_peak_rss_mb_100k_94x256_every_step",
     "attach_seconds_94_layers",
+    "placement_seconds_10k_94x256",
 )
 TARGETS: dict[str, tuple[str, float]] = {
     "step_overhead_ratio": ("<=", 1.02),
@@ -137,6 +143,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "report_seconds_100k_94x256_every_step": ("<=", 60.0),
     "report_peak_rss_mb_100k_94x256_every_step": ("<=", 2048.0),
     "attach_seconds_94_layers": ("<=", 1.0),
+    "placement_seconds_10k_94x256": ("<=", 10.0),
 }
 FLOPS_FIXTURES = {"qwen3_moe": "qwen3-30b-a3b", "qwen3_5_moe": "qwen3.5-35b-a3b"}
 STEP_WORLD_SIZE = 1  # one rank, one thread: the other core absorbs the machine's other load
@@ -298,6 +305,9 @@ def summarise(
         checks.update(health["checks"])
     if attach is not None:
         checks.update(attach["checks"])
+    placement = report.get("placement")
+    if placement is not None:
+        checks.update(placement["checks"])
 
     result: dict[str, Any] = {
         "step_overhead_ratio": _median(ratios),
@@ -319,6 +329,8 @@ def summarise(
         result["router_health_syncs_per_microbatch"] = health["router_health_syncs_per_microbatch"]
     if attach is not None:
         result["attach_seconds_94_layers"] = attach["attach_seconds"]
+    if placement is not None:
+        result["placement_seconds_10k_94x256"] = placement["placement_seconds"]
     if tiled is not None:
         result["report_seconds_100k_94x256_every_step"] = tiled["report_seconds"]
         result["report_peak_rss_mb_100k_94x256_every_step"] = tiled["report_peak_rss_mb"]
@@ -362,6 +374,7 @@ def summarise(
         },
         "flops": flops,
         "report": {**report["details"], "tiled": tiled},
+        "placement": None if placement is None else placement["details"],
         "store": store["details"],
         "routing": (
             None
@@ -541,6 +554,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     with tempfile.TemporaryDirectory(prefix="nmm_report_") as work:
         report = report_bench(Path(work), **preset["report"])
+        shape = preset["report"]
+        report["placement"] = placement_bench(
+            Path(work) / "run_every_step",  # report_bench's run with a table every step
+            Path(work) / "PLAN.json",
+            layers=shape["layers"],
+            experts=shape["experts"],
+        )
         if args.slow or args.smoke:  # smoke: 10 x 300 steps at 8 x 16, to test the harness
             report["tiled"] = tiled_report_bench(Path(work), repeats=10)
     routing = routing_bench(bench.step, preset["routing_pairs"], timeout=args.timeout)

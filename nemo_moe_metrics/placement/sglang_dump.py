@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from nemo_moe_metrics.sinks.rollout_store import RolloutLoadRecorder
 
@@ -59,6 +58,10 @@ def read_sglang_dump(path: Path) -> SglangDump:
     if not path.is_file():
         raise SglangDumpError(f"{path} not found")
     what = f"{path} is not an SGLang expert distribution dump"
+    # Imported here: torch takes seconds to import, and every other subcommand of the CLI
+    # (which imports this module) starts without it.
+    import torch
+
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
