@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -34,9 +35,12 @@ def placement_bench(run_dir: Path, out: Path, *, layers: int, experts: int) -> d
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "nemo_moe_metrics.cli", "placement", str(run_dir)]
     cmd += ["--ep-size", str(ep), "--redundant-experts", str(ep), "--sweep", "--out", str(out)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     checks = {"placement_exit_0": proc.returncode == 0}
     plan = json.loads(out.read_text()) if out.is_file() else {}
     rows = plan.get("physical_to_logical", [])
@@ -50,6 +54,8 @@ def placement_bench(run_dir: Path, out: Path, *, layers: int, experts: int) -> d
         b >= a for prev, cur in pairs for a, b in zip(prev, cur, strict=True)
     )
     details = {
+        "cpu_seconds": cpu,  # the command's own work, without waiting for a core
+        "load_average_1m": os.getloadavg()[0],
         "ep_size": ep,
         "redundant_experts": ep,
         "sweep_points": len(sweep),

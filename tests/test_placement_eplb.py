@@ -112,3 +112,21 @@ def test_sweep_is_monotone_in_r_and_never_below_eplb():
             eplb = rebalance_experts(weight, experts + row.redundant_experts, 1, 1, gpus)
             ref = balancedness(gpu_loads(weight, eplb.physical_to_logical, gpus))
             assert (row.balancedness >= ref).all()
+
+
+@pytest.mark.parametrize(
+    "p2l,expected",
+    [
+        # Experts 1 and 2 wholly on GPUs 0 and 1: another copy of each, where it is.
+        ([[0, 1, 0, 2]], [[0, 1, 1, 0, 2, 2]]),
+        # Both experts have one copy on each GPU: one more copy of expert 0 on each.
+        ([[0, 1, 0, 1]], [[0, 1, 0, 0, 1, 0]]),
+    ],
+)
+def test_extension_adds_copies_that_move_no_token(p2l, expected):
+    from nemo_moe_metrics.placement.plan import extend_placement, gpu_loads
+
+    grown = extend_placement(np.array(p2l), 3, 2)
+    assert grown.tolist() == expected
+    weight = np.array([[7, 3, 5]])
+    assert np.array_equal(gpu_loads(weight, grown, 2), gpu_loads(weight, np.array(p2l), 2))

@@ -102,16 +102,62 @@ def _replica_counts(physical_to_logical: np.ndarray, num_logical: int) -> np.nda
 def extend_placement(
     physical_to_logical: np.ndarray, num_logical: int, num_gpus: int
 ) -> np.ndarray:
-    """One more slot per GPU that changes no GPU's load where it can: GPU ``g`` gets another
-    replica of an expert whose replicas are all on ``g`` already (its tokens stay on ``g``);
-    where there is none, of the expert with the largest share of its replicas on ``g``."""
+    """One more slot per GPU, chosen so that no GPU's load changes where that is possible.
+
+    Two kinds of copy move no token: another replica of an expert whose replicas are all on
+    one GPU, placed on that GPU; or, for an expert with one replica on each of its GPUs, one
+    more replica on each of them (each still gets ``1/c`` of its tokens). GPUs are covered by
+    such experts greedily (:func:`_neutral_cover`); a GPU left over gets another replica of
+    the expert with the largest share of its replicas on it (its load grows a little).
+    """
     layers, physical = physical_to_logical.shape
     per_gpu = physical // num_gpus
     slots = physical_to_logical.reshape(layers, num_gpus, per_gpu)
     on_gpu = _replicas_on_gpus(physical_to_logical, num_logical, num_gpus)
     share = on_gpu / np.maximum(on_gpu.sum(axis=1), 1)[:, None, :]
-    extra = np.argmax(share, axis=2)  # the first expert with the largest share, per GPU
+    extra = np.argmax(share, axis=2)  # the fallback: the largest share, per GPU
+    holders = on_gpu > 0  # [L, G, E]
+    n_holders = holders.sum(axis=1)  # [L, E]
+    whole = n_holders == 1
+    spread = (on_gpu.max(axis=1) == 1) & (n_holders > 1)
+    for layer in range(layers):
+        _neutral_cover(extra[layer], holders[layer], n_holders[layer], whole[layer], spread[layer])
     return np.concatenate([slots, extra[:, :, None]], axis=2).reshape(layers, -1)
+
+
+def _neutral_cover(
+    extra: np.ndarray,
+    holders: np.ndarray,
+    n_holders: np.ndarray,
+    whole: np.ndarray,
+    spread: np.ndarray,
+) -> None:
+    """Write into ``extra [G]`` a neutral expert for as many GPUs as a greedy cover finds:
+    GPUs without a wholly-held expert first take a spread expert (all of its GPUs free), the
+    others a wholly-held one, what is left spread experts again."""
+    num_gpus = holders.shape[0]
+    free = np.ones(num_gpus, bool)
+    spread_ids = np.nonzero(spread)[0]
+    spread_ids = spread_ids[np.argsort(n_holders[spread_ids], kind="stable")]
+
+    def take_spread(gpu: int | None) -> None:
+        for e in spread_ids.tolist():
+            gpus = np.nonzero(holders[:, e])[0]
+            if (gpu is None or holders[gpu, e]) and free[gpus].all():
+                extra[gpus] = e
+                free[gpus] = False
+                if gpu is not None:
+                    return
+
+    has_whole = (holders & whole[None, :]).any(axis=1)
+    for gpu in np.nonzero(~has_whole)[0].tolist():
+        if free[gpu]:
+            take_spread(gpu)
+    for gpu in np.nonzero(free & has_whole)[0].tolist():
+        extra[gpu] = int(np.nonzero(holders[gpu] & whole)[0][0])
+        free[gpu] = False
+    if free.any():
+        take_spread(None)
 
 
 def monotone_placements(
@@ -121,7 +167,9 @@ def monotone_placements(
     R mod G + G, ..., R``: per layer, the better of EPLB with ``R'`` redundant experts and
     the placement for ``R' - G`` extended by one slot per GPU (:func:`extend_placement`).
     EPLB is greedy: with more replicas it is sometimes a little less balanced; this keeps
-    every layer at least as balanced as EPLB and never less balanced than with fewer."""
+    every layer at least as balanced as EPLB, and no less balanced than with fewer copies
+    whenever :func:`extend_placement` finds a copy that moves no token for every GPU (in our
+    tests always up to ``R = E``)."""
     weight = np.asarray(weight)
     layers, experts = weight.shape
     best: np.ndarray | None = None
