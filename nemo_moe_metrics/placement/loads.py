@@ -1,13 +1,14 @@
 """A run's expert loads over a window of steps, summed per layer: the input of a plan.
 
 Reads the training store (``expert_loads.bin``) or the rollout store
-(``rollout_expert_loads.bin``) in blocks, decoded ahead by two threads, each block summed over
-its steps in the decoding thread, so a 10,000-step run at 94 x 256 is read in seconds with a
-few blocks in memory.
+(``rollout_expert_loads.bin``) in blocks, decoded ahead by up to four threads (zlib releases
+the GIL), each block summed over its steps in the decoding thread, so a 10,000-step run at
+94 x 256 is read in seconds with a few blocks in memory.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +56,13 @@ def window_loads(
     widths: dict[int, int] = {}
     n, lo, hi = 0, None, None
     blocks = read_expert_load_blocks(
-        path, window, block=64, workers=2, prepare=_sum_block, widths=True, skipped=skipped
+        path,
+        window,
+        block=64,
+        workers=min(4, os.cpu_count() or 1),
+        prepare=_sum_block,
+        widths=True,
+        skipped=skipped,
     )
     for b_first, b_last, k, ids, summed, w in blocks:
         n += k
