@@ -130,3 +130,9 @@ def test_extension_adds_copies_that_move_no_token(p2l, expected):
     assert grown.tolist() == expected
     weight = np.array([[7, 3, 5]])
     assert np.array_equal(gpu_loads(weight, grown, 2), gpu_loads(weight, np.array(p2l), 2))
+
+
+def test_the_redundant_expert_error_suggests_counts_that_fit():
+    # 12 experts on 8 GPUs: 12 + R divides by 8 for R = 4, 12, 20, ...
+    with pytest.raises(ValueError, match=r"to 4, 12, 20"):
+        rebalance_experts(np.ones((1, 12)), 15, 1, 1, 8)

@@ -160,11 +160,12 @@ def check_layout(
     if num_physical < num_experts:
         raise ValueError("--redundant-experts must be >= 0")
     if num_physical % num_gpus:
-        step = num_gpus // np.gcd(num_gpus, num_experts)
+        first = (-num_experts) % num_gpus
         raise ValueError(
             f"{num_experts} experts + {num_physical - num_experts} redundant experts = "
             f"{num_physical} do not divide over --ep-size {num_gpus} GPUs; change "
-            f"--redundant-experts (to a multiple of {step}) or --ep-size"
+            f"--redundant-experts (to {first}, {first + num_gpus}, {first + 2 * num_gpus}, ...) "
+            "or --ep-size"
         )
     if num_gpus % num_nodes:
         raise ValueError(
