@@ -2,9 +2,10 @@
 engine's loads beside training's.
 
 - ``placement_sweep.png``: balancedness (mean GPU load / max GPU load) against the number of
-  redundant experts R, one line per MoE layer and the mean in black, for an expert-parallel
-  size of :data:`REPORT_EP_SIZE` GPUs (``nemo-moe-metrics placement --ep-size G --sweep`` for
-  yours); with rollout loads, a second panel plans from what the engine served.
+  redundant experts R = 0, G, ..., 4G, one line per MoE layer and the mean in black, for the
+  run's expert-parallel size (``run.json``; else :data:`REPORT_EP_SIZE` GPUs; run
+  ``nemo-moe-metrics placement --ep-size G --sweep`` for yours); with rollout loads, a second
+  panel plans from what the engine served.
 - ``rollout_vs_train_load.png``: per layer x expert, load over ideal of training (left) and of
   the rollout engine (right) on one colour scale, summed over the last stored steps.
 
@@ -45,6 +46,8 @@ SWEEP_FILE = "placement_sweep.png"
 ROLLOUT_VS_TRAIN_FILE = "rollout_vs_train_load.png"
 REPORT_EP_SIZE = 8
 REPORT_STEPS = 200
+#: The report's sweep goes to R = this many times G (the command's goes to E).
+REPORT_SWEEP_GPUS_WORTH = 4
 
 
 def _ep_size(experts: int) -> int:
@@ -176,7 +179,7 @@ def placement_report_lines(
         g = run_g if run_g and run_g > 1 and experts % run_g == 0 else _ep_size(experts)
         if phase == "train" and g > 1:
             out += _ep_rank_lines(w, g)
-        rows = sweep(w.weight, ep_size=g)
+        rows = sweep(w.weight, ep_size=g, most=min(experts, REPORT_SWEEP_GPUS_WORTH * g))
         b1 = rows[min(1, len(rows) - 1)]
         today = float(
             balancedness(gpu_loads(w.weight, contiguous_placement(*w.weight.shape, g), g)).mean()
