@@ -237,3 +237,20 @@ def test_report_shows_placement_and_rollout_beside_training(tmp_path):
     assert f"the hottest expert is the same in {hot_same} of 2 layers" in text
     assert (tmp_path / "placement_sweep.png").stat().st_size > 0
     assert (tmp_path / "rollout_vs_train_load.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "text,window",
+    [("2-7", (2, 7)), ("2:7", (2, 7)), ("5-", (5, None)), ("-5", (None, 5)), ("4", (4, 4))],
+)
+def test_steps_windows(text, window):
+    from nemo_moe_metrics.placement.command import parse_window
+
+    assert parse_window(text) == window
+
+
+@pytest.mark.parametrize("text", ["7-2", "a-b", "-", ""])
+def test_bad_steps_windows_are_refused(text, capsys):
+    with pytest.raises(SystemExit):
+        main(["placement", ".", "--ep-size", "2", "--steps", text])
+    assert "--steps" in capsys.readouterr().err

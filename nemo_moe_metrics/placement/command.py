@@ -17,20 +17,25 @@ from nemo_moe_metrics.placement.sglang_dump import SglangDumpError, ingest_sglan
 from nemo_moe_metrics.report.placement import SWEEP_FILE, draw_sweep
 from nemo_moe_metrics.sinks.store import StoreError
 
-__all__ = ["add_ingest_parser", "add_placement_parser", "plan_text", "sweep_text"]
+__all__ = ["add_ingest_parser", "add_placement_parser", "parse_window", "plan_text", "sweep_text"]
 
 
-def _window(text: str) -> tuple[int | None, int | None]:
-    sep = "-" if "-" in text.strip().lstrip("-") else ":"
-    first, _, last = text.strip().partition(sep)
+def parse_window(text: str) -> tuple[int | None, int | None]:
+    """``A-B`` (or ``A:B``), ``A-``, ``-B``, or one step ``A``: inclusive, either end open."""
+    text = text.strip()
+    sep = ":" if ":" in text else "-"
+    first, found, last = text.partition(sep)
+    if not found:
+        last = first
     try:
         lo = int(first) if first.strip() else None
         hi = int(last) if last.strip() else None
     except ValueError:
         lo = hi = -1
-    if (lo is not None and lo < 0) or (hi is not None and hi < 0) or (lo, hi) == (None, None):
+    bad = any(v is not None and v < 0 for v in (lo, hi)) or (lo, hi) == (None, None)
+    if bad or (lo is not None and hi is not None and lo > hi):
         raise argparse.ArgumentTypeError(
-            f"--steps {text!r}: give an inclusive window A-B (or A:B, A-, -B)"
+            f"--steps {text!r}: give an inclusive window A-B (or A:B, A-, -B, or one step A)"
         )
     return lo, hi
 
@@ -46,7 +51,7 @@ def add_placement_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redundant-experts", type=int, default=0, help="extra replicas R (0)")
     p.add_argument("--nodes", type=int, default=1, help="nodes the G GPUs are on (1)")
     p.add_argument("--groups", type=int, default=1, help="the model's expert groups (1)")
-    p.add_argument("--steps", type=_window, default=(None, None), help="window A-B (all)")
+    p.add_argument("--steps", type=parse_window, default=(None, None), help="window A-B (all)")
     p.add_argument("--phase", choices=("train", "rollout"), default="train")
     p.add_argument("--sweep", action="store_true", help="balancedness for R = 0, G, 2G, ...")
     p.add_argument("--sweep-max", type=int, default=None, help="largest R of --sweep (E)")

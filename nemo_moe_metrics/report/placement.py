@@ -176,8 +176,9 @@ def placement_report_lines(
     panels = []
     for phase, w in phases:
         experts = w.weight.shape[1]
-        g = run_g if run_g and run_g > 1 and experts % run_g == 0 else _ep_size(experts)
-        if phase == "train" and g > 1:
+        known = bool(run_g and run_g > 1 and experts % run_g == 0)
+        g = run_g if known else _ep_size(experts)
+        if phase == "train" and known:  # the run's own EP ranks (an assumed G says nothing)
             out += _ep_rank_lines(w, g)
         rows = sweep(w.weight, ep_size=g, most=min(experts, REPORT_SWEEP_GPUS_WORTH * g))
         b1 = rows[min(1, len(rows) - 1)]
@@ -185,7 +186,9 @@ def placement_report_lines(
             balancedness(gpu_loads(w.weight, contiguous_placement(*w.weight.shape, g), g)).mean()
         )
         out.append(
-            f"placement ({phase} loads, steps {w.first}–{w.last}, {g} GPUs): balancedness "
+            f"placement ({phase} loads, steps {w.first}–{w.last}, {g} GPUs"
+            f"{'' if known else ', assumed: run.json names no expert_model_parallel_size'}): "
+            "balancedness "
             f"{today:.3f} today; EPLB with R={b1.redundant_experts}: "
             f"{b1.balancedness.mean():.3f}, expert time {100 * b1.expert_time_ratio:.1f}% of "
             f"today's (nemo-moe-metrics placement {run_dir} --ep-size G --sweep for yours)"
