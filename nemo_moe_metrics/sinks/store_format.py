@@ -296,14 +296,18 @@ def decode_record(
     view = memoryview(raw)
     if not _check(view, e):
         return None
-    try:
-        data = zlib.decompress(view[e.header_size :])
-    except zlib.error:
-        return None
     n_ids = 4 * e.layers
     n_widths = 4 * e.layers if e.flags & _FLAG_WIDTHS else 0
     cells = e.layers * e.experts
-    if len(data) != n_ids + n_widths + cells * e.itemsize:
+    size = n_ids + n_widths + cells * e.itemsize
+    # Never more than the header declares (+1 byte to tell a longer stream): a crafted payload
+    # of compressed zeros cannot make the reader inflate gigabytes.
+    inflater = zlib.decompressobj()
+    try:
+        data = inflater.decompress(view[e.header_size :], size + 1)
+    except zlib.error:
+        return None
+    if len(data) != size or not inflater.eof:
         return None
     layer_ids = np.frombuffer(data, dtype="<i4", count=e.layers).astype(np.int64)
     widths = None

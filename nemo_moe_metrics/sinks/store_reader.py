@@ -117,7 +117,8 @@ def _teller(path: Path, skipped: list[str] | None) -> Callable[[str], None]:
 def _say_bad(say: Callable[[str], None], bad: list[int]) -> None:
     if bad:
         say(
-            f"skipped {len(bad)} record(s) failing their checksum (damaged): "
+            f"skipped {len(bad)} damaged record(s) (a payload failing its checksum, or not "
+            f"inflating to the size its header declares): "
             f"step(s) {steps_text(bad)}"
         )
 
