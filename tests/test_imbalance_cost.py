@@ -16,6 +16,9 @@ from nemo_moe_metrics.moe.imbalance_cost import (
     routed_flops_per_token,
 )
 
+# The expert-parallel run builds a megatron-core model: both megatron-core lines.
+pytestmark = pytest.mark.megatron
+
 SEQ = 16
 MICRO_BATCH = 2
 
