@@ -1,0 +1,271 @@
+"""MoEMetricsCallback in transformers' Trainer and TRL 1.16's SFT, DPO and GRPO trainers (CPU).
+
+Every count is checked against :class:`trl_tiny.ExpertsOracle`, an independent hook on the
+experts' inputs over the real tokens of training forwards (generation forwards apart). The
+callback is added the ordinary way (``callbacks=[...]`` or ``add_callback``), with gradient
+accumulation 2 and padded batches. On CI (``CI=true`` or ``NEMO_MOE_METRICS_REQUIRE_TRL=1``) a
+missing TRL fails these tests instead of skipping them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+REQUIRE = os.environ.get("CI") == "true" or os.environ.get("NEMO_MOE_METRICS_REQUIRE_TRL") == "1"
+try:
+    import trl  # noqa: F401
+except ImportError as err:  # pragma: no cover - CI installs the 'trl' extra
+    if REQUIRE:
+        raise ImportError(f"TRL is required on CI (pip install -e '.[test]'): {err}") from err
+    pytest.skip(f"TRL is not installed ({err}); pip install -e '.[trl]'", allow_module_level=True)
+
+import torch  # noqa: E402
+
+import trl_tiny as tt  # noqa: E402
+from nemo_moe_metrics.config import MetricsConfig  # noqa: E402
+from nemo_moe_metrics.integrations.transformers import MoEMetricsCallback  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LAYERS, EXPERTS = 2, 4
+FLAGS = MetricsConfig(
+    track_moe_metrics=True, moe_per_layer_logging=True, track_throughput=True, track_flops=True
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tt.save_tiny_model(tmp_path_factory.mktemp("tiny_moe"))
+
+
+def make_trainer(kind: str, model_dir: Path, out: Path, callbacks: list, **overrides):
+    """One of the four trainers on the tiny model; ``overrides`` go to its config."""
+    args = {**tt.common_args(), "output_dir": str(out), "max_steps": 2, **overrides}
+    model = tt.load_tiny_model(model_dir)
+    tok = tt.tiny_tokenizer()
+    if kind == "trainer":
+        from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+        data = tt.sft_dataset().map(lambda row: tok(row["text"]), remove_columns=["text"])
+        collator = DataCollatorForLanguageModeling(tok, mlm=False)
+        return Trainer(
+            model=model,
+            args=TrainingArguments(**args),
+            train_dataset=data,
+            data_collator=collator,
+            callbacks=callbacks,
+        )
+    if kind == "sft":
+        from trl import SFTConfig, SFTTrainer
+
+        return SFTTrainer(
+            model=model,
+            args=SFTConfig(**args),
+            train_dataset=tt.sft_dataset(),
+            processing_class=tok,
+            callbacks=callbacks,
+        )
+    if kind == "dpo":
+        from trl import DPOConfig, DPOTrainer
+
+        return DPOTrainer(
+            model=model,
+            args=DPOConfig(**args),
+            train_dataset=tt.dpo_dataset(),
+            processing_class=tok,
+            callbacks=callbacks,
+        )
+    from trl import GRPOConfig, GRPOTrainer
+
+    grpo = {"num_generations": 2, "max_completion_length": 6, **args}
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=tt.length_reward,
+        args=GRPOConfig(**grpo),
+        train_dataset=tt.grpo_dataset(),
+        processing_class=tok,
+        callbacks=callbacks,
+    )
+
+
+def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+def train_with_oracle(trainer, callback) -> tt.ExpertsOracle:
+    oracle = tt.ExpertsOracle(trainer.model, EXPERTS)
+    trainer.train()
+    oracle.remove()
+    return oracle
+
+
+def assert_counts_match(callback, oracle: tt.ExpertsOracle) -> None:
+    logged = tt.logged_counts(callback.last_metrics, LAYERS, EXPERTS)
+    for layer in range(LAYERS):
+        assert logged[layer] == oracle.train[layer].tolist(), f"layer {layer}"
+    assert callback.last_metrics["moe/routed_tokens"] == oracle.tokens("train")
+
+
+@pytest.mark.parametrize("kind", ["trainer", "sft", "dpo", "grpo"])
+def test_counts_equal_the_experts_real_training_tokens_and_keys_reach_log_history(
+    kind, model_dir, tmp_path
+):
+    # One logging window over both steps: its counts are the two steps' counts summed.
+    callback = MoEMetricsCallback(FLAGS)
+    trainer = make_trainer(kind, model_dir, tmp_path, [callback], logging_steps=2)
+    oracle = train_with_oracle(trainer, callback)
+    assert trainer.callback_handler.callbacks[0] is callback
+    assert_counts_match(callback, oracle)
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(history) == 1 and history[0]["step"] == 2
+    logged = history[0]
+    assert logged["moe/routed_tokens"] == oracle.tokens("train")
+    assert logged["train_perf/tokens"] == oracle.tokens("train")
+    for key in ("moe/load_balancing_loss", "moe/max_over_ideal", "moe/layer_1/max_over_ideal"):
+        assert key in logged
+    assert "moe/expert_loads" not in logged  # the table goes to the run directory, not the logs
+
+
+def test_keys_reach_tensorboard_whatever_the_callback_order(model_dir, tmp_path):
+    callback = MoEMetricsCallback(FLAGS)
+    trainer = make_trainer("sft", model_dir, tmp_path, [], report_to=["tensorboard"])
+    trainer.add_callback(callback)  # after the Trainer was built: on_init_end never reached it
+    assert trainer.callback_handler.callbacks[-1] is callback
+    train_with_oracle(trainer, callback)
+    events = list(tmp_path.rglob("events.out.tfevents.*"))
+    assert events, "the Trainer wrote no TensorBoard file"
+    scalars = read_scalars(events[0].parent)  # TensorBoard's own reader
+    steps = [step for step, _ in scalars["train/moe/routed_tokens"]]
+    assert steps == [1, 2]
+    history = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    for step, value in scalars["train/moe/max_over_ideal"]:
+        assert value == pytest.approx(history[step]["moe/max_over_ideal"], rel=1e-6)
+    assert "train/train_perf/tokens_per_second" in scalars
+
+
+def test_grpo_generation_is_a_rollout_and_out_of_train_perf(model_dir, tmp_path):
+    callback = MoEMetricsCallback(FLAGS)
+    trainer = make_trainer("grpo", model_dir, tmp_path, [callback], logging_steps=2)
+    generate = trainer.model.generate
+    pause = 0.3
+
+    def slow_generate(*args, **kwargs):  # generation takes >= 0.3 s per call
+        time.sleep(pause)
+        return generate(*args, **kwargs)
+
+    trainer.model.generate = slow_generate
+    oracle = train_with_oracle(trainer, callback)
+    out = callback.last_metrics
+    assert oracle.rollout, "GRPO generated nothing"
+    assert out["gen_perf/seconds"] >= 2 * pause  # one generation per optimizer step
+    assert out["train_perf/seconds"] < pause, "train_perf/ must exclude the generation"
+    assert out["train_perf/tokens"] == oracle.tokens("train")
+    assert_counts_match(callback, oracle)
+
+
+def test_a_step_that_raises_leaves_the_next_usable(model_dir, tmp_path):
+    callback = MoEMetricsCallback(FLAGS)
+    trainer = make_trainer("trainer", model_dir, tmp_path, [callback], max_steps=1)
+    calls = {"n": 0}
+
+    def fail_second_microbatch(module, args, kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure")
+
+    handle = trainer.model.register_forward_pre_hook(fail_second_microbatch, with_kwargs=True)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        trainer.train()
+    handle.remove()
+    oracle = train_with_oracle(trainer, callback)  # the same callback, a fresh train()
+    assert_counts_match(callback, oracle)
+
+
+def test_eval_and_no_grad_forwards_stay_out(model_dir, tmp_path):
+    callback = MoEMetricsCallback(FLAGS)
+    trainer = make_trainer("trainer", model_dir, tmp_path, [callback], max_steps=1)
+    oracle = tt.ExpertsOracle(trainer.model, EXPERTS)
+    trainer.train()
+    before = callback.last_metrics["moe/routed_tokens"]
+    trainer.model.eval()
+    with torch.no_grad():
+        trainer.model(input_ids=torch.tensor([[3, 4, 5]]))
+    trainer.evaluate(trainer.train_dataset.select(range(2)))
+    oracle.remove()
+    assert before == oracle.tokens("train")
+    assert not any(k.startswith("moe/") for h in trainer.state.log_history if "eval_loss" in h
+                   for k in h)
+
+
+def _switch_loss(logits: list[torch.Tensor], mask: torch.Tensor | None, top_k: int) -> float:
+    """E * sum_e f_e * P_e over the given layers' logits pooled, real tokens only when masked."""
+    experts = logits[0].shape[-1]
+    weight = torch.ones(logits[0].shape[0]) if mask is None else mask.reshape(-1).float()
+    picks = torch.zeros(experts)
+    probs = torch.zeros(experts)
+    for layer_logits in logits:
+        p = torch.softmax(layer_logits.float(), dim=-1)
+        chosen = torch.topk(p, top_k, dim=-1).indices
+        one_hot = torch.zeros_like(p).scatter_(1, chosen, 1.0)
+        picks += (one_hot * weight[:, None]).sum(0)
+        probs += (p * weight[:, None]).sum(0)
+    rows = weight.sum() * len(logits)
+    return float(experts * (picks / rows * probs / rows).sum())
+
+
+def test_trl_aux_loss_and_ours_both_reproduced_from_the_same_router_logits(model_dir, tmp_path):
+    # TRL logs the model's own aux_loss: every layer's logits pooled, padding masked out, the
+    # mean over the window's microbatches. Ours: per layer (padding in, as transformers' function
+    # without a mask), the mean over layers, then over microbatches. Same logits, two numbers.
+    callback = MoEMetricsCallback(MetricsConfig(track_moe_metrics=True))
+    trainer = make_trainer("sft", model_dir, tmp_path, [callback], max_steps=1)
+    captured: list[dict] = []
+
+    def on_model(module, args, kwargs):
+        if module.training and torch.is_grad_enabled():
+            captured.append({"mask": kwargs.get("attention_mask"), "logits": {}})
+
+    def on_gate(layer):
+        def hook(module, args, output):
+            if module.training and torch.is_grad_enabled():
+                captured[-1]["logits"].setdefault(layer, output[0].detach().clone())
+
+        return hook
+
+    model = trainer.model
+    handles = [model.register_forward_pre_hook(on_model, with_kwargs=True)]
+    handles += [layer.mlp.gate.register_forward_hook(on_gate(i))
+                for i, layer in enumerate(model.model.layers)]  # fmt: skip
+    trainer.train()
+    for handle in handles:
+        handle.remove()
+    assert len(captured) == 2  # gradient accumulation 2: two training forwards
+    logged = next(h for h in trainer.state.log_history if "aux_loss" in h)
+    trl_expected = sum(
+        _switch_loss([mb["logits"][i] for i in range(LAYERS)], mb["mask"], 2) for mb in captured
+    ) / len(captured)
+    assert logged["aux_loss"] == pytest.approx(trl_expected, rel=1e-5)
+    ours_expected = sum(
+        sum(_switch_loss([mb["logits"][i]], None, 2) for i in range(LAYERS)) / LAYERS
+        for mb in captured
+    ) / len(captured)
+    assert logged["moe/load_balancing_loss"] == pytest.approx(ours_expected, rel=1e-5)
+    assert logged["aux_loss"] != pytest.approx(logged["moe/load_balancing_loss"], rel=1e-4)
+
+
+def test_router_aux_loss_coef_zero_trl_logs_none_we_log_the_diagnostic(model_dir, tmp_path):
+    callback = MoEMetricsCallback(MetricsConfig(track_moe_metrics=True))
+    trainer = make_trainer("sft", model_dir, tmp_path, [callback], max_steps=1,
+                           router_aux_loss_coef=0.0)  # fmt: skip
+    trainer.train()
+    logged = next(h for h in trainer.state.log_history if "loss" in h)
+    assert "aux_loss" not in logged  # TRL neither trains on nor logs it
+    assert logged["moe/load_balancing_loss"] > 0  # the balance diagnostic, coefficient excluded
