@@ -43,53 +43,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def make_trainer(kind: str, model_dir: Path, out: Path, callbacks: list, **overrides):
-    """One of the four trainers on the tiny model; ``overrides`` go to its config."""
-    args = {**tt.common_args(), "output_dir": str(out), "max_steps": 2, **overrides}
-    model = tt.load_tiny_model(model_dir)
-    tok = tt.tiny_tokenizer()
-    if kind == "trainer":
-        from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
-
-        data = tt.sft_dataset().map(lambda row: tok(row["text"]), remove_columns=["text"])
-        collator = DataCollatorForLanguageModeling(tok, mlm=False)
-        return Trainer(
-            model=model,
-            args=TrainingArguments(**args),
-            train_dataset=data,
-            data_collator=collator,
-            callbacks=callbacks,
-        )
-    if kind == "sft":
-        from trl import SFTConfig, SFTTrainer
-
-        return SFTTrainer(
-            model=model,
-            args=SFTConfig(**args),
-            train_dataset=tt.sft_dataset(),
-            processing_class=tok,
-            callbacks=callbacks,
-        )
-    if kind == "dpo":
-        from trl import DPOConfig, DPOTrainer
-
-        return DPOTrainer(
-            model=model,
-            args=DPOConfig(**args),
-            train_dataset=tt.dpo_dataset(),
-            processing_class=tok,
-            callbacks=callbacks,
-        )
-    from trl import GRPOConfig, GRPOTrainer
-
-    grpo = {"num_generations": 2, "max_completion_length": 6, **args}
-    return GRPOTrainer(
-        model=model,
-        reward_funcs=tt.length_reward,
-        args=GRPOConfig(**grpo),
-        train_dataset=tt.grpo_dataset(),
-        processing_class=tok,
-        callbacks=callbacks,
-    )
+    """One of the four trainers on the tiny model (the example's builder), 2 steps."""
+    return tt.build_trainer(kind, model_dir, out, callbacks, **{"max_steps": 2, **overrides})
 
 
 def read_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:

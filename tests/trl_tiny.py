@@ -1,123 +1,32 @@
-"""A tiny random Qwen3-MoE, a word-level tokenizer and small datasets for the TRL tests (no hub).
+"""The TRL tests' tiny MoE: the example's builders (examples/integrate_trl.py), and an oracle.
 
-Everything is built here from a config and a vocabulary list: nothing is downloaded. DPO and GRPO
-rebuild the reference model from ``config._name_or_path``, so the model is saved to a folder
-and loaded back with ``from_pretrained``.
+Everything is built from a config and a vocabulary list: nothing is downloaded.
 """
 
 from __future__ import annotations
 
-import random
+import importlib.util
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-WORDS = [f"w{i}" for i in range(120)]
-SPECIAL = ["<pad>", "<eos>", "<unk>"]
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "integrate_trl.py"
 
 
-def tiny_tokenizer() -> Any:
-    """A word-level fast tokenizer over :data:`WORDS` (pad id 0, eos id 1)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + WORDS)}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
-    )
-    tok.padding_side = "right"
-    return tok
+def _example() -> Any:
+    spec = importlib.util.spec_from_file_location("integrate_trl", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def tiny_config(**overrides: Any) -> Any:
-    """2 decoder layers, 4 experts, top-2: a qwen3_moe small enough for a CPU step in ~50 ms."""
-    from transformers import Qwen3MoeConfig
-
-    fields = dict(
-        vocab_size=len(SPECIAL) + len(WORDS), hidden_size=32, intermediate_size=32,
-        moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=128, attn_implementation="eager", router_aux_loss_coef=0.01,
-        pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=False,
-    )  # fmt: skip
-    fields.update(overrides)
-    config = Qwen3MoeConfig(**fields)
-    config._experts_implementation = "eager"
-    return config
-
-
-def save_tiny_model(folder: Path, **overrides: Any) -> Path:
-    """Save a random tiny model and its tokenizer to ``folder`` (seeded: the same every time)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(**overrides))
-    model.save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return folder
-
-
-def load_tiny_model(folder: Path) -> nn.Module:
-    """The saved tiny model, eager experts and attention."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
-    model.config._experts_implementation = "eager"
-    return model
-
-
-def _sentence(rng: random.Random, low: int, high: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
-
-
-def sft_dataset(n: int = 16, seed: int = 0) -> Any:
-    """Texts of 3 to 14 words (uneven: batches are padded)."""
-    from datasets import Dataset
-
-    rng = random.Random(seed)
-    return Dataset.from_list([{"text": _sentence(rng, 3, 14)} for _ in range(n)])
-
-
-def dpo_dataset(n: int = 16, seed: int = 0) -> Any:
-    """Prompt, chosen and rejected texts of uneven lengths."""
-    from datasets import Dataset
-
-    rng = random.Random(seed)
-    rows = [
-        {
-            "prompt": _sentence(rng, 2, 6),
-            "chosen": _sentence(rng, 1, 6),
-            "rejected": _sentence(rng, 1, 6),
-        }
-        for _ in range(n)
-    ]
-    return Dataset.from_list(rows)
-
-
-def grpo_dataset(n: int = 8, seed: int = 0) -> Any:
-    """Prompts of 2 to 7 words (left-padded by GRPO)."""
-    from datasets import Dataset
-
-    rng = random.Random(seed)
-    return Dataset.from_list([{"prompt": _sentence(rng, 2, 7)} for _ in range(n)])
-
-
-def length_reward(completions: list[str], **kwargs: Any) -> list[float]:
-    """A reward for GRPO: shorter completions score higher."""
-    return [-float(len(c.split())) for c in completions]
-
-
-def common_args() -> dict[str, Any]:
-    """TrainingArguments every TRL test shares: CPU, fp32, no checkpoints, quiet."""
-    return dict(
-        use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True, seed=0,
-        per_device_train_batch_size=2, gradient_accumulation_steps=2, logging_steps=1,
-        learning_rate=1e-3, report_to=[], dataloader_num_workers=0,
-    )  # fmt: skip
+example = _example()
+tiny_tokenizer = example.tiny_tokenizer
+save_tiny_model = example.save_tiny_model
+load_tiny_model = example.load_tiny_model
+build_trainer = example.build_trainer
 
 
 class ExpertsOracle:
