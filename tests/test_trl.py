@@ -224,3 +224,28 @@ def test_router_aux_loss_coef_zero_trl_logs_none_we_log_the_diagnostic(model_dir
     logged = next(h for h in trainer.state.log_history if "loss" in h)
     assert "aux_loss" not in logged  # TRL neither trains on nor logs it
     assert logged["moe/load_balancing_loss"] > 0  # the balance diagnostic, coefficient excluded
+
+
+def test_two_ranks_under_torchrun_reduce_the_counts_and_log_once(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from nemo_moe_metrics.testing import free_port
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    script = root / "tests" / "trl_ranks.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), str(script), str(tmp_path)]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["world"] == 2
+    oracle = result["oracle"]  # summed over both ranks
+    assert [result["logged"][str(layer)] for layer in range(LAYERS)] == oracle
+    (logged,) = result["history"]
+    assert logged["moe/routed_tokens"] == sum(oracle[0]) // 2
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 1  # one window, written once (rank 0)
+    assert json.loads(lines[0])["moe/routed_tokens"] == logged["moe/routed_tokens"]
