@@ -124,6 +124,13 @@ def test_grpo_generation_is_a_rollout_and_out_of_train_perf(model_dir, tmp_path)
     assert out["train_perf/seconds"] < pause, "train_perf/ must exclude the generation"
     assert out["train_perf/tokens"] == oracle.tokens("train")
     assert_counts_match(callback, oracle)
+    # The rollout's load: the generation forwards' real tokens (prefill and decode).
+    ratios = []
+    for layer in range(LAYERS):
+        counts = oracle.rollout[layer]
+        ratios.append(float(counts.max()) * EXPERTS / float(counts.sum()))
+        assert out[f"moe/layer_{layer}/rollout_max_over_ideal"] == pytest.approx(ratios[-1])
+    assert out["moe/rollout_max_over_ideal"] == pytest.approx(sum(ratios) / LAYERS)
 
 
 def test_a_step_that_raises_leaves_the_next_usable(model_dir, tmp_path):

@@ -36,6 +36,7 @@ Trainer's ``global_step``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
@@ -52,7 +53,7 @@ from nemo_moe_metrics.config import LoggerConfig, MetricsConfig
 from nemo_moe_metrics.extras import require
 from nemo_moe_metrics.sinks.base import split_tables, validate_metrics
 from nemo_moe_metrics.throughput import StepMeter
-from nemo_moe_metrics.worker import PolicyMetrics
+from nemo_moe_metrics.metrics import PolicyMetrics
 
 log = logging.getLogger(__name__)
 
@@ -274,8 +275,9 @@ class MoEMetricsCallback(TrainerCallback):
         self._hooks.append(
             model.register_forward_pre_hook(self._on_forward, with_kwargs=True, prepend=True)
         )
-        if self.cfg.track_throughput and callable(getattr(model, "generate", None)):
-            self._generation = StepMeter(device=self._device(model))
+        if callable(getattr(model, "generate", None)):
+            if self.cfg.track_throughput:
+                self._generation = StepMeter(device=self._device(model))
             self._original_generate = model.__dict__.get("generate")
             bound = model.generate
             model.generate = functools.partial(self._generate, bound)
@@ -312,14 +314,15 @@ class MoEMetricsCallback(TrainerCallback):
     def _generate(self, generate: Any, *args: Any, **kwargs: Any) -> Any:
         # Inside a training step (GRPO's rollout) the generation leaves the step: train_perf/
         # times the training part only, gen_perf/ the generation.
-        if self._step is None or self._generation is None:
+        if self._step is None:
             return generate(*args, **kwargs)
         self._close_step()  # the optimizer step goes on after the generation
         try:
-            with self._generation.step():
+            with self.metrics.generation(), self._generation_timer():
                 sequences = generate(*args, **kwargs)
                 ids = kwargs.get("input_ids", args[0] if args else None)
-                if isinstance(sequences, torch.Tensor) and isinstance(ids, torch.Tensor):
+                timed = self._generation is not None
+                if timed and isinstance(sequences, torch.Tensor) and isinstance(ids, torch.Tensor):
                     lengths = generated_lengths(
                         kwargs.get("attention_mask"),
                         int(ids.shape[-1]),
@@ -330,6 +333,9 @@ class MoEMetricsCallback(TrainerCallback):
         finally:
             self._open_step()
         return sequences
+
+    def _generation_timer(self) -> Any:
+        return self._generation.step() if self._generation is not None else contextlib.nullcontext()
 
     # -- steps and windows -----------------------------------------------------------------
     def _open_step(self) -> None:
