@@ -53,8 +53,7 @@ def trl_bench(
     torch.set_num_threads(1)
     rng = random.Random(0)
     texts = [
-        " ".join(rng.choice(example.WORDS) for _ in range(rng.randint(60, 120)))
-        for _ in range(64)
+        " ".join(rng.choice(example.WORDS) for _ in range(rng.randint(60, 120))) for _ in range(64)
     ]
 
     class StepClock(TrainerCallback):
@@ -90,7 +89,7 @@ def trl_bench(
                 # The console printer would time printing the extra keys, not the metrics.
                 trainer.remove_callback(PrinterCallback)
                 trainers[name] = trainer
-            for name, trainer in trainers.items():
+            for trainer in trainers.values():
                 data = Dataset.from_list([{"text": t} for t in texts])
                 trainer.train_dataset = trainer._prepare_dataset(
                     data, trainer.processing_class, trainer.args, False, None, "train"

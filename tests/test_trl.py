@@ -24,8 +24,8 @@ except ImportError as err:  # pragma: no cover - CI installs the 'trl' extra
     pytest.skip(f"TRL is not installed ({err}); pip install -e '.[trl]'", allow_module_level=True)
 
 import torch  # noqa: E402
-
 import trl_tiny as tt  # noqa: E402
+
 from nemo_moe_metrics.config import MetricsConfig  # noqa: E402
 from nemo_moe_metrics.integrations.transformers import MoEMetricsCallback  # noqa: E402
 
@@ -163,8 +163,9 @@ def test_eval_and_no_grad_forwards_stay_out(model_dir, tmp_path):
     trainer.evaluate(trainer.train_dataset.select(range(2)))
     oracle.remove()
     assert before == oracle.tokens("train")
-    assert not any(k.startswith("moe/") for h in trainer.state.log_history if "eval_loss" in h
-                   for k in h)
+    assert not any(
+        k.startswith("moe/") for h in trainer.state.log_history if "eval_loss" in h for k in h
+    )
 
 
 def _switch_loss(logits: list[torch.Tensor], mask: torch.Tensor | None, top_k: int) -> float:

@@ -79,9 +79,7 @@ def _experts_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any, v
     return masked_counts(index.reshape(index.shape[0], -1), int(module.num_experts), valid)
 
 
-def _zero_computation_counts(
-    module: nn.Module, args: tuple, kwargs: dict, output: Any, valid=None
-):
+def _zero_computation_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any, valid=None):
     # A pick of a zero-computation expert arrives remapped to a real id with weight exactly 0
     # (longcat_flash, zaya): the real experts' load is the picks with a non-zero weight.
     index, weights = _routing_args(args, kwargs)

@@ -51,9 +51,9 @@ from torch import nn
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig
 from nemo_moe_metrics.extras import require
+from nemo_moe_metrics.metrics import PolicyMetrics
 from nemo_moe_metrics.sinks.base import split_tables, validate_metrics
 from nemo_moe_metrics.throughput import StepMeter
-from nemo_moe_metrics.metrics import PolicyMetrics
 
 log = logging.getLogger(__name__)
 

@@ -285,7 +285,9 @@ class ExpertLoadCollector:
                 if self.health is not None:
                     logits, bias, valid = decision if decision is not None else (None, None, None)
                     if valid is None and logits is not None and extra.get("valid") is not None:
-                        valid = rows_of(extra["valid"], logits.reshape(-1, logits.shape[-1]).shape[0])
+                        valid = rows_of(
+                            extra["valid"], logits.reshape(-1, logits.shape[-1]).shape[0]
+                        )
                     self.health.observe(acc.layer_id, counts, logits, bias=bias, valid=valid)
                 if self.routing is not None and acc.layer_id in self._compared:
                     assert spec.routes_fn is not None
@@ -294,7 +296,9 @@ class ExpertLoadCollector:
                     )
             elif self.rollout_counting and self._masks and not _in_backward():
                 # A generation forward (prefill or decode): the rollout's load, real tokens.
-                acc.rollout.add_(per_expert(spec.counts_fn(module, args, kwargs, output, **extra)[0]))
+                acc.rollout.add_(
+                    per_expert(spec.counts_fn(module, args, kwargs, output, **extra)[0])
+                )
                 self.rollout_seen = True
 
         return hook
