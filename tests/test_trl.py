@@ -296,3 +296,25 @@ def test_report_to_trackio_gets_our_keys(tmp_path):
     assert [row["train/moe/routed_tokens"] for row in rows] == [
         h["moe/routed_tokens"] for h in got["history"]
     ]
+
+
+def test_packed_position_ids_give_one_length_per_packed_sequence():
+    from nemo_moe_metrics.integrations.transformers import forward_lengths
+
+    lengths = [3, 5, 1, 4]
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    ids = torch.zeros_like(positions)
+    got = forward_lengths((), {"input_ids": ids, "position_ids": positions})
+    assert got.tolist() == lengths + [0] * (sum(lengths) - len(lengths))
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    assert forward_lengths((), {"input_ids": mask, "attention_mask": mask}).tolist() == [3, 2]
+
+
+def test_generated_lengths_stop_at_the_first_end_of_sequence():
+    from nemo_moe_metrics.integrations.transformers import generated_lengths
+
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])  # left padding
+    eos = 1
+    sequences = torch.tensor([[0, 5, 6, 7, 1, 1, 1], [4, 5, 6, 7, 8, 9, 2]])
+    # prompt 2 + completion "7 <eos>" = 4; prompt 3 + completion of 4, no eos = 7
+    assert generated_lengths(prompt_mask, 3, sequences, [eos]).tolist() == [4, 7]

@@ -45,13 +45,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig
 from nemo_moe_metrics.extras import require
 from nemo_moe_metrics.metrics import PolicyMetrics
+from nemo_moe_metrics.sinks import build_sinks, logged_run
 from nemo_moe_metrics.sinks.base import split_tables, validate_metrics
 from nemo_moe_metrics.throughput import StepMeter
 
@@ -151,10 +151,6 @@ def _training_forward(model: nn.Module) -> bool:
         and torch.is_grad_enabled()
         and (torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1)
     )
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class MoEMetricsCallback(TrainerCallback):
@@ -372,7 +368,8 @@ class MoEMetricsCallback(TrainerCallback):
         return out
 
     def _move_first(self) -> None:
-        # The Trainer calls callbacks in list order from CallbackHandler.call_event, one frame up.
+        # The Trainer calls callbacks in list order from CallbackHandler.call_event, a caller of
+        # this event method: its list is where the callback moves itself to the front.
         handler = _calling_handler()
         if handler is None:
             if not self._warned_order:
@@ -390,8 +387,6 @@ class MoEMetricsCallback(TrainerCallback):
             callbacks.insert(0, self)
 
     def _open_sinks(self, args: Any) -> None:
-        from nemo_moe_metrics.sinks import build_sinks, logged_run
-
         run_dir = self.run_dir
         assert run_dir is not None
         resume = bool(logged_run(run_dir)) or self.logger.resume
