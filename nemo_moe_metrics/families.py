@@ -29,7 +29,7 @@ from torch import nn
 
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import MetricsConfig
-from nemo_moe_metrics.host_read import Pending, done
+from nemo_moe_metrics.host_read import Pending, collective_device, done
 from nemo_moe_metrics.moe import aux_loss
 from nemo_moe_metrics.moe.balance import expert_load_metrics
 from nemo_moe_metrics.moe.collector import ExpertLoadCollector
@@ -422,8 +422,7 @@ class Throughput(MetricFamily):
             return
         calls = microbatches
         if dist.is_available() and dist.is_initialized():
-            device = "cpu" if str(dist.get_backend()) == "gloo" else "cuda"
-            total = torch.tensor([calls], dtype=torch.int64, device=device)
+            total = torch.tensor([calls], dtype=torch.int64, device=collective_device())
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
             calls = int(total.item())
         if calls == 0:
