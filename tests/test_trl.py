@@ -274,40 +274,31 @@ def test_two_ranks_under_torchrun_reduce_the_counts_and_log_once(tmp_path):
     assert json.loads(lines[0])["moe/routed_tokens"] == logged["moe/routed_tokens"]
 
 
-def _trackio_child(mode: str, tmp_path: Path, extra_env: dict[str, str]) -> dict:
+def test_trackio_sink_and_report_to_trackio_side_by_side_in_the_run_directory(tmp_path):
+    # Both read back through trackio's own API (trackio.sqlite_storage.SQLiteStorage).
     import json
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parent.parent
+    store = tmp_path / "run" / "trackio"  # where the sink keeps it; report_to is pointed there
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRACKIO_")}
     env.update(PYTHONPATH=str(root), HF_HOME=str(tmp_path / "hf_home"), OMP_NUM_THREADS="1",
-               HF_HUB_OFFLINE="1", **extra_env)  # fmt: skip
+               HF_HUB_OFFLINE="1", TRACKIO_DIR=str(store))  # fmt: skip
     done = subprocess.run(
-        [sys.executable, str(root / "tests" / "trl_trackio.py"), mode, str(tmp_path)],
+        [sys.executable, str(root / "tests" / "trl_trackio.py"), str(tmp_path)],
         env=env, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def test_trackio_sink_writes_inside_the_run_directory_read_back_with_trackio(tmp_path):
-    got = _trackio_child("sink", tmp_path, {})
-    assert (tmp_path / "run" / "trackio").is_dir()
-    assert not (tmp_path / "hf_home" / "trackio").exists()  # nothing outside the run directory
-    by_step = {row["step"]: row for row in got["trackio"]}
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert store.is_dir() and not (tmp_path / "hf_home" / "trackio").exists()
+    by_step = {row["step"]: row for row in got["sink"]}
     for logged in got["history"]:
-        row = by_step[logged["step"]]
+        row = by_step[logged["step"]]  # our sink: the Trainer's global_step, keys as they are
         for key in ("moe/routed_tokens", "moe/max_over_ideal", "train_perf/tokens"):
             assert row[key] == pytest.approx(logged[key])
-
-
-def test_report_to_trackio_gets_our_keys(tmp_path):
-    store = tmp_path / "trackio_store"
-    got = _trackio_child("report_to", tmp_path, {"TRACKIO_DIR": str(store)})
-    assert store.is_dir()
     # transformers' trackio callback prefixes training keys with train/, as for TensorBoard.
-    rows = [row for row in got["trackio"] if "train/moe/routed_tokens" in row]
+    rows = [row for row in got["report_to"] if "train/moe/routed_tokens" in row]
     assert [row["train/moe/routed_tokens"] for row in rows] == [
         h["moe/routed_tokens"] for h in got["history"]
     ]

@@ -1,7 +1,7 @@
-"""A child process of tests/test_trl.py's trackio tests (trackio reads its store folder once,
-at import): ``sink`` trains with the callback's own trackio sink (``logger.trackio_enabled``),
-``report_to`` with the Trainer's ``report_to="trackio"``; both read the store back through
-trackio's own API and print it as JSON."""
+"""A child process of tests/test_trl.py's trackio test (trackio reads its store folder once,
+at import): one SFT run with both the callback's own trackio sink (``logger.trackio_enabled``)
+and the Trainer's ``report_to="trackio"``, side by side in the run directory's store; both are
+read back through trackio's own API and printed as JSON."""
 
 from __future__ import annotations
 
@@ -16,29 +16,27 @@ from nemo_moe_metrics.config import LoggerConfig, MetricsConfig  # noqa: E402
 from nemo_moe_metrics.integrations.transformers import MoEMetricsCallback  # noqa: E402
 
 
-def main(mode: str, out: Path) -> None:
-    """Train 2 steps; print ``{"history": ..., "trackio": [rows]}``."""
+def main(out: Path) -> None:
+    """Train 2 steps with both; print ``{"history", "sink": rows, "report_to": rows}``."""
     flags = MetricsConfig(track_moe_metrics=True, track_throughput=True)
     model_dir = tt.save_tiny_model(out / "model")
-    if mode == "sink":
-        logger = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False, trackio_enabled=True)
-        callback = MoEMetricsCallback(flags, run_dir=out / "run", logger=logger)
-        trainer = tt.build_trainer("sft", model_dir, out / "trainer", [callback], max_steps=2,
-                                   run_name="tiny_sft")  # fmt: skip
-    else:
-        callback = MoEMetricsCallback(flags)
-        trainer = tt.build_trainer("sft", model_dir, out / "trainer", [callback], max_steps=2,
-                                   report_to=["trackio"], run_name="tiny_sft")  # fmt: skip
+    logger = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False, trackio_enabled=True)
+    callback = MoEMetricsCallback(flags, run_dir=out / "run", logger=logger)
+    trainer = tt.build_trainer(
+        "sft", model_dir, out / "trainer", [callback], max_steps=2, report_to=["trackio"],
+        run_name="tiny_sft", project="hf_project",
+    )  # fmt: skip
     trainer.train()
     from trackio.sqlite_storage import SQLiteStorage
 
-    project = "nemo_moe_metrics" if mode == "sink" else None
-    if project is None:  # transformers' default trackio project
-        project = next(p for p in SQLiteStorage.get_projects())
-    rows = SQLiteStorage.get_logs(project, "tiny_sft")
     history = [h for h in trainer.state.log_history if "loss" in h]
-    print(json.dumps({"history": history, "trackio": rows}, default=str))
+    result = {
+        "history": history,
+        "sink": SQLiteStorage.get_logs("nemo_moe_metrics", "tiny_sft"),
+        "report_to": SQLiteStorage.get_logs("hf_project", "tiny_sft"),
+    }
+    print(json.dumps(result, default=str))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(Path(sys.argv[1]))
