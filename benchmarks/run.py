@@ -45,6 +45,10 @@ Measures (JSON keys, targets):
   ``track_router_health`` on / off (every other MoE metric on in both), and
   ``router_health_syncs_per_microbatch`` (0): host reads it adds per microbatch. The step
   benchmark's "every metric on" includes it, so ``step_overhead_ratio`` covers it too.
+- ``trl_callback_overhead_ratio`` (<= 1.02): a TRL ``SFTTrainer`` step with
+  ``MoEMetricsCallback`` and every flag on over the same step without it, a model whose step
+  takes at least 100 ms on one CPU thread, an export every step (``benchmarks/trl_bench.py``);
+  absent when TRL is not installed.
 - ``attach_seconds_94_layers`` (<= 1): ``PolicyMetrics.attach`` with every MoE flag, FLOPs and
   router health on a 94-layer x 128-expert transformers model without a registered FLOP formula
   (GLM-4.5's family, built on the meta device: the estimate is read from its modules),
@@ -63,6 +67,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -93,6 +98,7 @@ from benchmarks.long_run import report_bench, tiled_report_bench  # noqa: E402
 from benchmarks.placement_bench import placement_bench  # noqa: E402
 from benchmarks.routing_bench import router_health_bench, routing_bench  # noqa: E402
 from benchmarks.store_bench import store_bench  # noqa: E402
+from benchmarks.trl_bench import trl_bench  # noqa: E402
 from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, LoggerConfig  # noqa: E402
 
 RESULT_KEYS = (
@@ -119,6 +125,7 @@ RESULT_KEYS = (
     "report_peak_rss_mb_100k_94x256_every_step",
     "attach_seconds_94_layers",
     "placement_seconds_10k_94x256",
+    "trl_callback_overhead_ratio",
 )
 TARGETS: dict[str, tuple[str, float]] = {
     "step_overhead_ratio": ("<=", 1.02),
@@ -144,6 +151,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "report_peak_rss_mb_100k_94x256_every_step": ("<=", 2048.0),
     "attach_seconds_94_layers": ("<=", 1.0),
     "placement_seconds_10k_94x256": ("<=", 10.0),
+    "trl_callback_overhead_ratio": ("<=", 1.02),
 }
 FLOPS_FIXTURES = {"qwen3_moe": "qwen3-30b-a3b", "qwen3_5_moe": "qwen3.5-35b-a3b"}
 STEP_WORLD_SIZE = 1  # one rank, one thread: the other core absorbs the machine's other load
@@ -163,6 +171,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         routing_pairs=40,
         health_pairs=40,
         attach_layers=94,
+        trl=dict(blocks=10, steps_per_block=5),
     ),
     "quick": dict(
         bench=BenchConfig(warmup_pairs=1, pairs=40, export_repeats=30),
@@ -174,6 +183,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         routing_pairs=20,
         health_pairs=20,
         attach_layers=94,
+        trl=dict(blocks=6, steps_per_block=4),
     ),
     # Tiny model and few repeats: exercises every path in seconds; the numbers mean little.
     "smoke": dict(
@@ -201,6 +211,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         routing_pairs=2,
         health_pairs=2,
         attach_layers=8,
+        trl=dict(blocks=2, steps_per_block=2, model={}),
     ),
 }
 
@@ -498,6 +509,18 @@ def _format(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _add_trl(result: dict[str, Any], preset: dict[str, Any]) -> None:
+    # TRL is an extra: without it the key is absent (and says so), never a made-up number.
+    if importlib.util.find_spec("trl") is None:
+        result["details"]["trl"] = "not measured: TRL is not installed (extra 'trl')"
+        return
+    trl = trl_bench(**preset)
+    key = "trl_callback_overhead_ratio"
+    result[key] = trl[key]
+    result["met"][key] = _meets(trl[key], *TARGETS[key])
+    result["details"]["trl"] = trl
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmarks, print a summary, optionally write JSON; 1 if a check failed."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -567,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     health = router_health_bench(bench.step, preset["health_pairs"], timeout=args.timeout)
     attach = attach_bench(layers=preset["attach_layers"])
     result = summarise(ranks, exports, flops, store, report, routing, health, attach)
+    _add_trl(result, preset["trl"])
     result["machine"] = {
         **machine(),
         "load_average_1m_before": load_before[0],

@@ -186,6 +186,9 @@ class PolicyMetrics:
             self._families.append(families.MegatronAuxLoss(self._transformer_config, cfg))
         self._loads = families.ExpertLoads(collector, ExpertLoadReducer(None), cfg, facts.ep_size)
         self._families.append(self._loads)
+        if collector is not None and facts.source != "megatron":
+            # Whole models on every rank: each rank generates, each joins (see generation()).
+            self._families.append(families.RolloutLoad(collector, cfg.moe_per_layer_logging))
         if facts.expert_bias:
             # Every rank joins the bias reduce, also a pipeline stage without MoE layers.
             sources = collector.expert_bias_sources() if collector else []
@@ -308,6 +311,28 @@ class PolicyMetrics:
             for family in self._families:
                 family.leave_step()
         self._steps_since_export += 1
+
+    @contextlib.contextmanager
+    def generation(self) -> Iterator[None]:
+        """Bracket a generation by the policy model itself (a rollout inside the training loop,
+        such as TRL's GRPO calling ``model.generate``).
+
+        Its forwards (prefill and every decode step, real tokens only) count as the rollout's
+        expert load, logged at the next ``finish_step`` as ``moe/rollout_max_over_ideal`` (per
+        layer ``moe/layer_{i}/rollout_max_over_ideal`` with ``moe_per_layer_logging``); they
+        never enter the training counts. The export of the rollout load is collective: every
+        rank generates at the same steps. Hugging Face and torchtitan models only.
+        """
+        self._require_attach("generation")
+        collector = self._collector
+        if collector is None:
+            yield
+            return
+        collector.rollout_counting = True
+        try:
+            yield
+        finally:
+            collector.rollout_counting = False
 
     def restart_step(self) -> None:
         """Forget what the open step counted so far, because its forward-backward runs again.
