@@ -33,10 +33,9 @@ from nemo_moe_metrics.failures import (
     read_failures,
 )
 from nemo_moe_metrics.preflight import preflight
-from nemo_moe_metrics.run_dir import LOCK_FILE, TOKEN_ENV, RunDirLock, this_command
-
-NEMORUN_DIR = "nemo_run"
-LAUNCH_LOG = "launch.log"
+from nemo_moe_metrics.run_dir import TOKEN_ENV, RunDirLock, this_command
+from nemo_moe_metrics.run_dir_policy import check_before_lock, prepare_run_dir
+from nemo_moe_metrics.run_files import LAUNCH_LOG, NEMORUN_DIR
 
 
 def check_world_size(recipe: Any, nproc: int) -> None:
@@ -55,53 +54,6 @@ def check_launch_extras(recipe: Recipe) -> None:
         check_extra("tensorboard", "logger.tensorboard_enabled=true")
     if recipe.logger.wandb_enabled and recipe.logger.wandb_mode != "disabled":
         check_extra("wandb", "logger.wandb_enabled=true")
-
-
-def prepare_run_dir(run_dir: Path, *, resume: bool = False, overwrite: bool = False) -> str | None:
-    """One run per directory: refuse an existing run unless ``resume`` or ``overwrite``.
-
-    ``overwrite`` deletes everything the old run wrote (JSONL, expert-load store, TensorBoard,
-    W&B, pictures, nemo-run state) before the new one starts; ``resume`` keeps it all and the
-    run continues it (the launcher passes ``logger.resume=true``). A run that failed before
-    logging any step blocks nothing: its leftovers are cleared and a note saying so is returned.
-    Call it holding the directory's lock (:class:`~nemo_moe_metrics.run_dir.RunDirLock`): the
-    lock file is kept, and nobody else may be writing meanwhile.
-    """
-    from nemo_moe_metrics.sinks import logged_run
-
-    if resume and overwrite:
-        raise ConfigError("--resume and --overwrite exclude each other; pass one of them")
-    entries = sorted(run_dir.iterdir()) if run_dir.is_dir() else []
-    old = [p.name for p in entries if p.name != LOCK_FILE]  # the lock is the caller's
-    logged = logged_run(run_dir) if old else []
-    if resume and not old:
-        raise ConfigError(
-            f"--resume: {run_dir} holds no run to continue; drop --resume to start a new run"
-        )
-    if resume and not logged:
-        raise ConfigError(
-            f"--resume: {run_dir} holds a run that logged no step; drop --resume to start a new run"
-        )
-    if logged and not (resume or overwrite):
-        shown = ", ".join(old[:6]) + (", ..." if len(old) > 6 else "")
-        raise ConfigError(
-            f"run directory {run_dir} already holds a run ({shown}); pass --resume to continue "
-            "it, --overwrite to delete it and start afresh, or choose another directory "
-            "(--output-dir DIR, or the override name=NEW_NAME)"
-        )
-    note = None
-    if old and not logged and not overwrite:
-        note = f"{run_dir}: the earlier run there logged no step (it failed early); starting afresh"
-    if overwrite or note:
-        for child in run_dir.iterdir():
-            if child.name == LOCK_FILE:
-                continue
-            if child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child)
-            else:
-                child.unlink()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return note
 
 
 def check_resume_has_steps_left(run_dir: Path, recipe: Recipe, recipe_path: str | Path) -> None:
@@ -408,9 +360,12 @@ def slurm_submit(
     run_dir = Path(output_dir).resolve() / recipe.name
     # Held while the directory is checked and cleared: a live run refuses the submission. The
     # job takes the lock itself for its lifetime (train.own_run_dir), on the compute node.
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with RunDirLock(run_dir, command=this_command()):
-        notes = [prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)]
+    check_before_lock(run_dir, resume=resume, overwrite=overwrite)
+    with RunDirLock(run_dir, command=this_command()) as lock:
+        notes = [
+            prepare_run_dir(run_dir, resume=resume, overwrite=overwrite, earlier_lock=lock.previous)
+        ]
+        lock.mark_run()
     notes.append(_uncommitted_note())
     if resume:
         check_resume_has_steps_left(run_dir, recipe, recipe_path)
@@ -711,12 +666,18 @@ def run_with_progress(
     check_launch_extras(recipe)
     console = _console(console)
     run_dir = Path(output_dir).resolve() / recipe.name
-    if resume and not run_dir.is_dir():  # said before the lock would create the directory
+    # Said before the lock file would be created: a directory that is not a run's, and a
+    # --resume of a directory that does not exist.
+    check_before_lock(run_dir, resume=resume, overwrite=overwrite)
+    if resume and not run_dir.is_dir():
         prepare_run_dir(run_dir, resume=True)
     with RunDirLock(run_dir, command=this_command()) as lock:  # before any write or delete
         for note in lock.notes:
             _say(console, note)
-        note = prepare_run_dir(run_dir, resume=resume, overwrite=overwrite)
+        note = prepare_run_dir(
+            run_dir, resume=resume, overwrite=overwrite, earlier_lock=lock.previous
+        )
+        lock.mark_run()
         if note:
             _say(console, note)
         if resume:

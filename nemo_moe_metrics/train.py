@@ -123,6 +123,7 @@ def own_run_dir(output_dir: Path) -> RunDirLock:
     if token:
         return lock.join(token)
     lock.acquire(writer=True)
+    lock.mark_run()  # a run starts here: its directory is a run's from now on
     for note in lock.notes:
         print(note, flush=True)
     return lock

@@ -19,11 +19,20 @@ import secrets
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from nemo_moe_metrics import run_files
 from nemo_moe_metrics.config import LoggerConfig
+from nemo_moe_metrics.run_files import (
+    MLFLOW_ARTIFACTS_DIR,
+    MLFLOW_DB,
+    RUN_FILE,
+    TENSORBOARD_DIR,
+    WANDB_DIR,
+)
 from nemo_moe_metrics.sinks.base import (
     MultiSink,
     NullSink,
@@ -33,7 +42,6 @@ from nemo_moe_metrics.sinks.base import (
     validate_metrics,
 )
 from nemo_moe_metrics.sinks.jsonl import METRICS_FILE, JsonlSink
-from nemo_moe_metrics.sinks.mlflow import MLFLOW_ARTIFACTS_DIR, MLFLOW_DB
 from nemo_moe_metrics.sinks.resume import (
     ResumeError,
     ResumeState,
@@ -43,24 +51,9 @@ from nemo_moe_metrics.sinks.resume import (
 )
 from nemo_moe_metrics.sinks.store import STORE_FILE, ExpertLoadSink, store_path
 
-RUN_FILE = "run.json"
-TENSORBOARD_DIR = "tensorboard"
-WANDB_DIR = "wandb"
-# What a run writes into its directory (sinks and report pictures); ``overwrite`` deletes these
-# and nothing else, so an API user's own files in the same directory are left alone.
-RUN_RECORD = (
-    METRICS_FILE,
-    STORE_FILE,
-    RUN_FILE,
-    TENSORBOARD_DIR,
-    WANDB_DIR,
-    MLFLOW_DB,
-    MLFLOW_ARTIFACTS_DIR,
-    "expert_load_heatmap.png",
-    "expert_load_over_steps.png",
-    "routing_drift.png",
-    "max_over_ideal.png",
-)
+# What a run writes into its directory (sinks and report pictures, named in run_files.py);
+# ``overwrite`` deletes these and nothing else, so an API user's own files are left alone.
+RUN_RECORD = run_files.RUN_RECORD
 
 
 class RunExistsError(FileExistsError):
@@ -103,10 +96,12 @@ def _tensorboard_has_steps(log_dir: Path) -> bool:
     return log_dir.is_dir() and bool(logged_steps(log_dir))
 
 
-def clear_run(run_dir: Path) -> list[str]:
-    """Delete what a run wrote into ``run_dir`` (:data:`RUN_RECORD`); returns the names removed."""
+def clear_run(run_dir: Path, names: Iterable[str] = RUN_RECORD) -> list[str]:
+    """Delete what a run wrote into ``run_dir`` (``names``, by default :data:`RUN_RECORD`),
+    never following a link (a link is removed, its target left alone); returns the names
+    removed."""
     removed = []
-    for name in RUN_RECORD:
+    for name in names:
         path = Path(run_dir) / name
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)

@@ -1,0 +1,103 @@
+"""Every name a run writes into its run directory, in one place.
+
+A run directory (``<--output-dir>/<recipe name>/``) holds only these entries: the sinks' records
+(:data:`RUN_RECORD`: ``metrics.jsonl``, the expert-load store, ``run.json``, TensorBoard, W&B,
+MLflow and the pictures ``report`` draws), what the launcher writes (:data:`LAUNCH_FILES`:
+``recipe.yaml``, ``launch.log``, nemo-run's state) and the lock (``.run.lock``, which also
+marks the directory as a run's, even one that failed before it logged a step). Deleting a run
+deletes these names and nothing else; a directory that holds anything else is not a run's
+(:mod:`nemo_moe_metrics.run_dir`).
+"""
+
+from __future__ import annotations
+
+METRICS_FILE = "metrics.jsonl"
+STORE_FILE = "expert_loads.bin"
+RUN_FILE = "run.json"
+RECIPE_FILE = "recipe.yaml"
+TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"
+MLFLOW_DB = "mlflow.db"
+MLFLOW_ARTIFACTS_DIR = "mlflow_artifacts"
+LOCK_FILE = ".run.lock"
+LAUNCH_LOG = "launch.log"
+NEMORUN_DIR = "nemo_run"
+
+# The pictures ``nemo-moe-metrics report`` draws into the run directory.
+HEATMAP_FILE = "expert_load_heatmap.png"
+OVER_STEPS_FILE = "expert_load_over_steps.png"
+DRIFT_FILE = "routing_drift.png"
+MAX_OVER_IDEAL_FILE = "max_over_ideal.png"
+ROUTING_DISAGREEMENT_FILE = "routing_disagreement.png"
+ROUTER_HEALTH_FILE = "router_health.png"
+BIAS_FILE = "expert_bias.png"
+PICTURES = (
+    HEATMAP_FILE,
+    OVER_STEPS_FILE,
+    DRIFT_FILE,
+    MAX_OVER_IDEAL_FILE,
+    ROUTING_DISAGREEMENT_FILE,
+    ROUTER_HEALTH_FILE,
+    BIAS_FILE,
+)
+
+#: What the sinks and ``report`` write: ``build_sinks(..., overwrite=True)`` deletes these.
+RUN_RECORD = (
+    METRICS_FILE,
+    STORE_FILE,
+    RUN_FILE,
+    TENSORBOARD_DIR,
+    WANDB_DIR,
+    MLFLOW_DB,
+    MLFLOW_ARTIFACTS_DIR,
+    *PICTURES,
+)
+#: What a launcher (``nemo-moe-metrics run``, the per-rank entrypoint) writes beside the record.
+LAUNCH_FILES = (RECIPE_FILE, LAUNCH_LOG, NEMORUN_DIR)
+#: Every entry of a run directory.
+RUN_FILES = (*RUN_RECORD, *LAUNCH_FILES, LOCK_FILE)
+# SQLite's companions of mlflow.db while it is open or after a crash.
+_SQLITE_SUFFIXES = ("-journal", "-wal", "-shm")
+
+
+def is_run_file(name: str) -> bool:
+    """Whether ``name`` (an entry of a run directory) is one a run writes: a name of
+    :data:`RUN_FILES`, SQLite's files beside ``mlflow.db``, or the temporary file of an atomic
+    write (``run.json…tmp``, ``.expert_load_heatmap.….tmp.png``) that a crash left behind."""
+    if name in RUN_FILES:
+        return True
+    if any(name == MLFLOW_DB + suffix for suffix in _SQLITE_SUFFIXES):
+        return True
+    bare = name.lstrip(".")
+    return ".tmp" in bare and any(bare.startswith(_stem(f)) for f in RUN_RECORD + (RECIPE_FILE,))
+
+
+def _stem(name: str) -> str:
+    return name.rsplit(".", 1)[0] if name.endswith((".png", ".json", ".yaml")) else name
+
+
+__all__ = [
+    "BIAS_FILE",
+    "DRIFT_FILE",
+    "HEATMAP_FILE",
+    "LAUNCH_FILES",
+    "LAUNCH_LOG",
+    "LOCK_FILE",
+    "MAX_OVER_IDEAL_FILE",
+    "METRICS_FILE",
+    "MLFLOW_ARTIFACTS_DIR",
+    "MLFLOW_DB",
+    "NEMORUN_DIR",
+    "OVER_STEPS_FILE",
+    "PICTURES",
+    "RECIPE_FILE",
+    "ROUTER_HEALTH_FILE",
+    "ROUTING_DISAGREEMENT_FILE",
+    "RUN_FILE",
+    "RUN_FILES",
+    "RUN_RECORD",
+    "STORE_FILE",
+    "TENSORBOARD_DIR",
+    "WANDB_DIR",
+    "is_run_file",
+]

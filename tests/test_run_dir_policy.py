@@ -1,0 +1,115 @@
+"""One run per directory, and nothing else is deleted: the rules of run_dir_policy.py.
+
+Through the real CLI where a refusal is what is tested (it comes before any process starts);
+through the API for what a launcher does holding the lock.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_moe_metrics.config import ConfigError
+from nemo_moe_metrics.run_dir import RunDirLock
+from nemo_moe_metrics.run_dir_policy import prepare_run_dir
+from nemo_moe_metrics.run_files import LOCK_FILE
+
+REPO = Path(__file__).resolve().parent.parent
+GRPO = REPO / "examples" / "configs" / "grpo_moe_tiny.yaml"
+
+pytestmark = pytest.mark.one_line  # CLI behaviour: the same on both megatron-core lines
+
+
+def _cli(*args: object, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "nemo_moe_metrics.cli", *map(str, args)],
+        capture_output=True, text=True, env=env, cwd=cwd, timeout=120,
+    )  # fmt: skip
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("flags", [[], ["--overwrite"]])
+def test_a_users_directory_survives_run_and_is_refused_naming_its_files(tmp_path, flags):
+    run_dir = tmp_path / "out" / "grpo_moe_tiny"
+    run_dir.mkdir(parents=True)
+    (run_dir / "notes.txt").write_text("keep\n")
+    (run_dir / "launch.log").write_text("looks like a run's file, but the notes make it mine\n")
+    before = _tree(tmp_path)
+    proc = _cli("run", GRPO, "--output-dir", tmp_path / "out", *flags)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"holds files that no run wrote ({run_dir / 'notes.txt'})" in proc.stderr
+    assert "--output-dir DIR, or the override name=NEW_NAME" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    # Nothing deleted, nothing written (not even the lock file).
+    assert _tree(tmp_path) == before
+    assert not (run_dir / LOCK_FILE).exists()
+
+
+def test_a_run_that_failed_early_is_known_by_the_lock_it_left_and_cleared(tmp_path):
+    run_dir = tmp_path / "grpo_moe_tiny"
+    lock = RunDirLock(run_dir, command="nemo-moe-metrics run x.yaml").acquire()
+    lock.mark_run()  # what `run` does once the directory is fit, before the job starts
+    lock.release()
+    (run_dir / "nemo_run" / "experiments").mkdir(parents=True)
+    (run_dir / "launch.log").write_text("Traceback ...\n")
+    (run_dir / "metrics.jsonl").write_text("")
+    with RunDirLock(run_dir) as lock:
+        assert lock.previous is not None and lock.previous.command == "nemo-moe-metrics run x.yaml"
+        note = prepare_run_dir(run_dir, earlier_lock=lock.previous)
+    assert (
+        note
+        == f"{run_dir}: the earlier run there logged no step (it failed early); starting afresh"
+    )
+    assert sorted(os.listdir(run_dir)) == [LOCK_FILE]
+
+
+def test_run_files_without_a_mark_of_a_run_are_refused_not_deleted(tmp_path):
+    run_dir = tmp_path / "grpo_moe_tiny"
+    (run_dir / "tensorboard").mkdir(parents=True)
+    (run_dir / "tensorboard" / "my_other_tool.txt").write_text("mine\n")
+    (run_dir / "launch.log").write_text("mine too\n")
+    before = _tree(run_dir)
+    for overwrite in (False, True):
+        with RunDirLock(run_dir) as lock, pytest.raises(ConfigError) as err:
+            prepare_run_dir(run_dir, overwrite=overwrite, earlier_lock=lock.previous)
+        assert "no mark of a run" in str(err.value) and "not deleted" in str(err.value)
+        assert {k: v for k, v in _tree(run_dir).items() if k != LOCK_FILE} == before
+
+
+def test_overwrite_deletes_a_logged_runs_files_and_nothing_through_a_link(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep\n")
+    run_dir = tmp_path / "run"
+    RunDirLock(run_dir).acquire().release()  # a lock that marks no run: the records prove it
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
+    (run_dir / "tensorboard").mkdir()
+    (run_dir / "tensorboard" / "events.out.tfevents.1").write_bytes(b"x")
+    (run_dir / "router_health.png").write_bytes(b"png")
+    with RunDirLock(run_dir) as lock:
+        with pytest.raises(ConfigError, match="already holds a run"):
+            prepare_run_dir(run_dir, earlier_lock=lock.previous)
+        assert prepare_run_dir(run_dir, overwrite=True, earlier_lock=lock.previous) is None
+    assert sorted(os.listdir(run_dir)) == [LOCK_FILE]
+    # A run's file that is a link is refused (never followed, never deleted through).
+    (run_dir / "wandb").symlink_to(outside)
+    with pytest.raises(ConfigError, match="must not be symbolic links"):
+        prepare_run_dir(run_dir, overwrite=True)
+    assert (outside / "precious.txt").read_text() == "keep\n"
+
+
+def test_a_file_where_the_run_directory_should_be_is_one_line(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "grpo_moe_tiny").write_text("a file\n")
+    proc = _cli("run", GRPO, "--output-dir", tmp_path / "out")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "is a file, not a directory" in proc.stderr and "Traceback" not in proc.stderr
+    assert (tmp_path / "out" / "grpo_moe_tiny").read_text() == "a file\n"
