@@ -14,6 +14,8 @@ from typing import Any, ClassVar, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from nemo_moe_metrics.run_files import check_run_name
+
 
 class ConfigError(ValueError):
     """A recipe or override that cannot be used; the message names the key and the fix."""
@@ -491,6 +493,11 @@ class Recipe(StrictModel):
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        return check_run_name(name)  # the run directory's name: it must not leave --output-dir
 
     @model_validator(mode="after")
     def _check_router_replay(self) -> Recipe:
