@@ -40,9 +40,12 @@ class RankFailure:
     exception: str  # "Type: message" (the message may span lines)
     frame: str | None  # deepest frame in this package or the user's code: "path:line in func"
     raised_at: str | None  # deepest frame overall, when it is elsewhere (torch, megatron, ...)
+    refused: bool = False  # the rank refused its command line (nothing was raised in training)
 
     def describe(self) -> str:
         """A few lines for the terminal."""
+        if self.refused:
+            return f"rank {self.rank} refused its arguments: {self.exception}"
         lines = [f"rank {self.rank} raised {self.exception}"]
         if self.frame:
             lines.append(f"  at {self.frame}")
@@ -161,6 +164,25 @@ def record_failure(err: BaseException, rank: int | None = None) -> None:
         "frame": frame,
         "raised_at": raised_at,
     }
+    _append_line(path, line)
+
+
+def record_refusal(message: str, argv: list[str]) -> None:
+    """Record (as :func:`record_failure`) that this rank refused its command line ``argv``
+    with ``message``: the launcher then says so, with the arguments as the rank got them."""
+    path = os.environ.get(LAST_WORDS_ENV)
+    if not path:
+        return
+    line = {
+        "rank": int(os.environ.get("RANK", "0")),
+        "time": time.time(),
+        "exception": f"{message}\n  the rank's arguments, as it got them: {argv!r}"[:4000],
+        "refused": True,
+    }
+    _append_line(path, line)
+
+
+def _append_line(path: str, line: dict[str, object]) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
@@ -179,7 +201,8 @@ def read_failures(path: Path | None) -> list[RankFailure]:
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 row = json.loads(raw)
                 rows.append((float(row["time"]), RankFailure(
-                    int(row["rank"]), str(row["exception"]), row.get("frame"), row.get("raised_at")
+                    int(row["rank"]), str(row["exception"]), row.get("frame"),
+                    row.get("raised_at"), bool(row.get("refused")),
                 )))  # fmt: skip
     return [f for _, f in sorted(rows, key=lambda r: r[0])]
 

@@ -36,6 +36,7 @@ from nemo_moe_metrics.preflight import preflight
 from nemo_moe_metrics.run_dir import TOKEN_ENV, RunDirLock, this_command
 from nemo_moe_metrics.run_dir_policy import check_before_lock, prepare_run_dir
 from nemo_moe_metrics.run_files import LAUNCH_LOG, NEMORUN_DIR
+from nemo_moe_metrics.train_args import ARGV_ENV, ARGV_FROM_ENV
 
 
 def check_world_size(recipe: Any, nproc: int) -> None:
@@ -86,23 +87,38 @@ def use_nemorun_home(path: str | Path) -> None:
     nemo_run_config.set_nemorun_home(str(path))
 
 
-def train_script(recipe_path: str | Path, overrides: list[str], run_dir: str | Path) -> Any:
-    """A ``run.Script`` running ``python -m nemo_moe_metrics.train`` (paths passed as given)."""
+def train_script(
+    recipe_path: str | Path, overrides: list[str], run_dir: str | Path, *, shell: bool = True
+) -> Any:
+    """A ``run.Script`` running ``python -m nemo_moe_metrics.train`` (paths passed as given).
+
+    ``shell``: whether a shell reads the command (an sbatch script: nemo-run quotes each
+    argument for it, right there) or not (the local executor starts torchrun with a list,
+    where those quotes would stay in the text). Without a shell the arguments travel in the
+    environment (:data:`~nemo_moe_metrics.train.ARGV_ENV`, :func:`local_executor`), so each
+    reaches the ranks byte for byte; the command line holds only a flag saying so.
+    """
     import nemo_run as run
 
-    args = ["--recipe", str(recipe_path), "--output-dir", str(run_dir)]
+    args = ["--recipe", str(recipe_path), "--output-dir", str(run_dir), *overrides]
     return run.Script(
-        path="nemo_moe_metrics.train", m=True, entrypoint="python", args=args + list(overrides)
+        path="nemo_moe_metrics.train",
+        m=True,
+        entrypoint="python",
+        args=args if shell else [ARGV_FROM_ENV],
     )
 
 
-def local_executor(nproc: int) -> Any:
-    """``nproc`` ranks on this machine under torchrun (gloo on CPU, NCCL on GPUs)."""
+def local_executor(nproc: int, train_argv: list[str] | None = None) -> Any:
+    """``nproc`` ranks on this machine under torchrun (gloo on CPU, NCCL on GPUs);
+    ``train_argv``: the ranks' arguments, passed in the environment (see :func:`train_script`)."""
     import nemo_run as run
 
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     env = {"WANDB_MODE": os.environ.get("WANDB_MODE", "offline"), "OMP_NUM_THREADS": "1"}
+    if train_argv is not None:
+        env[ARGV_ENV] = json.dumps(train_argv)
     # Children import the package from where this process found it (editable or source tree).
     src_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, os.environ.get("PYTHONPATH")) if p)
@@ -142,8 +158,10 @@ def _launch_local(recipe_path: str | Path, overrides: list[str], nproc: int, run
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
-    script = train_script(Path(recipe_path).resolve(), overrides, run_dir)
-    with run.Experiment(run_dir.name, executor=local_executor(nproc), log_level="WARN") as exp:
+    script = train_script(Path(recipe_path).resolve(), overrides, run_dir, shell=False)
+    argv = ["--recipe", str(Path(recipe_path).resolve()), "--output-dir", str(run_dir), *overrides]
+    executor = local_executor(nproc, train_argv=argv)
+    with run.Experiment(run_dir.name, executor=executor, log_level="WARN") as exp:
         exp.add(script, name="train", tail_logs=False)
         exp.run(sequential=True, detach=False, tail_logs=False)
     # The experiment waits for its jobs when the block exits; Job.state is then final

@@ -18,10 +18,11 @@ import torch
 
 from nemo_moe_metrics import processes
 from nemo_moe_metrics.config import ConfigError, Recipe, dump_recipe, load_recipe
-from nemo_moe_metrics.failures import record_failure
+from nemo_moe_metrics.failures import record_failure, record_refusal
 from nemo_moe_metrics.preflight import preflight
 from nemo_moe_metrics.run_dir import TOKEN_ENV, RunDirLock
 from nemo_moe_metrics.sinks import ResumeState, build_sinks, prepare_resume
+from nemo_moe_metrics.train_args import rank_argv
 from nemo_moe_metrics.worker import PolicyMetrics
 
 
@@ -181,7 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; a configuration error prints one line and exits with status 2."""
     from nemo_moe_metrics.slurm import SlurmError, rank_env_from_slurm
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        argv = rank_argv(argv)  # a local launch passes them in the environment (train_args.py)
+        args = build_parser().parse_args(argv)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        record_refusal(str(err), argv)
+        return 2
+    except SystemExit as stop:  # argparse said why on stderr; the launcher says which rank
+        if stop.code:
+            record_refusal("its command line does not parse (see its log)", argv)
+        raise
     try:
         # One Slurm task per rank (srun without torchrun): the rank comes from Slurm.
         os.environ.update(rank_env_from_slurm(os.environ))
@@ -192,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         preflight(recipe, int(world) if world else None)
     except (ConfigError, SlurmError) as err:
         print(f"error: {err}", file=sys.stderr)
+        record_refusal(str(err), argv)
         return 2
     if "LOCAL_RANK" in os.environ:  # started by torchrun: end with it (and with `run`)
         rank = os.environ.get("RANK", os.environ["LOCAL_RANK"])
