@@ -27,7 +27,14 @@ from pathlib import Path
 
 from nemo_moe_metrics.config import ConfigError
 from nemo_moe_metrics.run_dir import Holder
-from nemo_moe_metrics.run_files import LOCK_FILE, METRICS_FILE, RUN_FILE, is_run_file
+from nemo_moe_metrics.run_files import (
+    LOCK_FILE,
+    METRICS_FILE,
+    RUN_FILE,
+    is_run_file,
+    linked_run_files,
+    links_refusal,
+)
 from nemo_moe_metrics.sinks import clear_run, logged_run, read_resume_state
 
 #: What to say after the entries a refusal names: the ways on.
@@ -40,7 +47,7 @@ def check_before_lock(run_dir: Path, *, resume: bool = False, overwrite: bool = 
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite exclude each other; pass one of them")
     entries = _entries(run_dir)
-    _refuse_links(run_dir, entries)
+    _refuse_links(run_dir)
     if not resume:
         _refuse_foreign(run_dir, entries, overwrite)
 
@@ -99,15 +106,10 @@ def _entries(run_dir: Path) -> list[str]:
     return sorted(os.listdir(run_dir)) if run_dir.is_dir() else []
 
 
-def _refuse_links(run_dir: Path, entries: list[str]) -> None:
-    links = [name for name in entries if is_run_file(name) and (run_dir / name).is_symlink()]
+def _refuse_links(run_dir: Path) -> None:
+    links = linked_run_files(run_dir)
     if links:
-        shown = ", ".join(f"{run_dir / name} -> {os.readlink(run_dir / name)}" for name in links)
-        raise ConfigError(
-            f"{shown}: a run's own files must not be symbolic links (a run writes and deletes "
-            "only inside its directory, never through a link); remove the link(s) (rm leaves "
-            f"the target alone), or {ELSEWHERE}"
-        )
+        raise ConfigError(links_refusal(links, ELSEWHERE))
 
 
 def _refuse_foreign(run_dir: Path, entries: list[str], overwrite: bool) -> None:

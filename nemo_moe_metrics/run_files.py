@@ -11,7 +11,9 @@ deletes these names and nothing else; a directory that holds anything else is no
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
 STORE_FILE = "expert_loads.bin"
@@ -103,8 +105,28 @@ def check_run_name(name: str) -> str:
         )
     else:
         return name
-    raise ValueError(
-        f"{problem}; the name is the run directory's name under --output-dir: {fix}"
+    raise ValueError(f"{problem}; the name is the run directory's name under --output-dir: {fix}")
+
+
+def linked_run_files(run_dir: Path) -> list[str]:
+    """The run's own entries of ``run_dir`` that are symbolic links (a run never writes or
+    deletes through one), each as ``path -> target``."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    return [
+        f"{run_dir / name} -> {os.readlink(run_dir / name)}"
+        for name in sorted(os.listdir(run_dir))
+        if is_run_file(name) and (run_dir / name).is_symlink()
+    ]
+
+
+def links_refusal(links: list[str], elsewhere: str) -> str:
+    """The message refusing a run directory whose own files are the symbolic ``links``."""
+    return (
+        f"{', '.join(links)}: a run's own files must not be symbolic links (a run writes and "
+        "deletes only inside its directory, never through a link); remove the link(s) (rm "
+        f"leaves the target alone), or {elsewhere}"
     )
 
 
@@ -138,4 +160,6 @@ __all__ = [
     "WANDB_DIR",
     "check_run_name",
     "is_run_file",
+    "linked_run_files",
+    "links_refusal",
 ]

@@ -138,3 +138,55 @@ def test_a_portable_name_is_taken():
     from nemo_moe_metrics.config import load_recipe
 
     assert load_recipe(GRPO, ["name=grpo_moe_tiny.v2-b"]).name == "grpo_moe_tiny.v2-b"
+
+
+def _outside(tmp_path: Path, text: str) -> Path:
+    target = tmp_path / "elsewhere" / "precious.txt"
+    target.parent.mkdir(exist_ok=True)
+    target.write_text(text)
+    return target
+
+
+def test_a_symlinked_lock_leaves_its_target_unchanged(tmp_path):
+    from nemo_moe_metrics.run_dir import RunDirError
+
+    target = _outside(tmp_path, "not a lock\n")
+    run_dir = tmp_path / "out" / "grpo_moe_tiny"
+    run_dir.mkdir(parents=True)
+    (run_dir / LOCK_FILE).symlink_to(target)
+    proc = _cli("run", GRPO, "--output-dir", tmp_path / "out")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"{run_dir / LOCK_FILE} -> {target}: a run's own files must not be" in proc.stderr
+    with pytest.raises(RunDirError, match="is a symbolic link"):  # the lock alone refuses it too
+        RunDirLock(run_dir).acquire()
+    assert target.read_text() == "not a lock\n"
+    hard = run_dir / "hard"
+    os.link(target, hard)
+    (run_dir / LOCK_FILE).unlink()
+    os.rename(hard, run_dir / LOCK_FILE)  # a hard link: rewriting it would rewrite the target
+    with pytest.raises(RunDirError, match="hard links"):
+        RunDirLock(run_dir).acquire()
+    assert target.read_text() == "not a lock\n"
+
+
+def test_a_symlinked_metrics_jsonl_is_not_resumed_through(tmp_path):
+    from nemo_moe_metrics import LoggerConfig, build_sinks
+    from nemo_moe_metrics.sinks.jsonl import JsonlSink, cut_after
+
+    records = '{"step": 0}\n{"step": 1}\n{"step": 2, "torn'
+    target = _outside(tmp_path, records)
+    run_dir = tmp_path / "out" / "grpo_moe_tiny"
+    lock = RunDirLock(run_dir).acquire()
+    lock.mark_run()
+    lock.release()
+    (run_dir / "metrics.jsonl").symlink_to(target)
+    proc = _cli("run", GRPO, "--output-dir", tmp_path / "out", "--resume")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"{run_dir / 'metrics.jsonl'} -> {target}: a run's own files" in proc.stderr
+    with pytest.raises(Exception, match="must not be symbolic links"):
+        build_sinks(LoggerConfig(resume=True, wandb_enabled=False), run_dir, run_name="x")
+    with pytest.raises(OSError):
+        JsonlSink(run_dir / "metrics.jsonl")
+    with pytest.raises(OSError):
+        cut_after(run_dir / "metrics.jsonl", 3)
+    assert target.read_text() == records

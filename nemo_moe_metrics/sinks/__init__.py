@@ -178,6 +178,9 @@ def build_sinks(
             "logger.resume=true), build_sinks(..., overwrite=True) to delete it and start "
             "afresh, or choose another run directory"
         )
+    links = run_files.linked_run_files(run_dir)
+    if links:  # checked before anything is written or deleted: nothing goes through a link
+        raise RunExistsError(run_files.links_refusal(links, "choose another run directory"))
     if overwrite:
         clear_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

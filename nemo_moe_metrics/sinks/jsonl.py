@@ -37,11 +37,14 @@ class JsonlSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
         torn = (
-            self.path.exists()
+            self.path.is_file()
+            and not self.path.is_symlink()
             and self.path.stat().st_size > 0
             and not _ends_with_newline(self.path)
         )
-        self._file = self.path.open("a", encoding="utf-8")
+        # O_NOFOLLOW: a link in the run directory never sends the records elsewhere.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        self._file = os.fdopen(fd, "a", encoding="utf-8")
         # Set when a write failed part-way (disk full): the next line starts on a fresh line so
         # the torn fragment cannot swallow it.
         self._torn = False
@@ -146,7 +149,7 @@ def _tail_records(data: bytes, start: int, enough: int) -> tuple[list[tuple[int,
 
 def cut_after(path: Path, offset: int) -> int:
     """Truncate ``path`` to ``offset`` bytes (durably); returns how many bytes went."""
-    with Path(path).open("r+b") as f:
+    with os.fdopen(os.open(path, os.O_RDWR | os.O_NOFOLLOW), "r+b") as f:
         size = os.fstat(f.fileno()).st_size
         if offset >= size:
             return 0
