@@ -261,6 +261,75 @@ def small_filesystem(size_mb: int) -> Any:
         shutil.rmtree(where, ignore_errors=True)
 
 
+class FailingDisk:
+    """An ext4 file system on a loop device whose backing file lies, sparse, on a small tmpfs:
+    :meth:`fail` fills that tmpfs, so every later write of a new block is a real I/O error of
+    the device (``Buffer I/O error on device loopN``), as a failing disk gives. :meth:`reread`
+    unmounts (what was not on the device is gone, as after a crash), frees the tmpfs and mounts
+    the file system again, read-only, to see what survived."""
+
+    def __init__(self, size_mb: int = 48) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="nmm_io_error_"))
+        self.backing = self.root / "backing"
+        self.mount = self.root / "fs"
+        self.backing.mkdir()
+        self.mount.mkdir()
+        self.device = ""
+        self._size_mb = size_mb
+
+    def start(self) -> bool:
+        """Mount it (root only); False where this machine cannot."""
+        if os.geteuid() != 0 or not shutil.which("losetup") or not shutil.which("mkfs.ext4"):
+            return False
+        size = f"size={self._size_mb + 8}m"
+        if not _ok("mount", "-t", "tmpfs", "-o", size, "tmpfs", str(self.backing)):
+            return False
+        image = self.backing / "disk.img"
+        with image.open("wb") as f:
+            f.truncate(self._size_mb << 20)
+        found = subprocess.run(["losetup", "-f", "--show", str(image)], capture_output=True)
+        self.device = found.stdout.decode().strip()
+        return (
+            found.returncode == 0
+            and _ok("mkfs.ext4", "-q", "-F", self.device)
+            and _ok("mount", "-o", "errors=remount-ro", self.device, str(self.mount))
+        )
+
+    def fail(self) -> None:
+        """From now on every write of a new block to the device fails."""
+        fill_disk(self.backing)
+
+    def reread(self) -> None:
+        """Unmount (unwritten data is lost), free the device's space, mount it read-only."""
+        subprocess.run(["umount", str(self.mount)], capture_output=True)
+        with contextlib.suppress(OSError):
+            (self.backing / "ballast").unlink()
+        if not _ok("mount", "-o", "ro", self.device, str(self.mount)):
+            raise RuntimeError(f"cannot mount {self.device} again on {self.mount}")
+
+    def close(self) -> None:
+        """Unmount and detach everything."""
+        subprocess.run(["umount", "-l", str(self.mount)], capture_output=True)
+        if self.device:
+            subprocess.run(["losetup", "-d", self.device], capture_output=True)
+        subprocess.run(["umount", "-l", str(self.backing)], capture_output=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _ok(*command: str) -> bool:
+    return subprocess.run(list(command), capture_output=True).returncode == 0
+
+
+@contextlib.contextmanager
+def failing_disk(size_mb: int = 48) -> Any:
+    """A :class:`FailingDisk`, mounted; None where this machine cannot mount one."""
+    disk = FailingDisk(size_mb)
+    try:
+        yield disk if disk.start() else None
+    finally:
+        disk.close()
+
+
 def run_round(out: Path, fault: str, rng: random.Random, max_steps: int) -> Round:
     """Start (or resume) the run, inject ``fault`` at a random point, check what followed."""
     run_dir = out / NAME

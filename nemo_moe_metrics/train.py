@@ -18,9 +18,11 @@ import torch
 
 from nemo_moe_metrics import processes
 from nemo_moe_metrics.config import ConfigError, Recipe, dump_recipe, load_recipe
+from nemo_moe_metrics.durable import write_text_durably
 from nemo_moe_metrics.failures import record_failure, record_refusal
 from nemo_moe_metrics.preflight import preflight
 from nemo_moe_metrics.run_dir import TOKEN_ENV, RunDirLock
+from nemo_moe_metrics.run_files import RECIPE_FILE
 from nemo_moe_metrics.sinks import ResumeState, build_sinks, prepare_resume
 from nemo_moe_metrics.train_args import rank_argv
 from nemo_moe_metrics.worker import PolicyMetrics
@@ -72,7 +74,7 @@ def _train(
     if rank == 0:
         _refuse_a_logged_run(output_dir, recipe)  # before recipe.yaml: the old run stays whole
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+        write_text_durably(output_dir / RECIPE_FILE, dump_recipe(recipe))
         if state is not None and state.last_step is not None:
             left = max(0, recipe.training.max_steps - start_step)
             print(

@@ -14,10 +14,8 @@ that fails for lack of space or a disk error ends the run (:class:`SinkWriteErro
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import shutil
-import tempfile
 import warnings
 from collections.abc import Iterable
 from datetime import UTC, datetime
@@ -26,6 +24,7 @@ from typing import Any
 
 from nemo_moe_metrics import run_files
 from nemo_moe_metrics.config import LoggerConfig
+from nemo_moe_metrics.durable import write_text_durably
 from nemo_moe_metrics.run_files import (
     MLFLOW_ARTIFACTS_DIR,
     MLFLOW_DB,
@@ -342,9 +341,5 @@ def _try_add(sinks: list[Sink], name: str, make: Any) -> Any:
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    # Write-then-rename: a crash never leaves a half-written run.json behind.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, default=str)
-    os.chmod(tmp, 0o644)  # mkstemp creates 0600; run.json is meant to be shared
-    os.replace(tmp, path)
+    # Write-then-rename, fsync'd: a crash or a disk error never leaves a cut or empty run.json.
+    write_text_durably(path, json.dumps(data, indent=2, default=str))
