@@ -323,14 +323,18 @@ def _decode(
     view = memoryview(raw)
     if not _check(view, e):
         return None
-    try:
-        data = zlib.decompress(view[e.header_size :])
-    except zlib.error:
-        return None
     n_ids = 4 * e.layers
     n_widths = 4 * e.layers if e.flags & _FLAG_WIDTHS else 0
     cells = e.layers * e.experts
-    if len(data) != n_ids + n_widths + cells * e.itemsize:
+    size = n_ids + n_widths + cells * e.itemsize
+    # Never more than the header declares (+1 byte to tell a longer stream): a crafted payload
+    # of compressed zeros cannot make the reader inflate gigabytes.
+    inflater = zlib.decompressobj()
+    try:
+        data = inflater.decompress(view[e.header_size :], size + 1)
+    except zlib.error:
+        return None
+    if len(data) != size or not inflater.eof:
         return None
     layer_ids = np.frombuffer(data, dtype="<i4", count=e.layers).astype(np.int64)
     widths = None
@@ -631,7 +635,8 @@ def _teller(path: Path, skipped: list[str] | None) -> Callable[[str], None]:
 def _say_bad(say: Callable[[str], None], bad: list[int]) -> None:
     if bad:
         say(
-            f"skipped {len(bad)} record(s) failing their checksum (damaged): "
+            f"skipped {len(bad)} damaged record(s) (a payload failing its checksum, or not "
+            f"inflating to the size its header declares): "
             f"step(s) {steps_text(bad)}"
         )
 
