@@ -14,9 +14,22 @@ a few steps in) and injects one fault, as a user's cluster would:
 - ``kill-run``: SIGKILL to ``run`` alone: the launcher's children must stop by themselves;
 - ``kill-rank``: SIGKILL to one rank (the OOM killer): the run must fail naming that rank;
 - ``kill-all``: SIGKILL to every process of the job at once (a lost node, a cgroup OOM kill);
+- ``stop-rank``: SIGSTOP to one rank (a hung rank; Ctrl-Z of its process), then SIGCONT and
+  Ctrl-C: the run must have named the stopped rank while it waited (exit 130);
+- ``kill-torchrun``: SIGKILL to torchrun (the launcher of the ranks): the run must fail saying
+  torchrun ended before its ranks, with the ranks' last words from torchelastic's log;
+- ``stop-launcher``: SIGSTOP to torchrun: the run must give up on it after its timeout
+  (``NEMO_MOE_METRICS_LAUNCHER_TIMEOUT_S``, 10 s here), stop the job and say why (exit 1);
 - ``disk-full`` (``--disk-full``, root: the run directory is a small tmpfs): a ballast file
   fills the file system; the run must fail naming the file it could not write; the ballast
   is removed before the next round.
+
+Two checks run once, apart from the rounds: ``--io-error`` (root: an ext4 file system on a
+loop device that starts failing writes, :class:`FailingDisk`) checks that JSONL, TensorBoard
+and ``run.json`` keep every step logged before a real disk I/O error; ``--hostile-names``
+checks that recipe names that would leave ``--output-dir`` (``..``, ``/abs``, ``""``) are
+refused by ``check`` and ``run`` with nothing written, and that a user's own file in the run
+directory survives ``run`` and ``run --overwrite``.
 
 After each fault no process of the job may be left (checked by pid, within 15 s). After the
 last round a final ``--resume`` trains to ``training.max_steps``; then every step must be in
@@ -54,7 +67,18 @@ RECIPE = _REPO / "examples" / "configs" / "sft_moe_tiny.yaml"
 NAME = "sft_moe_tiny"
 # W&B off: it cannot be read back step by step offline; every other sink is on.
 OVERRIDES = ["logger.wandb_enabled=false", "logger.table_every=1"]
-FAULTS = ("sigint", "sigterm", "kill-run", "kill-rank", "kill-all")
+FAULTS = (
+    "sigint",
+    "sigterm",
+    "kill-run",
+    "kill-rank",
+    "kill-all",
+    "stop-rank",
+    "kill-torchrun",
+    "stop-launcher",
+)
+#: The launcher timeout of the jobs started here (stop-launcher waits for it).
+LAUNCHER_TIMEOUT_S = 10
 
 
 @dataclass
@@ -80,6 +104,7 @@ class Job:
         if resume:
             cmd.append("--resume")
         env = {**os.environ, "PYTHONPATH": str(_REPO), "COLUMNS": "160"}
+        env["NEMO_MOE_METRICS_LAUNCHER_TIMEOUT_S"] = str(LAUNCHER_TIMEOUT_S)
         env.setdefault("HOME", str(out.parent))
         self.proc = subprocess.Popen(
             cmd,
@@ -113,6 +138,15 @@ class Job:
                 if rank is not None:
                     ranks.append((int(rank), pid))
         return [pid for _, pid in sorted(ranks)]
+
+    def torchrun(self) -> int | None:
+        """The pid of torchrun (the launcher of the ranks), None before it started."""
+        for pid in self.pids():
+            with contextlib.suppress(OSError):
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if b"torchrun" in cmdline or b"torch.distributed.run" in cmdline:
+                    return pid
+        return None
 
     def output(self, timeout: float = 300.0) -> tuple[int, str]:
         """Wait for the run to end: its exit status and everything it printed."""
@@ -180,6 +214,22 @@ def inject(job: Job, fault: str, rng: random.Random) -> str:
             fault = "kill-all"
         else:
             os.kill(ranks[rng.randrange(len(ranks))], signal.SIGKILL)
+    elif fault == "stop-rank":
+        ranks = job.ranks()
+        if not ranks:
+            fault = "kill-all"
+        else:
+            rank = ranks[rng.randrange(len(ranks))]
+            os.kill(rank, signal.SIGSTOP)
+            time.sleep(10.0)  # run looks every 2 s and names a rank stopped for 5 s
+            os.kill(rank, signal.SIGCONT)
+            os.killpg(job.proc.pid, signal.SIGINT)
+    elif fault in ("kill-torchrun", "stop-launcher"):
+        torchrun = job.torchrun() if job.ranks() else None
+        if torchrun is None:
+            fault = "kill-all"
+        else:
+            os.kill(torchrun, signal.SIGKILL if fault == "kill-torchrun" else signal.SIGSTOP)
     if fault == "kill-all":
         for pid in job.pids():
             with contextlib.suppress(ProcessLookupError):
@@ -199,6 +249,12 @@ def expectation(fault: str, status: int, said: str) -> bool:
         return status != 0 and ("was killed by SIGKILL" in said or "run failed" in said)
     if fault == "disk-full":
         return status != 0 and ("No space left on device" in said or "is full" in said)
+    if fault == "stop-rank":
+        return status == 130 and "is stopped (SIGSTOP" in said
+    if fault == "kill-torchrun":
+        return status != 0 and "torchrun, which started and watched the ranks, ended" in said
+    if fault == "stop-launcher":
+        return status == 1 and "was stopped (SIGSTOP) and answered nothing" in said
     return status == -signal.SIGKILL  # kill-run, kill-all: nothing is printed
 
 

@@ -223,6 +223,34 @@ def rank_failure_lines(log: Path | None, recorded: list[RankFailure]) -> list[st
     return ["no Python exception in the rank log (killed by a signal or out of memory?)"]
 
 
+def torchelastic_last_words(home: Path, since: float = 0.0, lines: int = 2) -> list[str]:
+    """The ranks' last lines in torchelastic's own per-rank logs under ``home`` (nemo-run's
+    folder of the run), written since ``since``: what the ranks said after torchrun itself
+    died, when nothing read their output any more."""
+    found = []
+    for log in sorted(Path(home).glob("**/torchelastic/**/attempt_*/*/stderr.log")):
+        try:
+            if log.stat().st_mtime < since:
+                continue
+            text = log.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        said = [line.strip() for line in text if line.strip()][-lines:]
+        found += [f"rank {log.parent.name}: {line}" for line in said]
+    return found
+
+
+def launcher_death_lines(last_words: list[str]) -> list[str]:
+    """What to say when the ranks' last words show that torchrun ended before them."""
+    if not any("parent process" in line and "has ended" in line for line in last_words):
+        return []
+    return [
+        "torchrun, which started and watched the ranks, ended before them (killed, e.g. "
+        "kill -9, or crashed); the ranks then stopped. Their last words (torchelastic's log):",
+        *(f"  {line}" for line in last_words),
+    ]
+
+
 def _killed_lines(rank: int, sig: int, log: Path | None, recorded: list[RankFailure]) -> list[str]:
     try:
         name = signal.Signals(sig).name

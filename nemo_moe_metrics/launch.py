@@ -29,9 +29,12 @@ from nemo_moe_metrics.extras import check_extra
 from nemo_moe_metrics.failures import (
     LAST_WORDS_ENV,
     first_rank_failure,
+    launcher_death_lines,
     rank_failure_lines,
     read_failures,
+    torchelastic_last_words,
 )
+from nemo_moe_metrics.job_watch import JobWatch
 from nemo_moe_metrics.preflight import preflight
 from nemo_moe_metrics.run_dir import TOKEN_ENV, RunDirLock, this_command
 from nemo_moe_metrics.run_dir_policy import check_before_lock, prepare_run_dir
@@ -203,6 +206,8 @@ def _status_hint(run_dir: Path, log: Path) -> str | None:
 
 
 LAUNCHERS = ("torchrun", "srun")
+#: Seconds between two looks at the job's processes for stopped ones (job_watch.py).
+WATCH_EVERY_S = 2.0
 
 
 def slurm_executor(
@@ -767,6 +772,8 @@ class _Job:
     stopped: int = 0  # processes stopped after a signal
     last_words: str | None = None  # where the ranks record their errors (failures.py)
     alerts: Any = None  # moe.alerts.AlertConsole: the alert lines rank 0 recorded, on the console
+    watch: JobWatch | None = None  # stopped ranks and launchers (job_watch.py)
+    gave_up: str | None = None  # why run stopped a job whose launcher stopped answering
 
     def _alert_console(self) -> Any:
         if self.alerts is None:
@@ -818,8 +825,19 @@ class _Job:
                     self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                     start_new_session=True,  # a terminal's Ctrl-C comes here; we stop the job
                 )  # fmt: skip
+                self.watch = JobWatch(proc.pid)
+                next_look = time.monotonic() + WATCH_EVERY_S
                 while True:
                     done = proc.poll() is not None
+                    if not done and time.monotonic() >= next_look:
+                        next_look = time.monotonic() + WATCH_EVERY_S
+                        lines, self.gave_up = self.watch.look()
+                        for line in lines:
+                            _say(progress.console, line)
+                        if self.gave_up:
+                            processes.stop_descendants(grace_s=5.0)
+                            proc.wait()
+                            break
                     rows, offset = _read_new_lines(metrics_path, offset)
                     for row in rows:  # alerts rank 0 recorded with the step (moe/alerts.py)
                         for line in self._alert_console().lines(row):
@@ -859,9 +877,14 @@ class _Job:
     def finish(self, console: Any) -> int:
         """Print the failure, or the summary of a run that succeeded; the exit status."""
         assert self.returncode is not None
+        if self.gave_up:
+            _say(console, f"run failed: {self.gave_up}; continue it with --resume")
+            return 1
         if self.returncode != 0:
             words = Path(self.last_words) if self.last_words else None
-            _say(console, failure_report(self.run_dir, self.returncode, self.started, words))
+            stopped = self.watch.failure_lines() if self.watch else []
+            report = failure_report(self.run_dir, self.returncode, self.started, words, stopped)
+            _say(console, report)
             return self.returncode
         held = self._alert_console().closing_line(f"nemo-moe-metrics report {self.run_dir}")
         if held:
@@ -891,7 +914,11 @@ def _stop_stragglers(ok: bool) -> None:
 
 
 def failure_report(
-    run_dir: Path, returncode: int, since: float = 0.0, last_words: Path | None = None
+    run_dir: Path,
+    returncode: int,
+    since: float = 0.0,
+    last_words: Path | None = None,
+    stopped: list[str] | None = None,
 ) -> str:
     """What a failed run prints: the failing rank's first error, then where the logs are.
 
@@ -900,12 +927,15 @@ def failure_report(
     closed by peer") after it, as consequences. ``last_words`` is the file the ranks recorded
     their errors in (outside the run directory: it survives a full disk).
     """
-    lines = [f"run failed (exit {returncode})"]
+    lines = [f"run failed (exit {returncode})", *(stopped or [])]
     log = _latest_rank_log(run_dir, since)
     launch_log = run_dir / LAUNCH_LOG
     full = _disk_full_note(run_dir)
     said = rank_failure_lines(log, read_failures(last_words))
-    if said and not said[0].startswith("no Python exception"):
+    orphaned = launcher_death_lines(torchelastic_last_words(run_dir / NEMORUN_DIR, since))
+    if orphaned and (not said or said[0].startswith("no Python exception")):
+        lines += orphaned
+    elif said and not said[0].startswith("no Python exception"):
         lines += said
     elif full:
         lines.append(full)  # the ranks' own errors may be what could not be written

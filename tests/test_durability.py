@@ -64,3 +64,36 @@ def test_tensorboard_jsonl_and_run_json_keep_every_step_before_an_io_error(disk)
     assert set(range(5)) <= tb_steps, sorted(tb_steps)
     assert json.loads((run_dir / "run.json").read_text())["run_name"] == "io_error"
     assert yaml.safe_load((run_dir / "recipe.yaml").read_text()) == {"name": "io_error"}
+
+
+class _CopyingSink:
+    """A sink that copies a temporary file into its run directory, as W&B does, on a full disk."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    def wants_tables(self, step: int) -> bool:
+        return False
+
+    def log(self, metrics: dict, step: int) -> None:
+        import errno
+
+        raise OSError(
+            errno.ENOSPC, "No space left on device", "/tmp/wandb-tmp/xyz", None,
+            str(self.run_dir / "wandb" / "run-1" / "files" / "output.log"),
+        )  # fmt: skip
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_full_disk_names_the_run_directorys_file_not_the_copy_source(tmp_path):
+    from nemo_moe_metrics.sinks import MultiSink
+
+    sink = MultiSink([_CopyingSink(tmp_path)])
+    with pytest.raises(SinkWriteError) as err:
+        sink.log({"train/loss": 1.0}, 0)
+    assert f"cannot write {tmp_path / 'wandb' / 'run-1' / 'files' / 'output.log'}:" in str(
+        err.value
+    )
+    assert "/tmp/wandb-tmp/xyz" not in str(err.value)
