@@ -8,6 +8,7 @@ with NCCL). ``NEMORUN_HOME`` is pointed inside the run directory, so nothing is 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ from nemo_moe_metrics.failures import (
 )
 from nemo_moe_metrics.job_watch import JobWatch
 from nemo_moe_metrics.preflight import preflight
-from nemo_moe_metrics.run_dir import TOKEN_ENV, RunDirLock, this_command
+from nemo_moe_metrics.run_dir import TOKEN_ENV, RunDirError, RunDirLock, this_command
 from nemo_moe_metrics.run_dir_policy import check_before_lock, prepare_run_dir
 from nemo_moe_metrics.run_files import LAUNCH_LOG, NEMORUN_DIR
 from nemo_moe_metrics.train_args import ARGV_ENV, ARGV_FROM_ENV
@@ -383,12 +385,8 @@ def slurm_submit(
     run_dir = Path(output_dir).resolve() / recipe.name
     # Held while the directory is checked and cleared: a live run refuses the submission. The
     # job takes the lock itself for its lifetime (train.own_run_dir), on the compute node.
-    check_before_lock(run_dir, resume=resume, overwrite=overwrite)
-    with RunDirLock(run_dir, command=this_command()) as lock:
-        notes = [
-            prepare_run_dir(run_dir, resume=resume, overwrite=overwrite, earlier_lock=lock.previous)
-        ]
-        lock.mark_run()
+    notes: list[str | None] = []
+    claim_run_dir(run_dir, resume=resume, overwrite=overwrite, say=notes.append).release()
     notes.append(_uncommitted_note())
     if resume:
         check_resume_has_steps_left(run_dir, recipe, recipe_path)
@@ -689,20 +687,9 @@ def run_with_progress(
     check_launch_extras(recipe)
     console = _console(console)
     run_dir = Path(output_dir).resolve() / recipe.name
-    # Said before the lock file would be created: a directory that is not a run's, and a
-    # --resume of a directory that does not exist.
-    check_before_lock(run_dir, resume=resume, overwrite=overwrite)
-    if resume and not run_dir.is_dir():
-        prepare_run_dir(run_dir, resume=True)
-    with RunDirLock(run_dir, command=this_command()) as lock:  # before any write or delete
-        for note in lock.notes:
-            _say(console, note)
-        note = prepare_run_dir(
-            run_dir, resume=resume, overwrite=overwrite, earlier_lock=lock.previous
-        )
-        lock.mark_run()
-        if note:
-            _say(console, note)
+    with claim_run_dir(
+        run_dir, resume=resume, overwrite=overwrite, say=console_say(console)
+    ) as lock:
         if resume:
             _prepare_resume(run_dir, recipe, recipe_path, console)
             overrides = [*overrides, "logger.resume=true"]
@@ -718,6 +705,55 @@ def run_with_progress(
                 _say(console, job.interrupted_line(status, shlex.join(again)))
                 return status
             return job.finish(console)
+
+
+def claim_run_dir(
+    run_dir: Path, *, resume: bool, overwrite: bool, say: Callable[[str], None]
+) -> RunDirLock:
+    """Take ``run_dir``'s lock and make it ready for the run (:mod:`.run_dir_policy`), saying
+    the notes; the lock, held. A directory that cannot be made or written (no permission, a
+    read-only file system, a file in the way, a name too long) is a :class:`RunDirError`
+    naming the path and the error, never a traceback."""
+    try:
+        # Said before the lock file would be created: a directory that is not a run's, and a
+        # --resume of a directory that does not exist.
+        check_before_lock(run_dir, resume=resume, overwrite=overwrite)
+        if resume and not run_dir.is_dir():
+            prepare_run_dir(run_dir, resume=True)
+        lock = RunDirLock(run_dir, command=this_command()).acquire()  # before any write
+    except OSError as err:
+        raise RunDirError(_unusable(run_dir, err)) from None
+    try:
+        for note in lock.notes:
+            say(note)
+        note = prepare_run_dir(
+            run_dir, resume=resume, overwrite=overwrite, earlier_lock=lock.previous
+        )
+        lock.mark_run()
+    except OSError as err:
+        lock.release()
+        raise RunDirError(_unusable(run_dir, err)) from None
+    except BaseException:
+        lock.release()
+        raise
+    if note:
+        say(note)
+    return lock
+
+
+def _unusable(run_dir: Path, err: OSError) -> str:
+    name = errno.errorcode.get(err.errno or 0, "error")
+    where = err.filename or run_dir
+    return (
+        f"cannot use the run directory {run_dir}: {where}: {err.strerror or err} ({name}). "
+        f"Choose a --output-dir that this user can write (and a shorter one when the name is "
+        f"too long), or fix that path"
+    )
+
+
+def console_say(console: Any) -> Callable[[str], None]:
+    """A function printing one whole line on ``console`` (paths stay whole, to copy)."""
+    return lambda text: _say(console, text)
 
 
 def _console(console: Any | None) -> Any:

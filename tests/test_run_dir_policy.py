@@ -190,3 +190,58 @@ def test_a_symlinked_metrics_jsonl_is_not_resumed_through(tmp_path):
     with pytest.raises(OSError):
         cut_after(run_dir / "metrics.jsonl", 3)
     assert target.read_text() == records
+
+
+def test_an_unusable_output_dir_is_one_line_naming_the_path_and_the_error(tmp_path):
+    (tmp_path / "a_file").write_text("x\n")
+    cases = {
+        tmp_path / "a_file" / "out": "Not a directory (ENOTDIR)",
+        tmp_path / ("d" * 300): "File name too long (ENAMETOOLONG)",
+    }
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    mounted = (
+        os.geteuid() == 0
+        and (
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)])
+        ).returncode
+        == 0
+    )
+    if mounted:
+        cases[read_only / "out"] = "Read-only file system (EROFS)"
+    try:
+        for out, said in cases.items():
+            proc = _cli("run", GRPO, "--output-dir", out)
+            assert proc.returncode == 2, proc.stdout + proc.stderr
+            assert proc.stderr.startswith(
+                f"error: cannot use the run directory {out / 'grpo_moe_tiny'}: "
+            ), proc.stderr
+            assert said in proc.stderr and "Traceback" not in proc.stderr
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(read_only)])
+    assert mounted or os.geteuid() != 0, "root could not mount a read-only tmpfs"
+
+
+def test_report_reads_past_a_run_json_of_the_wrong_shape(tmp_path):
+    import warnings
+
+    from nemo_moe_metrics import LoggerConfig, build_sinks
+    from nemo_moe_metrics.report import render_report
+
+    sink = build_sinks(LoggerConfig(wandb_enabled=False), tmp_path, run_name="r")
+    for step in range(2):
+        rows = [[la, e, 10 + step + e, 1.0] for la in (1, 2) for e in range(4)]
+        sink.log({"moe/expert_loads": rows, "train_perf/tokens": 8.0}, step)
+    sink.close()
+    for shape in ("[1, 2]", '"text"', '{"config": [1], "num_experts": "x"}', "null"):
+        (tmp_path / "run.json").write_text(shape)
+        (tmp_path / "pictures").mkdir(exist_ok=True)
+        for old in (tmp_path / "pictures").iterdir():
+            old.unlink()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            text = render_report(tmp_path, out_dir=tmp_path / "pictures")
+        assert "is not a run record" in " ".join(str(w.message) for w in said), shape
+        assert "r: 2 MoE layers × 4 experts" not in text  # the name came from the directory
+        assert (tmp_path / "pictures" / "expert_load_heatmap.png").stat().st_size > 0

@@ -131,20 +131,30 @@ def _tail_records(data: bytes, start: int, enough: int) -> tuple[list[tuple[int,
         lines = lines[1:]  # the first piece may be the end of a line that began earlier
     found: list[tuple[int, int]] = []
     end = start + len(data)
-    trailing = True  # unreadable lines at the very end are torn writes, cut by a resume
+    trailing = True  # unparseable lines at the very end are torn writes, cut by a resume
     for offset, raw in reversed(lines):
         if not raw.strip():
             continue
         step = line_step(raw)
         if step is None:
-            if trailing:
+            if trailing and not _is_json(raw):
                 end = offset
+            else:
+                trailing = False  # a whole line that is no record (a note): kept, never cut
             continue
         trailing = False
         found.append((offset, step))
         if len(found) >= enough:
             break
     return found, end
+
+
+def _is_json(raw: bytes) -> bool:
+    try:
+        json.loads(raw)
+    except ValueError:
+        return False
+    return True
 
 
 def cut_after(path: Path, offset: int) -> int:
