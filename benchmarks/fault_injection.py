@@ -386,6 +386,70 @@ def failing_disk(size_mb: int = 48) -> Any:
         disk.close()
 
 
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(_REPO), "COLUMNS": "160"}
+    return subprocess.run(
+        [sys.executable, "-m", "nemo_moe_metrics.cli", *args],
+        capture_output=True, text=True, env=env, cwd=cwd, timeout=120,
+    )  # fmt: skip
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def check_hostile_names(root: Path) -> dict[str, bool]:
+    """Names that would leave ``--output-dir`` refused by ``check`` and ``run`` with nothing
+    written; a user's file in the run directory kept by ``run`` and ``run --overwrite``."""
+    out = root / "project" / "out"
+    (out / NAME).mkdir(parents=True)
+    (root / "project" / "README.md").write_text("the user's project\n")
+    (out / NAME / "notes.txt").write_text("keep\n")
+    before = _tree(root)
+    result = {}
+    for name in ("..", ".", '""', "/abs/dir", "a/b"):
+        codes = [
+            _cli(cmd, str(RECIPE), f"name={name}", *extra, cwd=root).returncode
+            for cmd, extra in (("check", []), ("run", ["--output-dir", str(out), "--overwrite"]))
+        ]
+        result[f"name={name}"] = codes == [2, 2] and _tree(root) == before
+    for flags in ([], ["--overwrite"]):
+        proc = _cli("run", str(RECIPE), *flags, "--output-dir", str(out), cwd=root)
+        ok = proc.returncode == 2 and "holds files that no run wrote" in proc.stderr
+        result[f"notes.txt kept by run {' '.join(flags)}".strip()] = ok and _tree(root) == before
+    return result
+
+
+def check_io_error() -> dict[str, Any] | None:
+    """Steps logged before a real disk I/O error, as each sink keeps them (None without
+    root or loop devices)."""
+    from nemo_moe_metrics.config import LoggerConfig
+    from nemo_moe_metrics.sinks import build_sinks
+    from nemo_moe_metrics.sinks.tensorboard import logged_steps
+
+    with failing_disk() as disk:
+        if disk is None:
+            return None
+        run_dir = disk.mount / "run"
+        cfg = LoggerConfig(tensorboard_enabled=True, wandb_enabled=False)
+        sink = build_sinks(cfg, run_dir, run_name="io_error")
+        step = 0
+        for step in range(40):
+            if step == 5:
+                disk.fail()
+            try:
+                sink.log({"train/loss": 1.0, "train_perf/tokens": 8.0}, step)
+            except OSError:
+                break
+        disk.reread()
+        kept = {
+            "metrics.jsonl": logged(run_dir),
+            "tensorboard": sorted(set(logged_steps(run_dir / "tensorboard", limit=10_000))),
+            "run.json": (run_dir / "run.json").stat().st_size > 0,
+        }
+        return {"failed_at_step": step, "kept": kept}
+
+
 def run_round(out: Path, fault: str, rng: random.Random, max_steps: int) -> Round:
     """Start (or resume) the run, inject ``fault`` at a random point, check what followed."""
     run_dir = out / NAME
@@ -445,6 +509,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--faults", help=f"comma-separated, in order (default: random of {FAULTS})")
     parser.add_argument("--disk-full", action="store_true", help="add disk-full rounds (root)")
+    parser.add_argument(
+        "--io-error", action="store_true", help="also check the sinks on a failing disk (root)"
+    )
+    parser.add_argument(
+        "--hostile-names", action="store_true", help="also check names that leave --output-dir"
+    )
     parser.add_argument("--max-steps", type=int, default=0, help="default: 6 per round + 4")
     parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args(argv)
@@ -460,6 +530,21 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("disk-full rounds need root (a tmpfs is mounted for the run directory)")
         out = small if small is not None else Path(tempfile.mkdtemp(prefix="nmm_faults_"))
         report = run_faults(out, faults, args.seed, max_steps)
+    extra_ok = True
+    if args.hostile_names:
+        report["hostile_names"] = check_hostile_names(Path(tempfile.mkdtemp(prefix="nmm_names_")))
+        extra_ok &= all(report["hostile_names"].values())
+        for case, ok in report["hostile_names"].items():
+            print(f"hostile name {case:<28} {'refused, nothing touched' if ok else 'NOT MET'}")
+    if args.io_error:
+        report["io_error"] = check_io_error()
+        if report["io_error"] is None:
+            print("io-error: skipped (needs root, losetup and mkfs.ext4)")
+        else:
+            kept = report["io_error"]["kept"]
+            ok = all(set(range(5)) <= set(kept[k]) for k in ("metrics.jsonl", "tensorboard"))
+            extra_ok &= ok and kept["run.json"]
+            print(f"io-error at step {report['io_error']['failed_at_step']}: kept {kept}")
     report["seconds"] = time.monotonic() - started
     for i, r in enumerate(report["rounds"]):
         print(
@@ -473,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     ok = report["lost"] == 0 and report["duplicated"] == 0 and report["expectations_met"]
+    ok = ok and extra_ok
     return 0 if ok else 1
 
 
