@@ -236,7 +236,8 @@ def torchelastic_last_words(home: Path, since: float = 0.0, lines: int = 2) -> l
         except OSError:
             continue
         said = [line.strip() for line in text if line.strip()][-lines:]
-        found += [f"rank {log.parent.name}: {line}" for line in said]
+        rank = f"rank {log.parent.name}: "
+        found += [line if line.startswith(rank) else rank + line for line in said]
     return found
 
 
