@@ -1,6 +1,6 @@
 """Per-rank training entrypoint: ``python -m nemo_moe_metrics.train --recipe R --output-dir D``.
 
-torchrun (through nemo-run, see :mod:`nemo_moe_metrics.launch`) starts one of these per rank.
+torchrun (through nemo-run, see :mod:`nemo_moe_metrics.launch.local`) starts one of these per rank.
 Every rank builds the policy worker (with the metrics integration the recipe's flags ask for)
 and runs the recipe's loop; rank 0 writes the sinks the recipe enables (``D/metrics.jsonl``,
 ``D/tensorboard/``, ``D/wandb/``) and ``D/recipe.yaml``.
@@ -20,6 +20,7 @@ from nemo_moe_metrics import processes
 from nemo_moe_metrics.config import ConfigError, Recipe, dump_recipe, load_recipe
 from nemo_moe_metrics.durable import write_text_durably
 from nemo_moe_metrics.failures import record_failure, record_refusal
+from nemo_moe_metrics.launch.slurm_job import SlurmError, rank_env_from_slurm, requeue_count
 from nemo_moe_metrics.preflight import preflight
 from nemo_moe_metrics.run_dir import TOKEN_ENV, RunDirLock
 from nemo_moe_metrics.run_files import RECIPE_FILE
@@ -157,7 +158,6 @@ def _requeued_run_resumes(output_dir: Path) -> list[str]:
     run directory its earlier start wrote. That run is this job's own, so it continues.
     """
     from nemo_moe_metrics.sinks import logged_run
-    from nemo_moe_metrics.slurm import requeue_count
 
     restarts = requeue_count(os.environ)
     if not restarts or not logged_run(output_dir):
@@ -182,8 +182,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; a configuration error prints one line and exits with status 2."""
-    from nemo_moe_metrics.slurm import SlurmError, rank_env_from_slurm
-
     argv = sys.argv[1:] if argv is None else argv
     try:
         argv = rank_argv(argv)  # a local launch passes them in the environment (train_args.py)

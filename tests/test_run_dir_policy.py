@@ -245,3 +245,31 @@ def test_report_reads_past_a_run_json_of_the_wrong_shape(tmp_path):
         assert "is not a run record" in " ".join(str(w.message) for w in said), shape
         assert "r: 2 MoE layers × 4 experts" not in text  # the name came from the directory
         assert (tmp_path / "pictures" / "expert_load_heatmap.png").stat().st_size > 0
+
+
+def test_build_sinks_overwrite_deletes_every_picture_report_draws_and_nothing_of_yours(tmp_path):
+    import re
+
+    from nemo_moe_metrics import LoggerConfig, build_sinks
+    from nemo_moe_metrics.run_files import PICTURES
+
+    # Every picture name the report's source holds is one of run_files.PICTURES (one list).
+    report_src = "\n".join(
+        p.read_text() for p in (REPO / "nemo_moe_metrics" / "report").glob("*.py")
+    )
+    drawn = set(re.findall(r"\b(\w+\.png)\b", report_src))
+    assert drawn <= set(PICTURES), drawn - set(PICTURES)
+
+    cfg = LoggerConfig(wandb_enabled=False)
+    sink = build_sinks(cfg, tmp_path, run_name="old")
+    sink.log({"train/loss": 1.0}, 0)
+    sink.close()
+    old_pictures = ["expert_load_heatmap.png", "router_health.png", "routing_disagreement.png",
+                    "expert_bias.png", "max_over_ideal.png"]  # fmt: skip
+    for name in old_pictures:
+        (tmp_path / name).write_bytes(b"an old run's picture")
+    (tmp_path / "mine.txt").write_text("keep\n")
+    build_sinks(cfg, tmp_path, run_name="new", overwrite=True).close()
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == []
+    assert (tmp_path / "mine.txt").read_text() == "keep\n"
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
