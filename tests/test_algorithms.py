@@ -10,6 +10,8 @@ import torch
 from dist import ok_values, run_ranks
 from probe import ProbeHooks, portable, to_torch
 
+pytestmark = pytest.mark.megatron
+
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
 NUM_MOE_LAYERS = 3
 SFT_STEPS = 4
@@ -35,7 +37,7 @@ def _run_loops(rank, world_size):
             ],
         )
         probe = ProbeHooks()
-        worker = MegatronPolicyWorker(recipe, hooks=probe)
+        worker = MegatronPolicyWorker(recipe, metrics=probe)
         logged = []
         run_algorithm(
             recipe, worker, lambda metrics, step, logged=logged: logged.append((step, metrics))

@@ -16,6 +16,8 @@ import torch
 from dist import ok_values, run_ranks
 from test_aux_loss import SEQ, _run_schedule, _tracker_snapshot
 
+pytestmark = pytest.mark.megatron
+
 
 def _shared_then_megatron(config, num_microbatches: int) -> dict:
     from nemo_moe_metrics.megatron import compat
@@ -42,8 +44,8 @@ def _scenarios(rank, world_size):
         build_transformer_config,
         init_distributed,
     )
+    from nemo_moe_metrics.metrics import PolicyMetrics
     from nemo_moe_metrics.moe.aux_loss import tracked_aux_loss_names
-    from nemo_moe_metrics.worker import PolicyMetrics
 
     out: dict = {}
     # 1. Pipeline parallel 2: layers 0, 1 dense (stage 0), layers 2, 3 MoE (stage 1).

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from dist import ok_values, run_ranks
 
+pytestmark = pytest.mark.megatron
+
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "sft_moe_tiny.yaml"
 STEPS = 3
 
@@ -20,7 +22,7 @@ def _bias_run(rank, world_size):
 
     import nemo_moe_metrics.megatron.model as mm
     from nemo_moe_metrics.config import MetricsConfig, load_recipe
-    from nemo_moe_metrics.worker import PolicyMetrics
+    from nemo_moe_metrics.metrics import PolicyMetrics
 
     recipe = load_recipe(
         RECIPE,

@@ -16,6 +16,8 @@ from dist import ok_values, run_ranks
 
 from nemo_moe_metrics import metric_names as mn
 
+pytestmark = pytest.mark.megatron
+
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "sft_moe_tiny.yaml"
 TIMEOUT_S = 45.0  # init_distributed's collective timeout for the normal phase
 FAIL_TIMEOUT_S = 3.0  # shortened (as Megatron's update_pg_timeout does) for the failure phase
@@ -37,7 +39,7 @@ def _scenario(rank, world_size, fail):
         causal_attention_mask,
         init_distributed,
     )
-    from nemo_moe_metrics.worker import PolicyMetrics
+    from nemo_moe_metrics.metrics import PolicyMetrics
 
     ep = 1 if world_size == 1 else 2
     recipe = load_recipe(

@@ -38,7 +38,7 @@ def _hybrid_step(rank, world_size):
         init_distributed,
     )
     from nemo_moe_metrics.moe.aux_loss import aux_loss_metrics
-    from nemo_moe_metrics.moe.hooks import ExpertLoadCollector
+    from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 
     recipe = load_recipe(RECIPE, [ONE_RANK])
     model_cfg, megatron_cfg = recipe.policy.model, recipe.policy.megatron_cfg
@@ -182,7 +182,7 @@ def test_pattern_and_num_layers_must_agree():
 
 
 def test_pipe_symbols_are_not_layers_and_mtp_is_refused():
-    from nemo_moe_metrics.megatron.compat import hybrid_layer_symbols
+    from nemo_moe_metrics.layer_pattern import hybrid_layer_symbols
 
     assert hybrid_layer_symbols("*E|*E") == ["*", "E", "*", "E"]
     with pytest.raises(ValueError, match="multi-token-prediction"):

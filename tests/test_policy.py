@@ -15,6 +15,8 @@ import torch
 from dist import ok_values, run_ranks
 from probe import ProbeHooks, portable, to_torch
 
+pytestmark = pytest.mark.megatron
+
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "sft_moe_tiny.yaml"
 SEED = 77
 PER_RANK = 8  # sequences per rank in the parallel run
@@ -73,7 +75,7 @@ def _single_rank(rank, world_size, parallel):
     parallel = to_torch(parallel)
     recipe = _recipe(1)
     probe = ProbeHooks()
-    worker = MegatronPolicyWorker(recipe, hooks=probe)
+    worker = MegatronPolicyWorker(recipe, metrics=probe)
     # The parallel run's initial weights: dense from rank 0, experts gathered (rank r held
     # global experts 4r..4r+3 as local 0..3).
     state = dict(parallel[0]["initial"])

@@ -14,7 +14,6 @@ from matplotlib.image import imread
 
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import AlertsConfig, LoggerConfig, MetricsConfig
-from nemo_moe_metrics.moe.alerts import AlertMonitor
 from nemo_moe_metrics.moe.routing import (
     RoutingShapeError,
     RoutingTracker,
@@ -25,6 +24,9 @@ from nemo_moe_metrics.moe.routing import (
 )
 from nemo_moe_metrics.report import ROUTING_DISAGREEMENT_FILE, render_report
 from nemo_moe_metrics.sinks import build_sinks
+from nemo_moe_metrics.sinks.alerts import AlertMonitor
+
+pytestmark = pytest.mark.megatron
 
 E = 8
 
@@ -219,7 +221,7 @@ def test_hugging_face_router_batch_major_routes_against_router_output_hooks():
     import transformers
     from hf_tiny import tiny_config
 
-    from nemo_moe_metrics.worker import PolicyMetrics
+    from nemo_moe_metrics.metrics import PolicyMetrics
 
     torch.manual_seed(0)
     cfg = tiny_config("qwen3_moe")

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from dist import ok_values, run_ranks
 
+pytestmark = pytest.mark.megatron
+
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "sft_moe_tiny.yaml"
 BATCH = 2
 TOPK = 2
@@ -144,7 +146,7 @@ def _expected(oracle, routes, pad, use_executed):
 
 def _metrics(per_layer=True):
     from nemo_moe_metrics.config import MetricsConfig
-    from nemo_moe_metrics.worker import PolicyMetrics
+    from nemo_moe_metrics.metrics import PolicyMetrics
 
     return PolicyMetrics(
         MetricsConfig(

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from dist import ok_values, run_ranks
 
+pytestmark = pytest.mark.torchtitan
+
 pytest.importorskip(
     "torchtitan", reason="needs torchtitan 0.3.0 (docs/en/torchtitan.md: the install line)"
 )
@@ -38,7 +40,7 @@ def _train(family, *, ac=False, compiled=False, steps=STEPS):
         tiny_config,
         use_sdpa_attention,
     )
-    from nemo_moe_metrics.worker import PolicyMetrics
+    from nemo_moe_metrics.metrics import PolicyMetrics
 
     config = use_sdpa_attention(tiny_config(family))
     model = build_model(config, seed=0)

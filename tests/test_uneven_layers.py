@@ -22,7 +22,8 @@ from torch import nn  # noqa: E402
 
 from nemo_moe_metrics import metric_names as mn  # noqa: E402
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig  # noqa: E402
-from nemo_moe_metrics.moe.timeline import DeadStreaks  # noqa: E402
+from nemo_moe_metrics.metrics import PolicyMetrics  # noqa: E402
+from nemo_moe_metrics.moe.load_over_steps import DeadStreaks  # noqa: E402
 from nemo_moe_metrics.report import HEATMAP_FILE, OVER_STEPS_FILE, render_report  # noqa: E402
 from nemo_moe_metrics.report.timeline import prepare_block  # noqa: E402
 from nemo_moe_metrics.sinks import build_sinks  # noqa: E402
@@ -35,7 +36,6 @@ from nemo_moe_metrics.sinks.store import (  # noqa: E402
     store_path,
     table_to_counts_and_widths,
 )
-from nemo_moe_metrics.worker import PolicyMetrics  # noqa: E402
 
 pytestmark = pytest.mark.one_line
 HIDDEN, TOKENS = 16, 24
@@ -416,7 +416,7 @@ def test_dead_streaks_skip_padding_and_blocks_equal_single_steps():
 
 def test_alerts_judge_each_layer_by_its_own_experts():
     from nemo_moe_metrics.config import AlertsConfig
-    from nemo_moe_metrics.moe.alerts import AlertMonitor
+    from nemo_moe_metrics.sinks.alerts import AlertMonitor
 
     off = dict(drift=None, dropped_fraction=None, routing_disagreement=None)
     monitor = AlertMonitor(AlertsConfig(enabled=True, max_over_ideal=1.5, dead_steps=1, **off))

@@ -5,7 +5,7 @@ loss) over the router logits of ALL layers concatenated, once per forward, and o
 ``output_router_logits=True``; every family that trains with it shares one definition of that
 function, except doge (product-key experts, :func:`doge_layer_load_balancing_loss`). This module
 computes the same function on ONE layer's router logits at a time, in a forward hook on the
-router the model records as ``router_logits`` (``moe.hf_models.router_logit_sources``), gated
+router the model records as ``router_logits`` (``adapters.hf.router_logit_sources``), gated
 like the expert counts:
 
     loss_layer = E * sum_e f_e * P_e,   f_e = (top-k picks of expert e) / T,
@@ -34,8 +34,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nemo_moe_metrics.host_read import Pending
+from nemo_moe_metrics.host_read import Pending, collective_device
 from nemo_moe_metrics.metric_names import AUX_LOSS_TRACKER_NAMES
+from nemo_moe_metrics.moe.aux_loss import (
+    check_num_microbatches,
+    reduce_aux_losses,
+    summarize_aux_losses,
+)
+from nemo_moe_metrics.moe.router_spec import logits_of
 
 #: The one loss a Hugging Face MoE model defines, under megatron's tracker name.
 HF_AUX_LOSS_NAMES: tuple[str, ...] = (AUX_LOSS_TRACKER_NAMES["aux_loss"],)
@@ -99,7 +105,6 @@ class HFAuxLossAccumulator:
 
     def observer(self, logits_at: int, num_experts: int, top_k: int):
         """A router-hook callback ``(layer_id, router, output)`` adding this forward's loss."""
-        from nemo_moe_metrics.moe.hf_models import logits_of
 
         def observe(layer_id: int, module: nn.Module, output: Any) -> None:
             self.add(layer_id, logits_of(output, logits_at), num_experts, top_k)
@@ -157,19 +162,12 @@ def enqueue_hf_aux_loss_metrics(
     world) through ``aux_loss.reduce_aux_losses`` and resets; the values are read with the
     export's one host read (:func:`~nemo_moe_metrics.host_read.read_once`).
     """
-    from nemo_moe_metrics.moe.aux_loss import (
-        _check_num_microbatches,
-        reduce_aux_losses,
-        summarize_aux_losses,
-    )
-
-    _check_num_microbatches(num_microbatches)
+    check_num_microbatches(num_microbatches)
     values = acc.values.clone()
     acc.reset()
     values.div_(num_microbatches)
     if dist.is_available() and dist.is_initialized():
-        if str(dist.get_backend(data_group)) == "gloo" and values.device.type != "cpu":
-            values = values.cpu()
+        values = values.to(collective_device(data_group, values.device))
         reduce_aux_losses(values, HF_AUX_LOSS_NAMES, pg_collection=_hf_groups(data_group))
 
     def finish(host: list[np.ndarray]) -> dict[str, float]:
