@@ -35,16 +35,16 @@ def write_text_durably(path: Path, text: str, mode: int = 0o644) -> None:
 
 def fsync_dir(directory: Path) -> None:
     """Put ``directory``'s entries (a file created or renamed in it) on the device."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(directory, os.O_RDONLY | os.O_DIRECTORY)
 
 
 def fsync_path(path: Path) -> None:
     """Put ``path``'s written data on the device (for files another library writes)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    _fsync(path, os.O_RDONLY | os.O_NOFOLLOW)
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:

@@ -35,16 +35,6 @@ def launcher_timeout_s() -> float:
     return value if value > 0 else LAUNCHER_TIMEOUT_S
 
 
-def proc_state(pid: int) -> str | None:
-    """The one-letter state of ``pid`` in ``/proc`` (``T``: stopped), None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat[stat.rfind(b")") + 2 :].split()[0].decode()
-
-
 def role(pid: int, launch_pid: int) -> str:
     """``rank 1 (pid 123)``, ``torchrun (pid 120)`` or ``the launch process (pid 118)``."""
     if pid == launch_pid:
@@ -92,7 +82,7 @@ class JobWatch:
         pids = [self.launch_pid, *processes.descendants(self.launch_pid)]
         lines: list[str] = []
         for pid in pids:
-            state = proc_state(pid)
+            state = processes.proc_state(pid)
             if state not in ("T", "t"):
                 if state is not None:  # it goes on (a gone one stays on record for the report)
                     self.stopped.pop(pid, None)
@@ -130,6 +120,5 @@ __all__ = [
     "RANK_STOPPED_S",
     "JobWatch",
     "launcher_timeout_s",
-    "proc_state",
     "role",
 ]
