@@ -26,6 +26,7 @@ from nemo_moe_metrics.preflight import preflight
 from nemo_moe_metrics.run_dir import TOKEN_ENV, RunDirLock
 from nemo_moe_metrics.run_files import RECIPE_FILE
 from nemo_moe_metrics.sinks import ResumeState, build_sinks, prepare_resume
+from nemo_moe_metrics.sinks.run_record import refuse_logged_run
 from nemo_moe_metrics.train_args import rank_argv
 
 
@@ -105,16 +106,14 @@ def _train(
 
 
 def _refuse_a_logged_run(output_dir: Path, recipe: Recipe) -> None:
-    """One run per directory (as ``run`` and ``build_sinks``), said in recipe terms."""
-    from nemo_moe_metrics.sinks import RunExistsError, logged_run
-
-    old = [] if recipe.logger.resume else logged_run(output_dir)
-    if old:
-        raise RunExistsError(
-            f"{output_dir} already holds a run ({', '.join(old)}); pass the override "
-            "logger.resume=true to continue it, or choose another --output-dir "
-            "(nemo-moe-metrics run --overwrite deletes the old run first)"
-        )
+    """One run per directory (sinks/run_record.py, as ``run`` and ``build_sinks``), said in
+    recipe terms."""
+    refuse_logged_run(
+        output_dir,
+        resume=recipe.logger.resume,
+        ways="pass the override logger.resume=true to continue it, or choose another "
+        "--output-dir (nemo-moe-metrics run --overwrite deletes the old run first)",
+    )
 
 
 def own_run_dir(output_dir: Path) -> RunDirLock:

@@ -1,4 +1,4 @@
-"""One run per directory, and nothing else is deleted: the rules of run_dir_policy.py.
+"""One run per directory, and nothing else is deleted: the rules of sinks/run_record.py.
 
 Through the real CLI where a refusal is what is tested (it comes before any process starts);
 through the API for what a launcher does holding the lock.
@@ -15,8 +15,8 @@ import pytest
 
 from nemo_moe_metrics.config import ConfigError
 from nemo_moe_metrics.run_dir import RunDirLock
-from nemo_moe_metrics.run_dir_policy import prepare_run_dir
 from nemo_moe_metrics.run_files import LOCK_FILE
+from nemo_moe_metrics.sinks.run_record import prepare_run_dir
 
 REPO = Path(__file__).resolve().parent.parent
 GRPO = REPO / "examples" / "configs" / "grpo_moe_tiny.yaml"

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import json
 import secrets
-import shutil
 import warnings
-from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -25,13 +23,7 @@ from typing import Any
 from nemo_moe_metrics import run_files
 from nemo_moe_metrics.config import LoggerConfig
 from nemo_moe_metrics.durable import write_text_durably
-from nemo_moe_metrics.run_files import (
-    MLFLOW_ARTIFACTS_DIR,
-    MLFLOW_DB,
-    RUN_FILE,
-    TENSORBOARD_DIR,
-    WANDB_DIR,
-)
+from nemo_moe_metrics.run_files import RUN_FILE, TENSORBOARD_DIR
 from nemo_moe_metrics.sinks.base import (
     MultiSink,
     NullSink,
@@ -48,68 +40,17 @@ from nemo_moe_metrics.sinks.resume import (
     read_resume_state,
     recover_run_id,
 )
+from nemo_moe_metrics.sinks.run_record import (
+    RunExistsError,
+    clear_run,
+    logged_run,
+    refuse_logged_run,
+)
 from nemo_moe_metrics.sinks.store import STORE_FILE, ExpertLoadSink, store_path
 
 # What a run writes into its directory (sinks and report pictures, named in run_files.py);
 # ``overwrite`` deletes these and nothing else, so an API user's own files are left alone.
 RUN_RECORD = run_files.RUN_RECORD
-
-
-class RunExistsError(FileExistsError):
-    """``run_dir`` already holds a run that logged steps, and neither resume nor overwrite was
-    asked for (one run per directory, as ``nemo-moe-metrics run`` does)."""
-
-
-def logged_run(run_dir: Path) -> list[str]:
-    """The files of a run in ``run_dir`` that logged at least one step; empty when there is none.
-
-    ``metrics.jsonl`` decides when it exists (a run that failed before logging leaves it empty);
-    without it (JSONL off) any TensorBoard, W&B or MLflow output counts as a run.
-    """
-    run_dir = Path(run_dir)
-    # The store starts with its 8-byte magic; a step adds a record after it.
-    empty = {METRICS_FILE: 0, STORE_FILE: 8}
-    found = [
-        name
-        for name, size in empty.items()
-        if (run_dir / name).is_file() and (run_dir / name).stat().st_size > size
-    ]
-    if found or (run_dir / METRICS_FILE).is_file():
-        # An empty metrics.jsonl beside TensorBoard steps is a damaged run, not an early death.
-        if not found and _tensorboard_has_steps(run_dir / TENSORBOARD_DIR):
-            found.append(TENSORBOARD_DIR)
-        return found
-    found = [
-        name
-        for name in (TENSORBOARD_DIR, WANDB_DIR, MLFLOW_ARTIFACTS_DIR)
-        if (run_dir / name).is_dir() and any((run_dir / name).iterdir())
-    ]
-    if (run_dir / MLFLOW_DB).is_file():
-        found.append(MLFLOW_DB)
-    return found
-
-
-def _tensorboard_has_steps(log_dir: Path) -> bool:
-    from nemo_moe_metrics.sinks.tensorboard import logged_steps
-
-    return log_dir.is_dir() and bool(logged_steps(log_dir))
-
-
-def clear_run(run_dir: Path, names: Iterable[str] = RUN_RECORD) -> list[str]:
-    """Delete what a run wrote into ``run_dir`` (``names``, by default :data:`RUN_RECORD`),
-    never following a link (a link is removed, its target left alone); returns the names
-    removed."""
-    removed = []
-    for name in names:
-        path = Path(run_dir) / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
-        else:
-            continue
-        removed.append(name)
-    return removed
 
 
 __all__ = [
@@ -169,14 +110,13 @@ def build_sinks(
         raise ValueError(
             "build_sinks: LoggerConfig(resume=True) and overwrite=True exclude each other"
         )
-    old = logged_run(run_dir)
-    if old and not (resume or overwrite):
-        raise RunExistsError(
-            f"{run_dir} already holds a run ({', '.join(old)}); build_sinks would append a second "
-            "run to it. Pass LoggerConfig(resume=True) to continue it (recipes: "
-            "logger.resume=true), build_sinks(..., overwrite=True) to delete it and start "
-            "afresh, or choose another run directory"
-        )
+    refuse_logged_run(
+        run_dir,
+        resume=resume or overwrite,
+        ways="build_sinks would append a second run to it. Pass LoggerConfig(resume=True) to "
+        "continue it (recipes: logger.resume=true), build_sinks(..., overwrite=True) to delete "
+        "it and start afresh, or choose another run directory",
+    )
     links = run_files.linked_run_files(run_dir)
     if links:  # checked before anything is written or deleted: nothing goes through a link
         raise RunExistsError(run_files.links_refusal(links, "choose another run directory"))

@@ -1,6 +1,9 @@
-"""One run per directory: what a launcher may do with a run directory, and what it deletes.
+"""One run per directory, the one owner of that policy: what a run directory's record is
+(:func:`logged_run`), when a new run is refused (:func:`refuse_logged_run`, used by every
+writer: ``build_sinks``, rank 0 of a job, the launchers), and what may be deleted
+(:func:`clear_run`: a run's own entries by name, never through a link).
 
-Every launcher (``nemo-moe-metrics run``, the Slurm submission) calls
+For launchers: every launcher (``nemo-moe-metrics run``, the Slurm submission) calls
 :func:`prepare_run_dir` holding the directory's lock (:class:`~.run_dir.RunDirLock`), after
 :func:`check_before_lock` (said before the lock file is created). The rules:
 
@@ -23,6 +26,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 from nemo_moe_metrics.config import ConfigError
@@ -30,12 +35,19 @@ from nemo_moe_metrics.run_dir import Holder
 from nemo_moe_metrics.run_files import (
     LOCK_FILE,
     METRICS_FILE,
+    MLFLOW_ARTIFACTS_DIR,
+    MLFLOW_DB,
     RUN_FILE,
+    RUN_RECORD,
+    STORE_FILE,
+    TENSORBOARD_DIR,
+    WANDB_DIR,
     is_run_file,
     linked_run_files,
     links_refusal,
 )
-from nemo_moe_metrics.sinks import clear_run, logged_run, read_resume_state
+from nemo_moe_metrics.sinks.resume import read_resume_state
+from nemo_moe_metrics.sinks.tensorboard import logged_steps
 
 #: What to say after the entries a refusal names: the ways on.
 ELSEWHERE = "choose another directory (--output-dir DIR, or the override name=NEW_NAME)"
@@ -83,11 +95,15 @@ def prepare_run_dir(
             f"run (no {LOCK_FILE} or {RUN_FILE} of nemo-moe-metrics, no logged step), so "
             f"they are not deleted: remove them yourself, or {ELSEWHERE}"
         )
-    if logged and not (resume or overwrite):
-        raise ConfigError(
-            f"run directory {run_dir} already holds a run ({_shown(old)}); pass --resume to "
-            f"continue it, --overwrite to delete it and start afresh, or {ELSEWHERE}"
+    try:
+        refuse_logged_run(
+            run_dir,
+            resume=resume or overwrite,
+            ways=f"pass --resume to continue it, --overwrite to delete it and start afresh, or "
+            f"{ELSEWHERE}",
         )
+    except RunExistsError as err:
+        raise ConfigError(f"run directory {err}") from None
     note = None
     if old and not resume and not logged and not overwrite:
         note = f"{run_dir}: the earlier run there logged no step (it failed early); starting afresh"
@@ -95,6 +111,70 @@ def prepare_run_dir(
         clear_run(run_dir, [name for name in old if is_run_file(name)])
     run_dir.mkdir(parents=True, exist_ok=True)
     return note
+
+
+class RunExistsError(FileExistsError):
+    """``run_dir`` already holds a run that logged steps, and neither resume nor overwrite was
+    asked for (one run per directory, as ``nemo-moe-metrics run`` does)."""
+
+
+def logged_run(run_dir: Path) -> list[str]:
+    """The files of a run in ``run_dir`` that logged at least one step; empty when there is none.
+
+    ``metrics.jsonl`` decides when it exists (a run that failed before logging leaves it empty);
+    without it (JSONL off) any TensorBoard, W&B or MLflow output counts as a run.
+    """
+    run_dir = Path(run_dir)
+    # The store starts with its 8-byte magic; a step adds a record after it.
+    empty = {METRICS_FILE: 0, STORE_FILE: 8}
+    found = [
+        name
+        for name, size in empty.items()
+        if (run_dir / name).is_file() and (run_dir / name).stat().st_size > size
+    ]
+    if found or (run_dir / METRICS_FILE).is_file():
+        # An empty metrics.jsonl beside TensorBoard steps is a damaged run, not an early death.
+        if not found and _tensorboard_has_steps(run_dir / TENSORBOARD_DIR):
+            found.append(TENSORBOARD_DIR)
+        return found
+    found = [
+        name
+        for name in (TENSORBOARD_DIR, WANDB_DIR, MLFLOW_ARTIFACTS_DIR)
+        if (run_dir / name).is_dir() and any((run_dir / name).iterdir())
+    ]
+    if (run_dir / MLFLOW_DB).is_file():
+        found.append(MLFLOW_DB)
+    return found
+
+
+def _tensorboard_has_steps(log_dir: Path) -> bool:
+    return log_dir.is_dir() and bool(logged_steps(log_dir))
+
+
+def clear_run(run_dir: Path, names: Iterable[str] = RUN_RECORD) -> list[str]:
+    """Delete what a run wrote into ``run_dir`` (``names``, by default :data:`RUN_RECORD`),
+    never following a link (a link is removed, its target left alone); returns the names
+    removed."""
+    removed = []
+    for name in names:
+        path = Path(run_dir) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
+
+
+def refuse_logged_run(run_dir: Path, *, resume: bool, ways: str) -> None:
+    """:class:`RunExistsError` when ``run_dir`` holds a run that logged steps and it is not to
+    be continued (``resume``: continued, or deleted first); ``ways`` says what to do instead,
+    in the caller's terms (API, recipe, command line)."""
+    old = logged_run(run_dir)
+    if old and not resume:
+        raise RunExistsError(f"{run_dir} already holds a run ({', '.join(old)}); {ways}")
 
 
 def _entries(run_dir: Path) -> list[str]:
@@ -149,4 +229,13 @@ def _shown(names: list[str]) -> str:
     return ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
 
 
-__all__ = ["ELSEWHERE", "check_before_lock", "prepare_run_dir"]
+__all__ = [
+    "ELSEWHERE",
+    "RUN_RECORD",
+    "RunExistsError",
+    "check_before_lock",
+    "clear_run",
+    "logged_run",
+    "prepare_run_dir",
+    "refuse_logged_run",
+]
