@@ -49,10 +49,11 @@ def run_dir_for(recipe_path: str | Path, overrides: list[str], output_dir: str |
 def claim_run_dir(
     run_dir: Path, *, resume: bool, overwrite: bool, say: Callable[[str], None]
 ) -> RunDirLock:
-    """Take ``run_dir``'s lock and make it ready for the run (:mod:`nemo_moe_metrics.sinks.run_record`), saying
-    the notes; the lock, held. A directory that cannot be made or written (no permission, a
-    read-only file system, a file in the way, a name too long) is a :class:`RunDirError`
-    naming the path and the error, never a traceback."""
+    """Take ``run_dir``'s lock and make it ready for the run (the rules of
+    :mod:`nemo_moe_metrics.sinks.run_record`), saying the notes; the lock, held. A directory
+    that cannot be made or written (no permission, a read-only file system, a file in the way,
+    a name too long) is a :class:`RunDirError` naming the path and the error, never a
+    traceback."""
     try:
         # Said before the lock file would be created: a directory that is not a run's, and a
         # --resume of a directory that does not exist.

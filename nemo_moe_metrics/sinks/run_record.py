@@ -4,10 +4,10 @@ writer: ``build_sinks``, rank 0 of a job, the launchers), and what may be delete
 (:func:`clear_run`: a run's own entries by name, never through a link).
 
 For launchers: every launcher (``nemo-moe-metrics run``, the Slurm submission) calls
-:func:`prepare_run_dir` holding the directory's lock (:class:`~.run_dir.RunDirLock`), after
+:func:`prepare_run_dir` holding the directory's lock (:class:`~nemo_moe_metrics.run_dir.RunDirLock`), after
 :func:`check_before_lock` (said before the lock file is created). The rules:
 
-- The directory holds only a run's own entries (:mod:`.run_files`); anything else (a user's
+- The directory holds only a run's own entries (:mod:`nemo_moe_metrics.run_files`); anything else (a user's
   ``notes.txt``) makes it not a run directory: refused naming the entries, nothing deleted
   (``--resume`` keeps everything and is allowed).
 - No entry of the run is a symbolic link: a run never writes or deletes through one.
@@ -15,10 +15,10 @@ For launchers: every launcher (``nemo-moe-metrics run``, the Slurm submission) c
   (delete its entries first).
 - A run that failed before logging a step is cleared, and said, when something proves it was a
   run's: the mark in the lock an earlier launcher left (every ``run`` that got as far as
-  starting its job leaves one, :meth:`~.run_dir.RunDirLock.mark_run`), a ``run.json`` of this
+  starting its job leaves one, :meth:`~nemo_moe_metrics.run_dir.RunDirLock.mark_run`), a ``run.json`` of this
   package, or logged records. Without such proof its entries are refused, never deleted.
 
-Deleting means deleting the run's entries by name (:func:`~.sinks.clear_run`), never following
+Deleting means deleting the run's entries by name (:func:`clear_run`), never following
 a link, and never anything else in the directory.
 """
 
@@ -74,9 +74,9 @@ def prepare_run_dir(
     """Make ``run_dir`` ready for a new run (or a resumed one), by the rules of the module
     docstring; returns a note to print when the leftovers of a run that failed early were
     cleared. ``earlier_lock``: who held the lock before the caller took it
-    (:attr:`~.run_dir.RunDirLock.previous`), whose mark says a run started here. Call it
+    (:attr:`~nemo_moe_metrics.run_dir.RunDirLock.previous`), whose mark says a run started here. Call it
     holding the directory's lock (the lock file is kept), then mark the lock
-    (:meth:`~.run_dir.RunDirLock.mark_run`) before the run starts."""
+    (:meth:`~nemo_moe_metrics.run_dir.RunDirLock.mark_run`) before the run starts."""
     check_before_lock(run_dir, resume=resume, overwrite=overwrite)
     entries = _entries(run_dir)
     old = [name for name in entries if name != LOCK_FILE]
