@@ -38,8 +38,10 @@ def failure_report(
     full = _disk_full_note(run_dir)
     said = rank_failure_lines(log, read_failures(last_words))
     orphaned = launcher_death_lines(torchelastic_last_words(run_dir / NEMORUN_DIR, since))
-    if orphaned and (not said or said[0].startswith("no Python exception")):
+    if orphaned:  # torchrun died first: a rank's error after it (a lost peer) is its consequence
         lines += orphaned
+        if said and not said[0].startswith("no Python exception"):
+            lines.append(f"  then, because of it: {said[0].splitlines()[0]}")
     elif said and not said[0].startswith("no Python exception"):
         lines += said
     elif full:

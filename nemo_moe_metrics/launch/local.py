@@ -42,32 +42,33 @@ def train_script(
     """A ``run.Script`` running ``python -m nemo_moe_metrics.train`` (paths passed as given).
 
     ``shell``: whether a shell reads the command (an sbatch script: nemo-run quotes each
-    argument for it, right there) or not (the local executor starts torchrun with a list,
-    where those quotes would stay in the text). Without a shell the arguments travel in the
-    environment (:data:`~nemo_moe_metrics.train.ARGV_ENV`, :func:`local_executor`), so each
+    argument for it, right there) or not (a ``run.LocalExecutor``: torchrun is started with a
+    list, where those quotes would stay in the text). Without a shell the arguments travel in
+    the script's environment as a JSON list (:mod:`nemo_moe_metrics.train_args`), so each
     reaches the ranks byte for byte; the command line holds only a flag saying so.
     """
     import nemo_run as run
 
     args = ["--recipe", str(recipe_path), "--output-dir", str(run_dir), *overrides]
+    if shell:
+        return run.Script(path="nemo_moe_metrics.train", m=True, entrypoint="python", args=args)
     return run.Script(
         path="nemo_moe_metrics.train",
         m=True,
         entrypoint="python",
-        args=args if shell else [ARGV_FROM_ENV],
+        args=[ARGV_FROM_ENV],
+        env={ARGV_ENV: json.dumps(args)},
     )
 
 
-def local_executor(nproc: int, train_argv: list[str] | None = None) -> Any:
-    """``nproc`` ranks on this machine under torchrun (gloo on CPU, NCCL on GPUs);
-    ``train_argv``: the ranks' arguments, passed in the environment (see :func:`train_script`)."""
+def local_executor(nproc: int) -> Any:
+    """``nproc`` ranks on this machine under torchrun (gloo on CPU, NCCL on GPUs); give it a
+    :func:`train_script` made with ``shell=False``."""
     import nemo_run as run
 
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     env = {"WANDB_MODE": os.environ.get("WANDB_MODE", "offline"), "OMP_NUM_THREADS": "1"}
-    if train_argv is not None:
-        env[ARGV_ENV] = json.dumps(train_argv)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC_ROOT, os.environ.get("PYTHONPATH")) if p)
     return run.LocalExecutor(ntasks_per_node=nproc, launcher="torchrun", env_vars=env)
 
@@ -106,8 +107,7 @@ def _launch_local(recipe_path: str | Path, overrides: list[str], nproc: int, run
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
     script = train_script(Path(recipe_path).resolve(), overrides, run_dir, shell=False)
-    argv = ["--recipe", str(Path(recipe_path).resolve()), "--output-dir", str(run_dir), *overrides]
-    executor = local_executor(nproc, train_argv=argv)
+    executor = local_executor(nproc)
     with run.Experiment(run_dir.name, executor=executor, log_level="WARN") as exp:
         exp.add(script, name="train", tail_logs=False)
         exp.run(sequential=True, detach=False, tail_logs=False)
