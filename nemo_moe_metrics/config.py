@@ -391,6 +391,11 @@ class LoggerConfig(StrictModel):
         "(sqlite:///<run_dir>/mlflow.db, artifacts in <run_dir>/mlflow_artifacts).",
     )
     mlflow_experiment: str = "nemo_moe_metrics"
+    trackio_enabled: bool = Field(
+        False,
+        description="Log the scalars to trackio (extra 'trackio'): a local SQLite store in "
+        "<run_dir>/trackio, no network; open it with TRACKIO_DIR=<run_dir>/trackio trackio show.",
+    )
     resume: bool = Field(
         False,
         description="Continue the run in the output directory: steps, train_perf/total_* and "

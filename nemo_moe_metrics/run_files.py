@@ -2,7 +2,7 @@
 
 A run directory (``<--output-dir>/<recipe name>/``) holds only these entries: the sinks' records
 (:data:`RUN_RECORD`: ``metrics.jsonl``, the expert-load store, ``run.json``, TensorBoard, W&B,
-MLflow and the pictures ``report`` draws), what the launcher writes (:data:`LAUNCH_FILES`:
+MLflow, trackio and the pictures ``report`` draws), what the launcher writes (:data:`LAUNCH_FILES`:
 ``recipe.yaml``, ``launch.log``, nemo-run's state) and the lock (``.run.lock``, which also
 marks the directory as a run's, even one that failed before it logged a step). Deleting a run
 deletes these names and nothing else; a directory that holds anything else is not a run's
@@ -17,12 +17,14 @@ from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
 STORE_FILE = "expert_loads.bin"
+ROLLOUT_STORE_FILE = "rollout_expert_loads.bin"
 RUN_FILE = "run.json"
 RECIPE_FILE = "recipe.yaml"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"
 MLFLOW_DB = "mlflow.db"
 MLFLOW_ARTIFACTS_DIR = "mlflow_artifacts"
+TRACKIO_DIR = "trackio"
 LOCK_FILE = ".run.lock"
 LAUNCH_LOG = "launch.log"
 NEMORUN_DIR = "nemo_run"
@@ -35,6 +37,8 @@ MAX_OVER_IDEAL_FILE = "max_over_ideal.png"
 ROUTING_DISAGREEMENT_FILE = "routing_disagreement.png"
 ROUTER_HEALTH_FILE = "router_health.png"
 BIAS_FILE = "expert_bias.png"
+SWEEP_FILE = "placement_sweep.png"
+ROLLOUT_VS_TRAIN_FILE = "rollout_vs_train_load.png"
 PICTURES = (
     HEATMAP_FILE,
     OVER_STEPS_FILE,
@@ -43,17 +47,21 @@ PICTURES = (
     ROUTING_DISAGREEMENT_FILE,
     ROUTER_HEALTH_FILE,
     BIAS_FILE,
+    SWEEP_FILE,
+    ROLLOUT_VS_TRAIN_FILE,
 )
 
 #: What the sinks and ``report`` write: ``build_sinks(..., overwrite=True)`` deletes these.
 RUN_RECORD = (
     METRICS_FILE,
     STORE_FILE,
+    ROLLOUT_STORE_FILE,
     RUN_FILE,
     TENSORBOARD_DIR,
     WANDB_DIR,
     MLFLOW_DB,
     MLFLOW_ARTIFACTS_DIR,
+    TRACKIO_DIR,
     *PICTURES,
 )
 #: What a launcher (``nemo-moe-metrics run``, the per-rank entrypoint) writes beside the record.
@@ -150,13 +158,17 @@ __all__ = [
     "OVER_STEPS_FILE",
     "PICTURES",
     "RECIPE_FILE",
+    "ROLLOUT_STORE_FILE",
+    "ROLLOUT_VS_TRAIN_FILE",
     "ROUTER_HEALTH_FILE",
     "ROUTING_DISAGREEMENT_FILE",
     "RUN_FILE",
     "RUN_FILES",
     "RUN_RECORD",
     "STORE_FILE",
+    "SWEEP_FILE",
     "TENSORBOARD_DIR",
+    "TRACKIO_DIR",
     "WANDB_DIR",
     "check_run_name",
     "is_run_file",

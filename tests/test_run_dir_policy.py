@@ -259,6 +259,13 @@ def test_build_sinks_overwrite_deletes_every_picture_report_draws_and_nothing_of
     )
     drawn = set(re.findall(r"\b(\w+\.png)\b", report_src))
     assert drawn <= set(PICTURES), drawn - set(PICTURES)
+    # The sinks' own file names are run files too (what a run directory may hold).
+    from nemo_moe_metrics.run_files import RUN_FILES
+    from nemo_moe_metrics.sinks import mlflow, store_format, trackio
+
+    for name in (store_format.STORE_FILE, store_format.ROLLOUT_STORE_FILE, trackio.TRACKIO_DIR,
+                 mlflow.MLFLOW_DB, mlflow.MLFLOW_ARTIFACTS_DIR):  # fmt: skip
+        assert name in RUN_FILES, name
 
     cfg = LoggerConfig(wandb_enabled=False)
     sink = build_sinks(cfg, tmp_path, run_name="old")

@@ -28,6 +28,7 @@ from nemo_moe_metrics.report.pictures import (
     render_over_steps,
     steps_label,
 )
+from nemo_moe_metrics.report.placement import placement_report_lines
 from nemo_moe_metrics.report.reading import (
     METRICS_FILE,
     Line,
@@ -250,6 +251,7 @@ def render_report(
     bias = bias_report_lines(run, path, lines_, out_dir)  # [] without an expert bias
     out += bias
     out += router_health_report_lines(run, path, lines_, out_dir, draw)  # [] without the flag
+    out += placement_report_lines(run_dir, out_dir, draw, path, lines_)  # [] without loads
     if aux:
         out.append("aux losses (last step): " + ", ".join(aux))
     elif routed == 0:

@@ -175,6 +175,8 @@ def build_sinks(
             meta["mlflow_run_id"] = added.run_id
             meta["mlflow_tracking_uri"] = added.tracking_uri
             _write_json_atomic(run_dir / RUN_FILE, meta)
+    if logger_cfg.trackio_enabled:
+        _try_add(sinks, "trackio", lambda: _trackio(run_dir, run_name, config, resume))
     # The JSONL goes last: a step it holds is complete in every sink (what resume relies on).
     return MultiSink(sinks + jsonl, monitor=_alert_monitor(logger_cfg))
 
@@ -261,7 +263,13 @@ def _mlflow(
     )
 
 
-_FLAGS = {"W&B": "wandb", "TensorBoard": "tensorboard", "MLflow": "mlflow"}
+def _trackio(run_dir: Path, run_name: str, config: dict[str, Any] | None, resume: bool) -> Any:
+    from nemo_moe_metrics.sinks.trackio import TrackioSink
+
+    return TrackioSink(run_dir, run_name=run_name, config=config, resume=resume)
+
+
+_FLAGS = {"W&B": "wandb", "TensorBoard": "tensorboard", "MLflow": "mlflow", "trackio": "trackio"}
 
 
 def _try_add(sinks: list[Sink], name: str, make: Any) -> Any:
