@@ -159,13 +159,13 @@ class _Job:
     last: dict[str, Any] | None = None
     stopped: int = 0  # processes stopped after a signal
     last_words: str | None = None  # where the ranks record their errors (failures.py)
-    alerts: Any = None  # moe.alerts.AlertConsole: the alert lines rank 0 recorded, on the console
+    alerts: Any = None  # sinks.alerts.AlertConsole: the alert lines rank 0 recorded, on the console
     watch: JobWatch | None = None  # stopped ranks and launchers (job_watch.py)
     gave_up: str | None = None  # why run stopped a job whose launcher stopped answering
 
     def _alert_console(self) -> Any:
         if self.alerts is None:
-            from nemo_moe_metrics.moe.alerts import AlertConsole
+            from nemo_moe_metrics.sinks.alerts import AlertConsole
 
             self.alerts = AlertConsole(per_step=self.recipe.logger.alerts.max_lines_per_step)
         return self.alerts

@@ -94,7 +94,7 @@ def build_sinks(
     ``logger_cfg.table_every`` (W&B: ``wandb_table_every`` when set); scalars go every step.
     With ``logger_cfg.resume`` the run in ``run_dir`` continues (``resume_state``, read from
     ``run_dir`` when not given, says from which step): see :mod:`nemo_moe_metrics.sinks.resume`.
-    ``logger_cfg.alerts.enabled`` adds the alert monitor (:mod:`nemo_moe_metrics.moe.alerts`)
+    ``logger_cfg.alerts.enabled`` adds the alert monitor (:mod:`nemo_moe_metrics.sinks.alerts`)
     in front of the backends: every loop that logs through this sink gets ``moe/alerts``.
 
     One run per directory, as ``nemo-moe-metrics run``: when ``run_dir`` already holds a run
@@ -185,7 +185,7 @@ def _alert_monitor(logger_cfg: LoggerConfig) -> Any:
     # Rank 0 only (other ranks returned above): alerts read the logged numbers, nothing else.
     if not logger_cfg.alerts.enabled:
         return None
-    from nemo_moe_metrics.moe.alerts import AlertMonitor
+    from nemo_moe_metrics.sinks.alerts import AlertMonitor
 
     return AlertMonitor(logger_cfg.alerts)
 
