@@ -4,7 +4,7 @@ Rank side (spawned gloo ranks, one torch thread each):
 
 1. Step overhead (:func:`step_rank`, one rank): one megatron-core MoE GPTModel trained by
    megatron-core's own ``get_forward_backward_func()`` schedule plus AdamW, stepped alternately
-   under a :class:`~nemo_moe_metrics.worker.PolicyMetrics` with every flag on (its hooks in
+   under a :class:`~nemo_moe_metrics.metrics.PolicyMetrics` with every flag on (its hooks in
    place) and one with every flag off (the hooks removed, so the model runs as never hooked).
    Steps alternate off/on and on/off (ABBA) on the same batch, so slow drifts of a shared machine
    hit both alike. One rank on one core leaves the second core
@@ -199,7 +199,7 @@ class _StepBench:
             build_transformer_config,
             causal_attention_mask,
         )
-        from nemo_moe_metrics.worker import PolicyMetrics
+        from nemo_moe_metrics.metrics import PolicyMetrics
 
         s = cfg.step
         self.cfg, self.rank, self.world = cfg, rank, world_size
@@ -513,8 +513,8 @@ def _export_bench(cfg: BenchConfig, rank: int, world_size: int) -> dict[str, Any
     import torch.distributed as dist
 
     from benchmarks.host_reads import HostReadCounter
+    from nemo_moe_metrics import ExpertLoadCollector, register_router
     from nemo_moe_metrics.moe.balance import expert_load_metrics
-    from nemo_moe_metrics.moe.hooks import ExpertLoadCollector, register_router
     from nemo_moe_metrics.moe.reduction import ExpertLoadReducer, export_expert_loads
 
     register_router(BenchRouter, _index_counts)

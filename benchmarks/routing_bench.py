@@ -37,6 +37,7 @@ def _rank(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from benchmarks.host_reads import HostReadCounter
+    from nemo_moe_metrics import families
     from nemo_moe_metrics.config import MegatronConfig, MetricsConfig, ModelConfig
     from nemo_moe_metrics.megatron import compat
     from nemo_moe_metrics.megatron.cpu_shims import cpu_device_mode
@@ -45,7 +46,7 @@ def _rank(
         causal_attention_mask,
         init_distributed,
     )
-    from nemo_moe_metrics.worker import PolicyMetrics
+    from nemo_moe_metrics.metrics import PolicyMetrics
 
     s = step_cfg
     init_distributed(MegatronConfig(), seed=1234)
@@ -74,8 +75,8 @@ def _rank(
     )
     metrics.attach(model, model.config)
     collector = metrics._collector
-    tracker, reducer = metrics._routing, metrics._routing_reducer
-    health, health_reducer = metrics._health, metrics._health_reducer
+    measured = families.RoutingConsistency if routing_family else families.RouterHealth
+    family = next(f for f in metrics._families if isinstance(f, measured))
     routers = compat.megatron_routers(model)
     mask = causal_attention_mask(s.seq_length)
     pos = torch.arange(s.seq_length).expand(s.micro_batch_size, s.seq_length)
@@ -95,16 +96,19 @@ def _rank(
         return out
 
     def routing(on: bool) -> None:
-        if not routing_family:  # what track_router_health off builds: no capture, no tracker
-            collector.health = health if on else None
-            metrics._health = health if on else None
-            metrics._health_reducer = health_reducer if on else None
+        # What the flag off builds: no family, no tracker in the collector (and for router
+        # health no logit capture).
+        if on and family not in metrics._families:
+            metrics._families.append(family)
+        if not on and family in metrics._families:
+            metrics._families.remove(family)
+        if not routing_family:
+            collector.health = family.tracker if on else None
             for router in routers:
                 (compat.capture_router_logits if on else compat.release_router_logits)(router)
             return
-        collector.routing = tracker if on else None
-        metrics._routing = tracker if on else None
-        metrics._routing_reducer = reducer if on else None
+        collector.routing = family.tracker if on else None
+        metrics._routing = family if on else None
 
     cpu: dict[bool, list[float]] = {True: [], False: []}
 
@@ -158,7 +162,8 @@ def _rank(
     cpu_ratios = [a / b for a, b in zip(cpu[True][-pairs:], cpu[False][-pairs:], strict=True)]
     # The routing code itself, timed from inside: what the flag adds to a step, without noise.
     direct: list[float] = []
-    owner = (tracker, tracker, reducer) if routing_family else (health, compat, health_reducer)
+    tracker, reducer = family.tracker, family.reducer
+    owner = (tracker, tracker, reducer) if routing_family else (tracker, compat, reducer)
     names = ("observe", "set_routes" if routing_family else "pop_router_logits", "enqueue")
     originals = tuple(getattr(o, n) for o, n in zip(owner, names, strict=True))
 

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig
+from nemo_moe_metrics.metrics import PolicyMetrics
 from nemo_moe_metrics.sinks import Sink, build_sinks
-from nemo_moe_metrics.worker import PolicyMetrics
 
 VOCAB = 128
 

@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig
 from nemo_moe_metrics.extras import require
+from nemo_moe_metrics.metrics import PolicyMetrics
 from nemo_moe_metrics.scripts import check_torchrun_script
 from nemo_moe_metrics.sinks import build_sinks
-from nemo_moe_metrics.worker import PolicyMetrics
 
 BATCH, SEQ = 2, 32
 

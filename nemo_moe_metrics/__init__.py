@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     # the five calls every worker or framework makes, and their flags
-    "PolicyMetrics": "nemo_moe_metrics.worker",
+    "PolicyMetrics": "nemo_moe_metrics.metrics",
     "MetricsConfig": "nemo_moe_metrics.config",
     "LoggerConfig": "nemo_moe_metrics.config",
     "AlertsConfig": "nemo_moe_metrics.config",
@@ -35,8 +35,8 @@ _EXPORTS: dict[str, str] = {
     "FlopsEstimator": "nemo_moe_metrics.flops",
     # throughput and expert loads without the worker
     "StepMeter": "nemo_moe_metrics.throughput",
-    "ExpertLoadCollector": "nemo_moe_metrics.moe.hooks",
-    "register_router": "nemo_moe_metrics.moe.hooks",
+    "ExpertLoadCollector": "nemo_moe_metrics.moe.collector",
+    "register_router": "nemo_moe_metrics.adapters.registry",
     "expert_load_metrics": "nemo_moe_metrics.moe.balance",
     # reading a run
     "render_report": "nemo_moe_metrics.report",

@@ -19,13 +19,13 @@ import torch
 from nemo_moe_metrics import processes
 from nemo_moe_metrics.config import ConfigError, Recipe, dump_recipe, load_recipe
 from nemo_moe_metrics.failures import record_failure
+from nemo_moe_metrics.metrics import PolicyMetrics
 from nemo_moe_metrics.preflight import preflight
 from nemo_moe_metrics.run_dir import TOKEN_ENV, RunDirLock
 from nemo_moe_metrics.sinks import ResumeState, build_sinks, prepare_resume
-from nemo_moe_metrics.worker import PolicyMetrics
 
 
-def make_hooks(recipe: Recipe) -> PolicyMetrics | None:
+def make_metrics(recipe: Recipe) -> PolicyMetrics | None:
     """The metrics integration the flags ask for; None when every metric flag is off."""
     cfg = recipe.policy.megatron_cfg.metrics()
     if not (cfg.track_moe_metrics or cfg.track_throughput):
@@ -45,28 +45,28 @@ def train(recipe: Recipe, output_dir: str | Path) -> None:
     from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
 
     output_dir = Path(output_dir)
-    hooks = make_hooks(recipe)
-    worker = MegatronPolicyWorker(recipe, hooks=hooks)
+    metrics = make_metrics(recipe)
+    worker = MegatronPolicyWorker(recipe, metrics=metrics)
     rank = dist.get_rank()
     # Rank 0 writes the run directory: it owns it (or joins its launcher) before any write.
     lock = own_run_dir(output_dir) if rank == 0 else None
     try:
-        _train(recipe, output_dir, worker, hooks, rank)
+        _train(recipe, output_dir, worker, metrics, rank)
     finally:
         if lock is not None:
             lock.release()
 
 
 def _train(
-    recipe: Recipe, output_dir: Path, worker: Any, hooks: PolicyMetrics | None, rank: int
+    recipe: Recipe, output_dir: Path, worker: Any, metrics: PolicyMetrics | None, rank: int
 ) -> None:
     import torch.distributed as dist
 
     from nemo_moe_metrics.algorithms import run_algorithm
 
     state = _resume_state(output_dir, rank, recipe) if recipe.logger.resume else None
-    if state is not None and hooks is not None:
-        hooks.resume_totals(state.total_tokens, state.total_seconds, state.total_flops)
+    if state is not None and metrics is not None:
+        metrics.resume_totals(state.total_tokens, state.total_seconds, state.total_flops)
     start_step = state.next_step if state is not None else 0
     if rank == 0:
         _refuse_a_logged_run(output_dir, recipe)  # before recipe.yaml: the old run stays whole

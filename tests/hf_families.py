@@ -412,7 +412,7 @@ TABLE_HEADER = (
 
 
 def _counted_by(spec: Any) -> str:
-    from nemo_moe_metrics.moe import hf_models
+    from nemo_moe_metrics.adapters import hf as hf_models
 
     if spec is hf_models.EXPERTS:
         return "experts interface"
@@ -426,8 +426,8 @@ def support_row(model_type: str) -> str:
     """One table row, read from the family's model built on the meta device."""
     import torch
 
-    from nemo_moe_metrics.moe import hf_models
-    from nemo_moe_metrics.moe.hooks import ExpertLoadCollector
+    from nemo_moe_metrics.adapters import hf as hf_models
+    from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 
     fam = family(model_type)
     with torch.device("meta"):

@@ -35,7 +35,7 @@ def _run_loops(rank, world_size):
             ],
         )
         probe = ProbeHooks()
-        worker = MegatronPolicyWorker(recipe, hooks=probe)
+        worker = MegatronPolicyWorker(recipe, metrics=probe)
         logged = []
         run_algorithm(
             recipe, worker, lambda metrics, step, logged=logged: logged.append((step, metrics))

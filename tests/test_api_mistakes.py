@@ -14,10 +14,10 @@ from hf_tiny import VOCAB, tiny_model
 from torch import nn
 
 from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics import register_router
 from nemo_moe_metrics.config import MetricsConfig
-from nemo_moe_metrics.moe.hooks import register_router
+from nemo_moe_metrics.metrics import PolicyMetrics
 from nemo_moe_metrics.moe.routing import RoutingShapeError
-from nemo_moe_metrics.worker import PolicyMetrics
 
 BATCH, SEQ = 2, 8
 ALL = MetricsConfig(

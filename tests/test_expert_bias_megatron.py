@@ -20,7 +20,7 @@ def _bias_run(rank, world_size):
 
     import nemo_moe_metrics.megatron.model as mm
     from nemo_moe_metrics.config import MetricsConfig, load_recipe
-    from nemo_moe_metrics.worker import PolicyMetrics
+    from nemo_moe_metrics.metrics import PolicyMetrics
 
     recipe = load_recipe(
         RECIPE,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_moe_metrics.moe.hooks import ExpertLoadCollector
+from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 
 torch.set_num_threads(1)
 E, K = 8, 2

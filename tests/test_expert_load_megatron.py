@@ -72,7 +72,7 @@ def _single_rank(rank, world_size):
     import torch
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from nemo_moe_metrics.moe.hooks import ExpertLoadCollector
+    from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 
     model, cfg = _build(1)
     s, out = cfg.seq_length, {}
@@ -263,7 +263,7 @@ def _pipeline_step(model, model_cfg, seed):
 
 
 def _two_rank_layouts(rank, world_size):
-    from nemo_moe_metrics.moe.hooks import ExpertLoadCollector
+    from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 
     out = {}
     # Expert parallel 2: each rank routes its own tokens over all 8 experts, owns 4.
@@ -416,7 +416,7 @@ def test_pipeline_stages_use_global_layer_ids_and_meet_in_a_union(two_ranks):
 def _data_times_expert(rank, world_size):
     from megatron.core import parallel_state
 
-    from nemo_moe_metrics.moe.hooks import ExpertLoadCollector
+    from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 
     model, cfg = _build(2)  # 4 ranks: expert parallel 2 x data parallel 2
     collector = ExpertLoadCollector.attach(model)

@@ -16,7 +16,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nemo_moe_metrics.moe.hooks import ExpertLoadCollector, register_router
+from nemo_moe_metrics import ExpertLoadCollector, register_router
 
 aten = torch.ops.aten
 torch.set_num_threads(1)

@@ -8,7 +8,7 @@ import torch
 from dist import ok_values, run_ranks
 from torch import nn
 
-from nemo_moe_metrics.moe.hooks import ExpertLoadCollector, register_router
+from nemo_moe_metrics import ExpertLoadCollector, register_router
 from nemo_moe_metrics.moe.reduction import (
     ExpertLoadReducer,
     ExpertLoadSignatureError,

@@ -41,7 +41,7 @@ def test_top_level_exports_the_public_api_lazily(tmp_path):
         "import nemo_moe_metrics\n"
         "bare = {m.split('.')[0] for m in sys.modules}\n"
         "from nemo_moe_metrics import PolicyMetrics, MetricsConfig, LoggerConfig, build_sinks\n"
-        "from nemo_moe_metrics.worker import PolicyMetrics as P\n"
+        "from nemo_moe_metrics.metrics import PolicyMetrics as P\n"
         "assert PolicyMetrics is P, 'the same class, not a copy'\n"
         "for name in nemo_moe_metrics.__all__:\n"
         "    getattr(nemo_moe_metrics, name)\n"
@@ -667,7 +667,7 @@ def test_top_level_help_mentions_hugging_face_models(tmp_path):
 def test_troubleshooting_says_attach_takes_a_config_json_dict():
     from hf_tiny import tiny_config
 
-    from nemo_moe_metrics.worker import model_facts
+    from nemo_moe_metrics.metrics import model_facts
 
     en = " ".join((ROOT / "docs" / "en" / "troubleshooting.md").read_text().split())
     assert "not a dict" not in en

@@ -31,11 +31,11 @@ from nemo_moe_metrics.config import (
     recipe_from_dict,
 )
 from nemo_moe_metrics.flops import get_flops_estimator
+from nemo_moe_metrics.metrics import PolicyMetrics
 from nemo_moe_metrics.sinks import METRICS_FILE, TENSORBOARD_DIR, build_sinks
 from nemo_moe_metrics.sinks.base import MultiSink, SinkWriteError
 from nemo_moe_metrics.sinks.jsonl import JsonlSink
 from nemo_moe_metrics.throughput import StepMeter
-from nemo_moe_metrics.worker import PolicyMetrics
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "sft_moe_tiny.yaml"
 BASE = yaml.safe_load(EXAMPLE.read_text())

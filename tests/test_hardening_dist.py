@@ -37,7 +37,7 @@ def _scenario(rank, world_size, fail):
         causal_attention_mask,
         init_distributed,
     )
-    from nemo_moe_metrics.worker import PolicyMetrics
+    from nemo_moe_metrics.metrics import PolicyMetrics
 
     ep = 1 if world_size == 1 else 2
     recipe = load_recipe(

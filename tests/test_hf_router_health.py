@@ -39,7 +39,7 @@ _SCORINGS: dict[str, dict[int, RouterScoring | None]] = {}
 def _scorings(model_type: str) -> dict[int, RouterScoring | None]:
     """How the library describes each MoE layer's router (None: not judged)."""
     if model_type not in _SCORINGS:
-        from nemo_moe_metrics.moe.hooks import ExpertLoadCollector
+        from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 
         collector = ExpertLoadCollector.attach(_run(model_type).model)
         with warnings.catch_warnings():

@@ -38,7 +38,7 @@ def _hybrid_step(rank, world_size):
         init_distributed,
     )
     from nemo_moe_metrics.moe.aux_loss import aux_loss_metrics
-    from nemo_moe_metrics.moe.hooks import ExpertLoadCollector
+    from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 
     recipe = load_recipe(RECIPE, [ONE_RANK])
     model_cfg, megatron_cfg = recipe.policy.model, recipe.policy.megatron_cfg

@@ -55,7 +55,7 @@ def _megatron_hybrid_step(rank, world_size):
     from nemo_moe_metrics.flops import get_flops_estimator
     from nemo_moe_metrics.megatron import compat
     from nemo_moe_metrics.megatron.model import causal_attention_mask, init_distributed
-    from nemo_moe_metrics.worker import PolicyMetrics
+    from nemo_moe_metrics.metrics import PolicyMetrics
 
     init_distributed(MegatronConfig())
     compat.reset_tracker()

@@ -73,7 +73,7 @@ def _single_rank(rank, world_size, parallel):
     parallel = to_torch(parallel)
     recipe = _recipe(1)
     probe = ProbeHooks()
-    worker = MegatronPolicyWorker(recipe, hooks=probe)
+    worker = MegatronPolicyWorker(recipe, metrics=probe)
     # The parallel run's initial weights: dense from rank 0, experts gathered (rank r held
     # global experts 4r..4r+3 as local 0..3).
     state = dict(parallel[0]["initial"])

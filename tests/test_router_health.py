@@ -66,7 +66,7 @@ class _Probe:
 
 def _metrics(per_layer=True, **flags):
     from nemo_moe_metrics.config import MetricsConfig
-    from nemo_moe_metrics.worker import PolicyMetrics
+    from nemo_moe_metrics.metrics import PolicyMetrics
 
     return PolicyMetrics(
         MetricsConfig(
@@ -169,7 +169,7 @@ class _Chunk(torch.nn.Module):
 
 
 def test_router_without_a_known_score_function_gets_no_health_keys_and_one_warning():
-    from nemo_moe_metrics.moe.hooks import ExpertLoadCollector, register_router
+    from nemo_moe_metrics import ExpertLoadCollector, register_router
 
     register_router(
         _OpaqueRouter,
@@ -379,9 +379,9 @@ def test_a_router_naming_its_score_function_is_read_and_bad_groups_are_skipped()
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
+    from nemo_moe_metrics.adapters.hf_health import hf_health
     from nemo_moe_metrics.moe import router_health as rh
-    from nemo_moe_metrics.moe.hooks import ExpertLoadCollector
-    from nemo_moe_metrics.moe.router_scoring import hf_health
+    from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 
     class NamedSigmoid(Qwen3MoeTopKRouter):  # a generic family telling its score function
         score_function = "sigmoid"
@@ -409,7 +409,7 @@ def test_a_transformers_router_whose_routing_is_not_described_is_not_judged():
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-    from nemo_moe_metrics.moe.router_scoring import hf_health
+    from nemo_moe_metrics.adapters.hf_health import hf_health
 
     class NewFamilyRouter(Qwen3MoeTopKRouter):  # a family the table has not read
         pass

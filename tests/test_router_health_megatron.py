@@ -103,7 +103,7 @@ def _run(rank, world_size, kinds):
 
     from nemo_moe_metrics.config import MetricsConfig
     from nemo_moe_metrics.megatron.model import causal_attention_mask
-    from nemo_moe_metrics.worker import PolicyMetrics
+    from nemo_moe_metrics.metrics import PolicyMetrics
 
     out = {}
     for kind in kinds:
@@ -196,7 +196,7 @@ def test_every_key_matches_the_routers_own_logits_and_choices_megatron(world_siz
 
 
 def test_sinkhorn_router_gets_no_health_keys_and_says_why():
-    from nemo_moe_metrics.moe.router_scoring import megatron_health
+    from nemo_moe_metrics.adapters.megatron import health as megatron_health
 
     class _Cfg:
         moe_router_load_balancing_type = "sinkhorn"

@@ -219,7 +219,7 @@ def test_hugging_face_router_batch_major_routes_against_router_output_hooks():
     import transformers
     from hf_tiny import tiny_config
 
-    from nemo_moe_metrics.worker import PolicyMetrics
+    from nemo_moe_metrics.metrics import PolicyMetrics
 
     torch.manual_seed(0)
     cfg = tiny_config("qwen3_moe")

@@ -23,7 +23,7 @@ def _loop(rank, world_size):
     from nemo_moe_metrics.algorithms import run_algorithm
     from nemo_moe_metrics.config import load_recipe
     from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
-    from nemo_moe_metrics.train import make_hooks
+    from nemo_moe_metrics.train import make_metrics
 
     out = {}
     for replay in (True, False):
@@ -35,7 +35,7 @@ def _loop(rank, world_size):
                 f"policy.megatron_cfg.moe_enable_routing_replay={str(replay).lower()}",
             ],
         )
-        worker = MegatronPolicyWorker(recipe, hooks=make_hooks(recipe))
+        worker = MegatronPolicyWorker(recipe, hooks=make_metrics(recipe))
         logged = []
         run_algorithm(recipe, worker, lambda m, step, logged=logged: logged.append(m))
         out[replay] = [{k: v for k, v in m.items() if "routing" in k} for m in logged]

@@ -15,8 +15,8 @@ from hf_tiny import VOCAB, K, tiny_model
 
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import AlertsConfig, LoggerConfig, MetricsConfig
+from nemo_moe_metrics.metrics import PolicyMetrics
 from nemo_moe_metrics.moe.alerts import AlertMonitor
-from nemo_moe_metrics.worker import PolicyMetrics
 
 BATCH, SEQ = 2, 16  # 32 tokens per forward
 FLAGS = MetricsConfig(track_moe_metrics=True, moe_per_layer_logging=True, log_expert_table=True)
@@ -66,7 +66,7 @@ def test_a_step_in_which_no_expert_got_a_training_token_logs_only_routed_tokens(
     metrics = PolicyMetrics(FLAGS)
     metrics.attach(model, model.config)
     empty = []
-    with caplog.at_level(logging.WARNING, logger="nemo_moe_metrics.worker"):
+    with caplog.at_level(logging.WARNING, logger="nemo_moe_metrics.metrics"):
         for _ in range(2):
             with metrics.step(), torch.no_grad():
                 model(input_ids=_ids(4))  # e.g. reference log-probs only

@@ -38,7 +38,7 @@ def _train(family, *, ac=False, compiled=False, steps=STEPS):
         tiny_config,
         use_sdpa_attention,
     )
-    from nemo_moe_metrics.worker import PolicyMetrics
+    from nemo_moe_metrics.metrics import PolicyMetrics
 
     config = use_sdpa_attention(tiny_config(family))
     model = build_model(config, seed=0)

@@ -22,6 +22,7 @@ from torch import nn  # noqa: E402
 
 from nemo_moe_metrics import metric_names as mn  # noqa: E402
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig  # noqa: E402
+from nemo_moe_metrics.metrics import PolicyMetrics  # noqa: E402
 from nemo_moe_metrics.moe.timeline import DeadStreaks  # noqa: E402
 from nemo_moe_metrics.report import HEATMAP_FILE, OVER_STEPS_FILE, render_report  # noqa: E402
 from nemo_moe_metrics.report.timeline import prepare_block  # noqa: E402
@@ -35,7 +36,6 @@ from nemo_moe_metrics.sinks.store import (  # noqa: E402
     store_path,
     table_to_counts_and_widths,
 )
-from nemo_moe_metrics.worker import PolicyMetrics  # noqa: E402
 
 pytestmark = pytest.mark.one_line
 HIDDEN, TOKENS = 16, 24

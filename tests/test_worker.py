@@ -17,7 +17,7 @@ SFT = CONFIGS / "sft_moe_tiny.yaml"
 
 def _train_flags_off(rank, world_size, out_dir):
     from nemo_moe_metrics.config import load_recipe
-    from nemo_moe_metrics.train import make_hooks, train
+    from nemo_moe_metrics.train import make_metrics, train
 
     off = [
         f"policy.megatron_cfg.{flag}=false"
@@ -33,7 +33,7 @@ def _train_flags_off(rank, world_size, out_dir):
             *off,
         ],
     )
-    assert make_hooks(recipe) is None
+    assert make_metrics(recipe) is None
     train(recipe, out_dir)
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
 
@@ -51,11 +51,11 @@ def _worker_scenarios(rank, world_size):
     from nemo_moe_metrics.algorithms.sft import sft_loss
     from nemo_moe_metrics.config import load_recipe
     from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
-    from nemo_moe_metrics.train import make_hooks
+    from nemo_moe_metrics.train import make_metrics
 
     recipe = load_recipe(SFT, ["policy.megatron_cfg.moe_per_layer_logging=true"])
-    hooks = make_hooks(recipe)
-    worker = MegatronPolicyWorker(recipe, hooks=hooks)
+    hooks = make_metrics(recipe)
+    worker = MegatronPolicyWorker(recipe, metrics=hooks)
     from nemo_moe_metrics.algorithms.data import sft_batch
 
     generator = torch.Generator().manual_seed(7 + rank)
@@ -117,7 +117,7 @@ def _dense_model_with_moe_flag(rank, world_size):
 
     from nemo_moe_metrics.config import load_recipe
     from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
-    from nemo_moe_metrics.train import make_hooks
+    from nemo_moe_metrics.train import make_metrics
 
     records = []
 
@@ -134,8 +134,8 @@ def _dense_model_with_moe_flag(rank, world_size):
             "policy.model.moe_layer_freq=1",
         ],
     )
-    hooks = make_hooks(recipe)
-    worker = MegatronPolicyWorker(recipe, hooks=hooks)
+    hooks = make_metrics(recipe)
+    worker = MegatronPolicyWorker(recipe, metrics=hooks)
     forward_hooks = sum(len(m._forward_hooks) for m in worker.model.modules())
     from nemo_moe_metrics.algorithms.data import sft_batch
     from nemo_moe_metrics.algorithms.sft import sft_loss

@@ -13,7 +13,7 @@ def _steps(rank, world_size, callers):
     import torch.distributed as dist
 
     from nemo_moe_metrics.config import MetricsConfig
-    from nemo_moe_metrics.worker import PolicyMetrics
+    from nemo_moe_metrics.metrics import PolicyMetrics
 
     dist.init_process_group("gloo")
     metrics = PolicyMetrics(MetricsConfig(track_throughput=True))

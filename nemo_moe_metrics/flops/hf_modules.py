@@ -102,9 +102,9 @@ class _Parts:
 
 
 def is_routed_experts(module: Any) -> bool:
-    """transformers' experts interface (``moe.hf_models``), or an ``...Experts`` module holding
+    """transformers' experts interface (``adapters.hf_fields``), or an ``...Experts`` module holding
     expert weights (dbrx, llama4)."""
-    from nemo_moe_metrics.moe.hf_models import is_experts_module
+    from nemo_moe_metrics.adapters.hf_fields import is_experts_module
 
     if is_experts_module(module):
         return True

@@ -121,7 +121,7 @@ def get_flops_estimator(
     costed, not the encoders) built on the meta device (no memory, well under a second even
     for 671B parameters).
     """
-    from nemo_moe_metrics.moe.torchtitan import is_torchtitan_config
+    from nemo_moe_metrics.adapters.torchtitan import is_torchtitan_config
 
     if is_torchtitan_config(config):  # read layer by layer, not through a config dict
         from nemo_moe_metrics.flops.torchtitan import torchtitan_flops_estimator

@@ -3,7 +3,7 @@
 A torchtitan model needs no integration code of its own: ``PolicyMetrics.attach(model,
 model_config)`` takes the model and its torchtitan config (``DeepSeekV3Model.Config``,
 ``Qwen3Model.Config``), counts its ``TokenChoiceTopKRouter`` outputs, reads its
-``expert_bias_E`` buffers and estimates FLOPs from the config (``moe.torchtitan``,
+``expert_bias_E`` buffers and estimates FLOPs from the config (``adapters.torchtitan``,
 ``flops.torchtitan``). This module builds the small models that show it on a CPU:
 
 - :func:`tiny_config` builds a DeepSeek-V3 (MLA, a dense first layer, shared + routed experts,

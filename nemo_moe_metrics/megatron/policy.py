@@ -7,8 +7,8 @@ megatron-core's DDP does), then AdamW. Reference scoring and sampling run under
 ``torch.no_grad()`` with the model in eval mode, so routers record no aux loss and a metrics
 hook can tell those forwards apart from training.
 
-The metrics layer plugs in through ``hooks`` (see :class:`MegatronPolicyWorker`); with
-``hooks=None`` nothing extra runs.
+The metrics layer plugs in through ``metrics`` (a ``PolicyMetrics``, or any object with its
+methods: see :class:`MegatronPolicyWorker`); with ``metrics=None`` nothing extra runs.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 class MegatronPolicyWorker:
     """Trains, scores and samples the recipe's megatron-core model (GPT or hybrid) on this rank.
 
-    ``hooks`` is an optional, duck-typed metrics object with this protocol:
+    ``metrics`` is an optional, duck-typed metrics object (``PolicyMetrics``) with this protocol
+    (``hooks=`` is its old name, still accepted):
 
     - ``attach(model, transformer_config)``: once, right after the model is built.
     - ``step()``: a context manager entered around each optimizer step (forward-backward of all
@@ -61,8 +62,13 @@ class MegatronPolicyWorker:
     grad disabled and ``model.training`` False; no hook method is called for them.
     """
 
-    def __init__(self, recipe: Recipe, *, hooks: Any | None = None) -> None:
-        """Join the process group, build the model and AdamW, then attach ``hooks``."""
+    def __init__(
+        self, recipe: Recipe, *, metrics: Any | None = None, hooks: Any | None = None
+    ) -> None:
+        """Join the process group, build the model and AdamW, then attach ``metrics``."""
+        if hooks is not None and metrics is not None:
+            raise TypeError("MegatronPolicyWorker: pass metrics=... (hooks= is its old name)")
+        metrics = metrics if metrics is not None else hooks
         mcfg = recipe.policy.megatron_cfg
         if mcfg.pipeline_model_parallel_size != 1 or mcfg.context_parallel_size != 1:
             raise ValueError(
@@ -89,11 +95,11 @@ class MegatronPolicyWorker:
         self.expert_dp_group = parallel_state.get_expert_data_parallel_group()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
-        self.hooks = hooks
+        self.metrics = metrics
         self.router_replay = mcfg.moe_enable_routing_replay
         self._reference_state: dict[str, Any] | None = None
-        if hooks is not None:
-            hooks.attach(self.model, self.transformer_config)
+        if metrics is not None:
+            metrics.attach(self.model, self.transformer_config)
 
     # ------------------------------------------------------------------ training
     def train(self, batch: SequenceBatch, loss_fn: LossFn) -> dict[str, Any]:
@@ -102,7 +108,7 @@ class MegatronPolicyWorker:
         Returns ``train/loss`` and the loss function's metrics (each averaged over microbatches
         and data-parallel ranks), ``train/num_microbatches`` (this rank's) and
         ``train/num_sequences`` (the step's global batch: summed over the data-parallel ranks),
-        plus ``hooks.finish_step(...)``'s dict unchanged.
+        plus ``metrics.finish_step(...)``'s dict unchanged.
         """
         from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -118,7 +124,7 @@ class MegatronPolicyWorker:
         microbatches = [batch.slice(i * mbs, (i + 1) * mbs) for i in range(num_microbatches)]
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        step = self.hooks.step() if self.hooks is not None else contextlib.nullcontext()
+        step = self.metrics.step() if self.metrics is not None else contextlib.nullcontext()
         with step, self._replay_scope():
             with cpu_device_mode():
                 outputs = get_forward_backward_func()(
@@ -136,15 +142,15 @@ class MegatronPolicyWorker:
             # the gradient sync: reset the routers' per-batch state (global aux-loss counts).
             reset_model_temporary_tensors(self.transformer_config, [self.model])
         hook_metrics = (
-            self.hooks.finish_step(num_microbatches=num_microbatches)
-            if self.hooks is not None
+            self.metrics.finish_step(num_microbatches=num_microbatches)
+            if self.metrics is not None
             else {}
         )
         result: dict[str, Any] = self._reduce_own_metrics(outputs, sequences=n)
         result[names.TRAIN_NUM_MICROBATCHES] = num_microbatches
         clash = sorted(set(result) & set(hook_metrics))
         if clash:
-            raise ValueError(f"metrics hooks returned keys the worker already owns: {clash}")
+            raise ValueError(f"the metrics returned keys the worker already owns: {clash}")
         result.update(hook_metrics)
         return result
 
@@ -155,11 +161,11 @@ class MegatronPolicyWorker:
         # to the returned loss function.
         mb = next(data_iterator)
         routes = mb.extras.get(ROLLOUT_ROUTES)
-        if self.hooks is not None:
+        if self.metrics is not None:
             if routes is None:
-                self.hooks.microbatch(seq_lens=mb.lengths)
+                self.metrics.microbatch(seq_lens=mb.lengths)
             else:
-                self.hooks.microbatch(seq_lens=mb.lengths, rollout_routes=routes)
+                self.metrics.microbatch(seq_lens=mb.lengths, rollout_routes=routes)
         if self.router_replay:
             self._set_replay(routes)
         logits = self._forward(model, mb.tokens, mb.padding_mask())

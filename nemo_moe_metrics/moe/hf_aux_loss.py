@@ -5,7 +5,7 @@ loss) over the router logits of ALL layers concatenated, once per forward, and o
 ``output_router_logits=True``; every family that trains with it shares one definition of that
 function, except doge (product-key experts, :func:`doge_layer_load_balancing_loss`). This module
 computes the same function on ONE layer's router logits at a time, in a forward hook on the
-router the model records as ``router_logits`` (``moe.hf_models.router_logit_sources``), gated
+router the model records as ``router_logits`` (``adapters.hf.router_logit_sources``), gated
 like the expert counts:
 
     loss_layer = E * sum_e f_e * P_e,   f_e = (top-k picks of expert e) / T,
@@ -36,6 +36,7 @@ from torch import nn
 
 from nemo_moe_metrics.host_read import Pending
 from nemo_moe_metrics.metric_names import AUX_LOSS_TRACKER_NAMES
+from nemo_moe_metrics.moe.router_spec import logits_of
 
 #: The one loss a Hugging Face MoE model defines, under megatron's tracker name.
 HF_AUX_LOSS_NAMES: tuple[str, ...] = (AUX_LOSS_TRACKER_NAMES["aux_loss"],)
@@ -99,7 +100,6 @@ class HFAuxLossAccumulator:
 
     def observer(self, logits_at: int, num_experts: int, top_k: int):
         """A router-hook callback ``(layer_id, router, output)`` adding this forward's loss."""
-        from nemo_moe_metrics.moe.hf_models import logits_of
 
         def observe(layer_id: int, module: nn.Module, output: Any) -> None:
             self.add(layer_id, logits_of(output, logits_at), num_experts, top_k)

@@ -1,8 +1,8 @@
 """Router decision health: how confident and how fragile each MoE layer's routing decisions are.
 
-Pure tensor arithmetic, free of ``torch.distributed``: the router hooks (``moe.hooks``) call
+Pure tensor arithmetic, free of ``torch.distributed``: the router hooks (``moe.collector``) call
 :meth:`RouterHealthTracker.observe` with a router forward's own logits (captured where the
-router computes them, ``moe.router_scoring``), the reduction (``moe.reduction``) sums the
+router computes them, ``adapters``), the reduction (``moe.reduction``) sums the
 per-layer sums over ranks inside the export's one host read, and :func:`router_health_metrics`
 turns them into the ``moe/...router_*`` keys on the host.
 
@@ -345,7 +345,7 @@ class RouterHealthTracker:
             raise ValueError(
                 f"router health, MoE layer {layer_id}: the router's logits have "
                 f"{logits.shape[-1]} columns but its scoring ranks {scoring.num_experts} classes; "
-                "its routing is described wrongly (moe/router_scoring.py): turn "
+                "its routing is described wrongly (adapters/hf_health.py): turn "
                 "track_router_health off for this model and report the model"
             )
         sums, max_abs = decision_sums(

@@ -1,6 +1,6 @@
 """Routing consistency: the rollout engine's expert choices against the training router's.
 
-Pure tensor arithmetic, free of ``torch.distributed``: the router hooks (``moe.hooks``) call
+Pure tensor arithmetic, free of ``torch.distributed``: the router hooks (``moe.collector``) call
 :meth:`RoutingTracker.observe` with device tensors, the reduction (``moe.reduction``) sums
 :meth:`RoutingTracker.local_stats` over ranks, and :func:`routing_metrics` turns the summed
 integers into the ``moe/routing_*`` keys on the host.

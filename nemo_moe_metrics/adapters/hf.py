@@ -1,5 +1,9 @@
 """Hugging Face transformers MoE models: which module to count, and where the router logits are.
 
+The router contract (:class:`~nemo_moe_metrics.moe.router_spec.RouterSpec`) for every family
+transformers ships: counts, routes and health (readers in ``adapters.hf_health``); what configs
+and modules say about themselves is in ``adapters.hf_fields``.
+
 transformers 5 gives nearly all of its MoE families two shared interfaces, and this adapter reads
 those instead of keeping one entry per model:
 
@@ -27,75 +31,23 @@ Nothing here imports transformers: classes are recognised by their attributes an
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import re
+import sys
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from nemo_moe_metrics.moe.hooks import RouterSpec, layer_id_from_name
-
-#: Config fields that hold the number of routed experts / experts per token, by family.
-EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-TOPK_FIELDS = (
-    "num_experts_per_tok",
-    "moe_topk",
-    "moe_k",
-    "num_experts_per_token",
-    "top_k_experts",
-    "experts_per_token",
-    "moe_top_k",
+from nemo_moe_metrics.adapters import hf_health
+from nemo_moe_metrics.adapters.hf_fields import config_topk, experts_num, is_experts_module
+from nemo_moe_metrics.moe.router_spec import (
+    RouterSpec,
+    count_experts,
+    in_decoder_layer,
+    layer_id_from_name,
 )
-#: Configs whose MoE blocks a flag switches off (a dense model keeps its expert-count default).
-_MOE_SWITCHES = ("is_moe", "enable_moe_block")
-
-
-def _first_field(config: Any, fields: Iterable[str]) -> int | None:
-    for source in (config, getattr(config, "ffn_config", None)):  # dbrx nests its MoE fields
-        if source is None:
-            continue
-        for field in fields:
-            value = getattr(source, field, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
-
-
-def config_num_experts(config: Any) -> int:
-    """Routed experts per MoE layer a transformers (text) config describes; 0 for a dense model."""
-    if any(getattr(config, switch, True) is False for switch in _MOE_SWITCHES):
-        return 0
-    return _first_field(config, EXPERT_COUNT_FIELDS) or 0
-
-
-def config_topk(config: Any) -> int | None:
-    """Experts per token a transformers (text) config describes, or None when it names none."""
-    return _first_field(config, TOPK_FIELDS)
-
-
-def is_experts_module(module: nn.Module) -> bool:
-    """Whether ``module`` follows transformers' experts interface (decorator or call signature)."""
-    forward = getattr(type(module), "forward", None)
-    code = getattr(forward, "__code__", None)
-    if code is not None and code.co_filename.replace("\\", "/").endswith("integrations/moe.py"):
-        return True
-    return _call_signature(type(module)) == ("top_k_index", "top_k_weights")
-
-
-_SIGNATURES: dict[type, tuple[str, ...]] = {}
-
-
-def _call_signature(cls: type) -> tuple[str, ...]:
-    if cls not in _SIGNATURES:
-        try:
-            params = list(inspect.signature(cls.forward).parameters)[2:4]
-        except (TypeError, ValueError, AttributeError):
-            params = []
-        _SIGNATURES[cls] = tuple(params)
-    return _SIGNATURES[cls]
+from nemo_moe_metrics.moe.routing import indices_to_map
 
 
 def _routing_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -108,17 +60,9 @@ def _routing_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor
     return index, weights
 
 
-def _count(index: torch.Tensor, num_experts: int, keep: torch.Tensor | None = None):
-    # scatter_add_ into a fixed size: bincount/one_hot would read max(index) on the host.
-    flat = index.reshape(-1).to(torch.int64)
-    ones = torch.ones_like(flat) if keep is None else keep.reshape(-1).to(torch.int64)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    return counts.scatter_add_(0, flat, ones)
-
-
 def _experts_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     index, _ = _routing_args(args, kwargs)
-    return _count(index, int(module.num_experts)), index.shape[0]
+    return count_experts(index, int(module.num_experts)), index.shape[0]
 
 
 def _zero_computation_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
@@ -127,12 +71,10 @@ def _zero_computation_counts(module: nn.Module, args: tuple, kwargs: dict, outpu
     index, weights = _routing_args(args, kwargs)
     real = weights != 0
     skipped = (~real).sum()
-    return _count(index, int(module.num_experts), real), index.shape[0], None, skipped
+    return count_experts(index, int(module.num_experts), real), index.shape[0], None, skipped
 
 
 def _experts_routes(module: nn.Module, args: tuple, kwargs: dict, output: Any):
-    from nemo_moe_metrics.moe.routing import indices_to_map
-
     index, _ = _routing_args(args, kwargs)
     chosen = indices_to_map(index.reshape(index.shape[0], -1), int(module.num_experts))
     return chosen, chosen, None, False
@@ -148,41 +90,12 @@ def _experts_topk(module: nn.Module) -> int:
     return topk
 
 
-def experts_num(module: nn.Module) -> int:
-    """Experts of a transformers experts module (its ``num_experts``, else its stacked weights)."""
-    experts = getattr(module, "num_experts", None)
-    if experts is None:  # the stacked weights [experts, ...] say it too
-        experts = next(p for p in module.parameters(recurse=False) if p.dim() == 3).shape[0]
-    return int(experts)
-
-
-def _experts_health(experts: nn.Module, block: nn.Module | None) -> Any:
-    from nemo_moe_metrics.moe.router_scoring import hf_experts_health
-
-    return hf_experts_health(experts, block)
-
-
-def _named_health(kind: str) -> Callable[[nn.Module, nn.Module | None], Any]:
-    # The named adapters' routers (moe.router_scoring): dbrx's beside its experts, llama4's and
-    # jetmoe's hooked themselves, doge's product keys.
-    def health(module: nn.Module, parent: nn.Module | None) -> Any:
-        from nemo_moe_metrics.moe import router_scoring
-
-        if kind == "beside_experts":
-            return router_scoring.hf_experts_health(module.experts, module)
-        if kind == "router":
-            return router_scoring.hf_health(module.router, module)
-        return router_scoring.doge_health(module, parent)
-
-    return health
-
-
 EXPERTS = RouterSpec(
     counts_fn=_experts_counts,
     num_experts=experts_num,
     topk=_experts_topk,
     routes_fn=_experts_routes,
-    health=_experts_health,
+    health=hf_health.hf_experts_health,
 )
 ZERO_COMPUTATION_EXPERTS = dataclasses.replace(
     EXPERTS, counts_fn=_zero_computation_counts, zero_computation=True
@@ -193,7 +106,7 @@ ZERO_COMPUTATION_EXPERTS = dataclasses.replace(
 def _dbrx_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     # hooked: DbrxFFN.experts, called as experts(hidden, top_k_index, top_k_weights)
     index, _ = _routing_args(args, kwargs)
-    return _count(index, int(module.num_experts)), index.shape[0]
+    return count_experts(index, int(module.num_experts)), index.shape[0]
 
 
 def _logits_topk_counts(logits_at: int) -> Callable:
@@ -202,15 +115,13 @@ def _logits_topk_counts(logits_at: int) -> Callable:
     def counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
         logits = output[logits_at]
         index = torch.topk(logits, int(module.top_k), dim=-1).indices
-        return _count(index, logits.shape[-1]), logits.shape[0]
+        return count_experts(index, logits.shape[-1]), logits.shape[0]
 
     return counts
 
 
 def _logits_topk_routes(logits_at: int) -> Callable:
     def routes(module: nn.Module, args: tuple, kwargs: dict, output: Any):
-        from nemo_moe_metrics.moe.routing import indices_to_map
-
         logits = output[logits_at]
         chosen = indices_to_map(
             torch.topk(logits, int(module.top_k), dim=-1).indices, logits.shape[-1]
@@ -223,12 +134,12 @@ def _logits_topk_routes(logits_at: int) -> Callable:
 def _doge_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     # hooked: DogeCDMoE.down_embed, looked up with the chosen expert ids [tokens, top_k]
     index = args[0]
-    return _count(index, int(module.num_embeddings)), index.reshape(-1, index.shape[-1]).shape[0]
+    return count_experts(index, int(module.num_embeddings)), index.reshape(
+        -1, index.shape[-1]
+    ).shape[0]
 
 
 def _doge_routes(module: nn.Module, args: tuple, kwargs: dict, output: Any):
-    from nemo_moe_metrics.moe.routing import indices_to_map
-
     index = args[0].reshape(-1, args[0].shape[-1])
     chosen = indices_to_map(index, int(module.num_embeddings))
     return chosen, chosen, None, False
@@ -253,7 +164,7 @@ _NAMED: dict[str, RouterSpec] = {
         topk=lambda m: int(m.top_k),
         routes_fn=_experts_routes,
         hooked=lambda m: m.experts,
-        health=_named_health("beside_experts"),
+        health=lambda m, parent: hf_health.hf_experts_health(m.experts, m),
     ),
     "transformers.models.llama4.modeling_llama4.Llama4TextMoe": RouterSpec(
         counts_fn=_logits_topk_counts(1),
@@ -261,7 +172,7 @@ _NAMED: dict[str, RouterSpec] = {
         topk=lambda m: int(m.top_k),
         routes_fn=_logits_topk_routes(1),
         hooked=lambda m: m.router,
-        health=_named_health("router"),
+        health=lambda m, parent: hf_health.hf_health(m.router, m),
     ),
     "transformers.models.jetmoe.modeling_jetmoe.JetMoeMoE": RouterSpec(
         counts_fn=_logits_topk_counts(4),
@@ -269,7 +180,7 @@ _NAMED: dict[str, RouterSpec] = {
         topk=lambda m: int(m.router.top_k),
         routes_fn=_logits_topk_routes(4),
         hooked=lambda m: m.router,
-        health=_named_health("router"),
+        health=lambda m, parent: hf_health.hf_health(m.router, m),
     ),
     "transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe.Ernie4_5_VLMoeMoeBlock": (
         RouterSpec(
@@ -278,7 +189,7 @@ _NAMED: dict[str, RouterSpec] = {
             topk=lambda m: int(m.text_moe.top_k),
             routes_fn=_experts_routes,
             hooked=_text_experts,
-            health=lambda m, parent: _experts_health(m.text_moe.experts, m.text_moe),
+            health=lambda m, parent: hf_health.hf_experts_health(m.text_moe.experts, m.text_moe),
             token_subset=True,
         )
     ),
@@ -288,7 +199,7 @@ _NAMED: dict[str, RouterSpec] = {
         topk=lambda m: int(m.top_k),
         routes_fn=_doge_routes,
         hooked=lambda m: m.down_embed,
-        health=_named_health("product_keys"),
+        health=hf_health.doge_health,
     ),
 }
 #: Families whose experts include zero-computation experts (by modeling module).
@@ -355,7 +266,7 @@ def router_logit_sources(
                     ),
                     None,
                 )
-            if index is None or not re.search(r"(^|\.)(layers|h|blocks)\.\d+(\.|$)", name):
+            if index is None or not in_decoder_layer(name):
                 continue
             layer = layer_id_from_name(name)
             block = blocks.get(layer)
@@ -364,16 +275,9 @@ def router_logit_sources(
     return [out[k] for k in sorted(out)]
 
 
-def logits_of(output: Any, index: int) -> torch.Tensor:
-    """The router logits in a router's output (a tensor output is the logits itself)."""
-    return output[index] if isinstance(output, tuple | list) else output
-
-
 def aux_loss_kind(chunks: list[nn.Module]) -> str | None:
     """Which load-balancing loss the model's own training computes: ``"switch"`` (transformers'
     ``load_balancing_loss_func``), ``"doge"`` (its product-key variant) or None (none)."""
-    import sys
-
     for chunk in chunks:
         for module in chunk.modules():
             recorders = getattr(type(module), "_can_record_outputs", None)

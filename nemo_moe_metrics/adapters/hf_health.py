@@ -1,21 +1,18 @@
-"""Where each router family keeps what router health needs: logits, score function, bias, groups.
+"""How transformers routers decide, and the readers router health uses for them.
 
-One function per family, called once per router when ``track_router_health`` is on
-(``ExpertLoadCollector.enable_health``). Each returns a :class:`HealthSource` (the router's
+:data:`HF_ROUTING` describes each family's routing (score function, groups, bias, where the
+logits are); the readers (:func:`hf_health`, :func:`hf_experts_health`, :func:`doge_health`),
+named by the specs of ``adapters.hf``, are called once per router when ``track_router_health``
+is on. Each returns a :class:`~nemo_moe_metrics.moe.router_spec.HealthSource` (the router's
 static :class:`~nemo_moe_metrics.moe.router_health.RouterScoring` and a reader of one forward's
-logits, expert bias and padding) or a string saying why this router's decisions cannot be
-judged; such a router gets no router-health keys (and one warning), never made-up numbers.
+logits and expert bias) or a string saying why this router's decisions cannot be judged; such
+a router gets no router-health keys (and one warning), never made-up numbers.
 
-The logits are the ones the router computes itself, captured where they appear, so health adds
-no second gating matmul:
-
-- megatron-core ``TopKRouter``: the output of its ``gating`` (``megatron.compat``
-  wraps it on the instance), before z-loss, score function and bias;
-- transformers routers: the first item of their output ``(logits, weights, indices)``, or
-  where their family keeps the logits (:data:`HF_ROUTING`; doge builds them from its product
-  keys), captured by a hook on the router beside the experts module;
-- torchtitan ``TokenChoiceTopKRouter``: a forward hook on its ``gate`` linear (the router
-  itself returns scores after the score function).
+The logits are the ones the router computes itself: the first item of its output ``(logits,
+weights, indices)``, or where the family keeps them (:data:`HF_ROUTING`; doge builds them from
+its product keys), captured by a hook on the router beside the experts module, so health adds
+no second gating matmul. (megatron-core and torchtitan routers: ``adapters.megatron``,
+``adapters.torchtitan``.)
 """
 
 from __future__ import annotations
@@ -29,64 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from nemo_moe_metrics.moe.hf_models import config_topk, experts_num, logits_of
+from nemo_moe_metrics.adapters.hf_fields import config_topk, experts_num, hf_model_type
 from nemo_moe_metrics.moe.router_health import SCORE_FUNCTIONS, RouterScoring
-
-#: ``read(args, kwargs, output) -> (logits or None, expert bias [E] or None, valid [T] or None)``
-HealthReader = Callable[[tuple, dict, Any], tuple[Any, Any, Any]]
-
-
-@dataclass(frozen=True)
-class HealthSource:
-    """How to judge one router: its scoring, a per-forward reader, and how to undo captures."""
-
-    scoring: RouterScoring
-    read: HealthReader
-    release: Callable[[], None] | None = None
-
-
-def _padding_valid(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    # megatron-core: padding_mask True = padding (see moe.hooks._megatron_counts).
-    padding_mask = kwargs.get("padding_mask", args[1] if len(args) > 1 else None)
-    return None if padding_mask is None else ~padding_mask.reshape(-1).bool()
-
-
-def megatron_health(router: nn.Module, parent: nn.Module | None) -> HealthSource | str:
-    """megatron-core ``TopKRouter``: score function, pre-softmax and groups from its config."""
-    from nemo_moe_metrics.megatron import compat
-
-    cfg = router.config
-    routing = getattr(router, "routing_type", cfg.moe_router_load_balancing_type)
-    if routing in ("sinkhorn", "quantile_balancing"):
-        return f"{routing} routing has no top-k of scores to judge"
-    if getattr(cfg, "moe_router_force_load_balancing", False):
-        return "moe_router_force_load_balancing routes random logits"
-    if getattr(cfg, "moe_router_force_biased", None) is not None:
-        return "moe_router_force_biased routes biased random logits"
-    score = getattr(router, "score_function", getattr(cfg, "moe_router_score_function", None))
-    if score not in SCORE_FUNCTIONS:
-        return f"score function {score!r} is not one of {SCORE_FUNCTIONS}"
-    topk = int(router.topk)
-    group_topk = getattr(cfg, "moe_router_group_topk", None)
-    scoring = RouterScoring(
-        score_function=score,
-        num_experts=int(cfg.num_moe_experts),
-        topk=topk,
-        rank_on_logits=score == "softmax" and not getattr(cfg, "moe_router_pre_softmax", False),
-        num_groups=getattr(cfg, "moe_router_num_groups", None),
-        group_topk=group_topk,
-        group_score_topk=topk // group_topk if group_topk else 2,
-    )
-    compat.capture_router_logits(router)
-    # megatron-core adds expert_bias to sigmoid / sqrt-softplus scores only; its softmax path
-    # routes without it even when the buffer exists.
-    biased = score != "softmax"
-
-    def read(args: tuple, kwargs: dict, output: Any):
-        bias = getattr(router, "expert_bias", None) if biased else None
-        return compat.pop_router_logits(router), bias, _padding_valid(args, kwargs)
-
-    return HealthSource(scoring, read, lambda: compat.release_router_logits(router))
+from nemo_moe_metrics.moe.router_spec import HealthSource, logits_of
 
 
 @dataclass(frozen=True)
@@ -228,14 +170,6 @@ _SCORE_MODULES = {"Sigmoid": "sigmoid", "SqrtSoftplusActivation": "sqrtsoftplus"
 _BIAS_NAMES = ("e_score_correction_bias", "expert_bias", "balancing_biases")
 
 
-def hf_model_type(router: nn.Module) -> str | None:
-    """``qwen3_moe`` for a class in ``transformers.models.qwen3_moe.modeling_qwen3_moe``."""
-    # The router's own class: FSDP2's fully_shard puts a class from torch in front of it.
-    own = next(c for c in type(router).__mro__ if not c.__module__.startswith("torch."))
-    parts = own.__module__.split(".")
-    return parts[2] if len(parts) > 2 and parts[:2] == ["transformers", "models"] else None
-
-
 def hf_routing(router: nn.Module) -> HFRouting | str:
     """How a transformers router decides, or why it cannot be judged.
 
@@ -263,7 +197,7 @@ def hf_routing(router: nn.Module) -> HFRouting | str:
             f"the score function of {kind} routers is not known ({score!r}; known: "
             f"{', '.join(SCORE_FUNCTIONS)})"
             if score
-            else f"the routing of {kind} routers is not described (moe/router_scoring.py "
+            else f"the routing of {kind} routers is not described (adapters/hf_health.py "
             "HF_ROUTING lists the families whose router code was read)"
         )
     return dataclasses.replace(routing, score_function=score)
@@ -342,7 +276,7 @@ def _router_beside(experts: nn.Module, block: nn.Module | None) -> nn.Module | N
 
 
 def hf_experts_health(experts: nn.Module, block: nn.Module | None) -> HealthSource | str:
-    """A transformers experts module (``moe.hf_models``): the router beside it in its MoE block.
+    """A transformers experts module (``adapters.hf``): the router beside it in its MoE block.
 
     The router is the block's child that returns ``(logits, weights, indices)`` (``gate`` or
     ``router``, or a class named ``...Router``); its logits and the bias it was called with are
@@ -416,38 +350,5 @@ def doge_health(block: nn.Module, parent: nn.Module | None) -> HealthSource | st
     def read(args: tuple, kwargs: dict, output: Any):
         logits, captured["logits"] = captured["logits"], None
         return logits, None, None
-
-    return HealthSource(scoring, read, handle.remove)
-
-
-def torchtitan_health(router: nn.Module, parent: nn.Module | None) -> HealthSource | str:
-    """torchtitan ``TokenChoiceTopKRouter``: the gate's output is ``z``; the bias is its argument."""
-    if getattr(router, "_debug_force_load_balance", False):
-        return "_debug_force_load_balance routes round-robin"
-    if router.score_func not in SCORE_FUNCTIONS:
-        return f"score function {router.score_func!r} is not one of {SCORE_FUNCTIONS}"
-    groups = router.num_expert_groups
-    scoring = RouterScoring(
-        score_function=router.score_func,
-        num_experts=int(router.num_experts),
-        topk=int(router.top_k),
-        num_groups=int(groups) if groups else None,
-        group_topk=int(router.num_limited_groups) if groups else None,
-    )
-    captured: dict[str, torch.Tensor | None] = {"logits": None}
-
-    def keep(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        captured["logits"] = output
-
-    handle = router.gate.register_forward_hook(keep)
-
-    def read(args: tuple, kwargs: dict, output: Any):
-        logits, captured["logits"] = captured["logits"], None
-        if logits is not None and hasattr(logits, "to_local"):  # DTensor under TP/SP
-            logits = logits.to_local()
-        bias = kwargs.get("expert_bias_E", args[1] if len(args) > 1 else None)
-        if bias is not None and hasattr(bias, "to_local"):
-            bias = bias.to_local()
-        return logits, bias, None
 
     return HealthSource(scoring, read, handle.remove)

@@ -1,0 +1,66 @@
+"""What a model's config says the metrics need: experts, layers, expert parallelism, aux loss.
+
+One function, :func:`model_facts`, reads a megatron-core ``TransformerConfig``, a transformers
+``PretrainedConfig`` (or its ``config.json`` as a dict) or a torchtitan model config; its type
+picks the family. FLOPs need no facts: ``nemo_moe_metrics.flops`` takes each config type itself.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from nemo_moe_metrics.adapters.hf_fields import config_num_experts
+from nemo_moe_metrics.adapters.torchtitan import is_torchtitan_config, torchtitan_model_facts
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the worker needs to know about a model, read from its config."""
+
+    num_experts: int  #: routed experts per MoE layer; 0 for a dense model
+    num_layers: int  #: decoder layers (global layer ids index into them)
+    ep_size: int  #: expert-parallel ranks (1 for Hugging Face models)
+    aux_loss: Literal["megatron", "hf"] | None  #: where aux losses come from; None: none
+    #: which kind of config described the model
+    source: Literal["megatron", "hf", "torchtitan"] = "megatron"
+    model_type: str | None = None  #: the Hugging Face model_type (None for megatron)
+    expert_bias: bool = False  #: routers keep an aux-loss-free expert bias (moe/expert_bias.py)
+
+
+def model_facts(config: Any) -> ModelFacts:
+    """The adapter: a transformers ``PretrainedConfig`` or a megatron ``TransformerConfig``.
+
+    FLOPs need no adapter: ``nemo_moe_metrics.flops`` takes either config type.
+    """
+    if is_torchtitan_config(config):  # torchtitan's model config (e.g. DeepSeekV3Model.Config)
+        experts, layers, bias = torchtitan_model_facts(config)
+        return ModelFacts(experts, layers, 1, None, "torchtitan", expert_bias=bias)
+    if isinstance(config, Mapping) and "model_type" in config:  # a config.json dict
+        from transformers import AutoConfig
+
+        data = {k: v for k, v in config.items() if k != "model_type"}
+        config = AutoConfig.for_model(config["model_type"], **data)
+    transformers = sys.modules.get("transformers")  # a PretrainedConfig means it is imported
+    if transformers is not None and isinstance(config, transformers.PretrainedConfig):
+        text = config.get_text_config()  # composite configs (qwen3_5_moe) keep it inside
+        experts = config_num_experts(text)
+        # Whether the model computes a load-balancing loss is read from the model at attach.
+        aux = "hf" if experts else None
+        layers = int(getattr(text, "num_hidden_layers", None) or getattr(text, "n_layers", 0) or 0)
+        model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None)
+        return ModelFacts(experts, layers, 1, aux, "hf", model_type)
+    if not hasattr(config, "num_layers"):
+        raise TypeError(
+            f"PolicyMetrics.attach(model, config): config is a {type(config).__name__}; pass the "
+            "model's megatron-core TransformerConfig or its transformers PretrainedConfig "
+            "(model.config, or its config.json as a dict with model_type), or a torchtitan "
+            "model config (e.g. DeepSeekV3Model.Config)"
+        )
+    experts = int(getattr(config, "num_moe_experts", None) or 0)
+    ep = int(getattr(config, "expert_model_parallel_size", 1) or 1)
+    bias = bool(experts and getattr(config, "moe_router_enable_expert_bias", False))
+    aux = "megatron" if experts else None
+    return ModelFacts(experts, int(config.num_layers), ep, aux, expert_bias=bias)

@@ -1,0 +1,100 @@
+"""torchtitan's MoE family: config facts, and its ``TokenChoiceTopKRouter`` read as a RouterSpec.
+
+torchtitan (0.3.0) builds a model from a nested ``Decoder.Config`` (``DeepSeekV3Model.Config``,
+``Qwen3Model.Config``, ...) whose ``layers`` list holds one block config per layer; a block
+with ``moe`` set is an MoE layer (``MoE.Config``: ``num_experts``, ``router.top_k``,
+``load_balance_coeff``). The routers (``TokenChoiceTopKRouter``) are counted by the same
+collector as every other family (``moe.collector``); their expert ids are the routing after the
+aux-loss-free bias and any group limit. Nothing here imports torchtitan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from nemo_moe_metrics.moe.router_health import SCORE_FUNCTIONS, RouterScoring
+from nemo_moe_metrics.moe.router_spec import HealthSource, RouterSpec, count_experts
+
+
+def is_torchtitan_config(config: Any) -> bool:
+    """A torchtitan model config (a dataclass from the torchtitan package with ``layers``)."""
+    module = type(config).__module__ or ""
+    return module.split(".")[0] == "torchtitan" and isinstance(
+        getattr(config, "layers", None), list | tuple
+    )
+
+
+def moe_layer_configs(config: Any) -> list[tuple[int, Any]]:
+    """``(layer index, MoE.Config)`` of every MoE layer of the main decoder (MTP excluded)."""
+    return [
+        (i, block.moe)
+        for i, block in enumerate(config.layers)
+        if getattr(block, "moe", None) is not None
+    ]
+
+
+def torchtitan_model_facts(config: Any) -> tuple[int, int, bool]:
+    """``(routed experts per MoE layer, decoder layers, expert bias on)`` of a torchtitan config."""
+    moes = moe_layer_configs(config)
+    experts = {int(moe.num_experts) for _, moe in moes}
+    if len(experts) > 1:
+        raise ValueError(f"torchtitan config: MoE layers disagree on num_experts {sorted(experts)}")
+    bias = any(getattr(moe, "load_balance_coeff", None) is not None for _, moe in moes)
+    return (experts.pop() if experts else 0), len(config.layers), bias
+
+
+def _counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    # TokenChoiceTopKRouter.forward(x_BLD, expert_bias_E) -> (topk_scores_BLK,
+    # topk_expert_ids_BLK, scores_BLE): count the expert ids (after the bias and any group
+    # limit), as MoE.forward does for its tokens_per_expert_E; no padding mask reaches it.
+    ids = output[1]
+    ids = ids.to_local() if hasattr(ids, "to_local") else ids  # DTensor under TP/SP
+    return count_experts(ids, module.num_experts), ids.numel() // ids.shape[-1]
+
+
+def health(router: nn.Module, parent: nn.Module | None) -> HealthSource | str:
+    """torchtitan ``TokenChoiceTopKRouter``: the gate's output is ``z``; the bias is its argument."""
+    if getattr(router, "_debug_force_load_balance", False):
+        return "_debug_force_load_balance routes round-robin"
+    if router.score_func not in SCORE_FUNCTIONS:
+        return f"score function {router.score_func!r} is not one of {SCORE_FUNCTIONS}"
+    groups = router.num_expert_groups
+    scoring = RouterScoring(
+        score_function=router.score_func,
+        num_experts=int(router.num_experts),
+        topk=int(router.top_k),
+        num_groups=int(groups) if groups else None,
+        group_topk=int(router.num_limited_groups) if groups else None,
+    )
+    captured: dict[str, torch.Tensor | None] = {"logits": None}
+
+    def keep(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        captured["logits"] = output
+
+    handle = router.gate.register_forward_hook(keep)
+
+    def read(args: tuple, kwargs: dict, output: Any):
+        logits, captured["logits"] = captured["logits"], None
+        if logits is not None and hasattr(logits, "to_local"):  # DTensor under TP/SP
+            logits = logits.to_local()
+        bias = kwargs.get("expert_bias_E", args[1] if len(args) > 1 else None)
+        if bias is not None and hasattr(bias, "to_local"):
+            bias = bias.to_local()
+        return logits, bias, None
+
+    return HealthSource(scoring, read, handle.remove)
+
+
+SPEC = RouterSpec(
+    counts_fn=_counts,
+    num_experts=lambda m: int(m.num_experts),
+    topk=lambda m: int(m.top_k),
+    # load_balance_coeff set: the parent MoE keeps expert_bias_E (None otherwise).
+    expert_bias=lambda router, parent: getattr(parent, "expert_bias_E", None),
+    health=health,
+)
+#: the router class this spec reads, by qualified name (nothing is imported to recognise it)
+ROUTER_CLASS = "torchtitan.models.common.moe.TokenChoiceTopKRouter"

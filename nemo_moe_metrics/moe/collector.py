@@ -1,0 +1,403 @@
+"""The collector: router forward hooks that count expert assignments on the device, no host syncs.
+
+It knows no model family: each router comes with its :class:`~nemo_moe_metrics.moe.router_spec.
+RouterSpec` (``nemo_moe_metrics.adapters`` finds them). How counting works (details and limits:
+docs/en/expert_load.md):
+
+- ``ExpertLoadCollector.attach(model_chunks)`` finds every known router (megatron-core
+  ``TopKRouter``, torchtitan's ``TokenChoiceTopKRouter``, every Hugging Face experts module
+  through transformers' shared experts interface, or a class given to ``register_router``;
+  ``adapters.registry``) and adds one forward hook per MoE layer plus a pre/post hook pair on
+  each model chunk. Multi-token-prediction layers count as layers ``num_layers + j``.
+- The chunk hooks mark a *training forward*: the chunk is in ``train()`` mode, autograd is on at
+  the chunk's entry and we are not inside a backward pass. Routers count only inside such a
+  forward. This is what makes activation recomputation safe: megatron's ``full`` recompute runs
+  the first forward with grad disabled inside a checkpoint function (still inside the chunk's
+  training forward: counted) and replays it during backward (the chunk forward is over and
+  autograd's graph task is active: not counted). Reference-model / rollout log-probs under
+  ``torch.no_grad()`` or ``eval()`` are never counted.
+- ``counting`` scopes it to a step: ``PolicyMetrics`` sets it on entering ``step()`` and clears
+  it on leaving, so a training forward outside ``step()`` is not counted into any step. A
+  collector used on its own counts whenever the rules above hold (``counting`` stays True).
+- Counts accumulate as int64 per layer on the router's device; the hook path only launches
+  device ops (no ``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero`` or branching on values).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from nemo_moe_metrics.moe.reduction import ExpertLoadReducer
+from nemo_moe_metrics.moe.router_health import RouterHealthTracker
+from nemo_moe_metrics.moe.router_spec import (
+    RouterSpec,
+    layer_id_from_name,
+    mtp_index,
+    per_expert,
+    same_layer_message,
+)
+from nemo_moe_metrics.moe.routing import RoutingTracker
+
+if TYPE_CHECKING:
+    from nemo_moe_metrics.moe.balance import ExpertLoads
+
+
+def _in_backward() -> bool:
+    # Inside autograd's backward (where checkpointing replays forwards) the engine has a graph
+    # task. Compiled graphs never replay Python hooks, and dynamo cannot trace this call.
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
+class _LayerAccumulator:
+    """Device int64 routed counts [E], executed counts [E], routed tokens [] and picks of
+    zero-computation experts [] of one MoE layer."""
+
+    def __init__(
+        self,
+        layer_id: int,
+        num_experts: int,
+        topk: int,
+        device: torch.device,
+        zero_computation: bool = False,
+    ):
+        self.layer_id = layer_id
+        self.num_experts = num_experts
+        self.topk = topk
+        self.zero_computation = zero_computation
+        self.counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+        self.executed = torch.zeros(num_experts, dtype=torch.int64, device=device)
+        self.tokens = torch.zeros((), dtype=torch.int64, device=device)
+        self.zero_picks = torch.zeros((), dtype=torch.int64, device=device)
+
+    def add(
+        self,
+        counts: torch.Tensor,
+        tokens: torch.Tensor | int,
+        executed: torch.Tensor | None = None,
+        zero_picks: torch.Tensor | None = None,
+    ) -> None:
+        counts = per_expert(counts)
+        if counts.device != self.counts.device:  # the model moved after attach
+            for name in ("counts", "executed", "tokens", "zero_picks"):
+                setattr(self, name, getattr(self, name).to(counts.device))
+        self.counts.add_(counts)
+        self.executed.add_(counts if executed is None else per_expert(executed))
+        self.tokens.add_(tokens)
+        if zero_picks is not None:
+            self.zero_picks.add_(zero_picks)
+
+
+class ExpertLoadCollector:
+    """Per-layer expert assignment counts of the training forwards of one step, on device."""
+
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        routers: list[tuple[str, nn.Module, RouterSpec]],
+        *,
+        num_layers: int | None = None,
+        parents: dict[int, nn.Module | None] | None = None,
+    ):
+        """Use :meth:`attach`; this hooks the given routers and chunks.
+
+        ``parents``: each router's parent module by ``id(router)`` (where some families keep
+        the expert bias and the router beside the experts).
+        """
+        self._active_depth = 0  # > 0 inside a training forward of a chunk
+        self.counting = True  # False: count nothing (PolicyMetrics: outside step())
+        self._entered: list[bool] = []
+        self._handles: list[Any] = []
+        self._accs: list[_LayerAccumulator] = []
+        self._reducers: dict[Any, Any] = {}
+        self.sequence_parallel = False
+        self.routing: RoutingTracker | None = None  # once enable_routing() ran
+        self._compared: set[int] = set()  # the layers routing consistency compares
+        self._routers = routers
+        self._num_layers = num_layers
+        #: module-name prefix of each layer's MoE block (the matched module's parent, or the
+        #: matched module itself when its spec hooks a submodule)
+        self.blocks: dict[int, str] = {}
+        self.health: RouterHealthTracker | None = None  # once enable_health() ran
+        self._health_sources: dict[int, Any] = {}  # id(matched module) -> HealthSource
+        self._parents = parents or {}
+        self._bias_sources: list[tuple[int, Callable[[], torch.Tensor | None]]] = []
+        seen: dict[int, str] = {}
+        for name, module, spec in routers:
+            layer = self._layer_of(name, module, spec)
+            if layer in seen:
+                raise ValueError(same_layer_message(seen[layer], name, layer))
+            seen[layer] = name
+            self.blocks[layer] = name if spec.hooked else name.rpartition(".")[0]
+            experts, topk = spec.num_experts(module), spec.topk(module)
+            if experts < 1 or topk < 1:
+                raise ValueError(f"router {name!r}: num_experts={experts}, topk={topk}; need >= 1")
+            hooked = spec.hooked(module) if spec.hooked else module
+            param = next(module.parameters(), None)
+            device = param.device if param is not None else torch.device("cpu")
+            acc = _LayerAccumulator(layer, experts, topk, device, spec.zero_computation)
+            self._accs.append(acc)
+            if spec.expert_bias is not None:
+                get, parent = spec.expert_bias, self._parents.get(id(module))
+                self._bias_sources.append((layer, lambda get=get, m=module, p=parent: get(m, p)))
+            self._handles.append(
+                hooked.register_forward_hook(self._router_hook(acc, spec, module), with_kwargs=True)
+            )
+            cfg = getattr(module, "config", None)
+            self.sequence_parallel |= bool(getattr(cfg, "sequence_parallel", False))
+        for chunk in chunks:
+            self._handles.append(chunk.register_forward_pre_hook(self._enter))
+            self._handles.append(chunk.register_forward_hook(self._leave, always_call=True))
+        self._accs.sort(key=lambda a: a.layer_id)
+        #: some counted layer routes every token: then no step routes fewer than its real tokens
+        self.routes_every_token = any(not spec.token_subset for _, _, spec in routers)
+
+    def _layer_of(self, name: str, module: nn.Module, spec: RouterSpec) -> int:
+        if spec.layer_id is not None:
+            return spec.layer_id(module, name)
+        mtp = mtp_index(name)
+        if mtp is None:
+            return layer_id_from_name(name)
+        if self._num_layers is None:
+            raise ValueError(
+                f"router {name!r} sits in a multi-token-prediction layer; attach with "
+                "num_layers=<decoder layers> so it is counted as layer num_layers + j"
+            )
+        return self._num_layers + mtp
+
+    @classmethod
+    def attach(
+        cls, model_chunks: nn.Module | Iterable[nn.Module], *, num_layers: int | None = None
+    ) -> ExpertLoadCollector | None:
+        """Hook every MoE layer in the chunks; None (and no hooks at all) when there is none.
+
+        Multi-token-prediction layers are counted as global layers ``num_layers + j`` (megatron
+        numbers its MTP routers so itself; for models numbered by module name, pass
+        ``num_layers``, the main decoder's layer count). A matched module nested inside another
+        (an experts module wrapping another experts module) is counted once, at the outer one.
+        """
+        # The public entry point: finding the routers is the adapters' job (imported here, on
+        # use, because the adapters sit above the collector).
+        from nemo_moe_metrics.adapters.registry import find_routers
+
+        chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+        if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
+            raise TypeError("attach() takes an nn.Module or a list of nn.Module model chunks")
+        routers, parents = find_routers(chunks)
+        if not routers:
+            return None
+        return cls(chunks, routers, num_layers=num_layers, parents=parents)
+
+    def expert_bias_sources(self) -> list[tuple[int, Callable[[], torch.Tensor | None]]]:
+        """``(global layer id, getter of the current bias buffer or None)`` per hooked router
+        whose class knows where an aux-loss-free expert bias lives (``moe.expert_bias``)."""
+        return list(self._bias_sources)
+
+    # -- hooks (hot path: Python flags and device ops only) --------------------------------
+    def _enter(self, chunk: nn.Module, args: tuple) -> None:
+        training = chunk.training and torch.is_grad_enabled() and not _in_backward()
+        self._entered.append(training)
+        if training:
+            self._active_depth += 1
+
+    def _leave(self, chunk: nn.Module, args: tuple, output: Any) -> None:
+        if self._entered and self._entered.pop():
+            self._active_depth -= 1
+
+    def _counts_now(self, module: nn.Module) -> bool:
+        return self.counting and self._active_depth > 0 and module.training and not _in_backward()
+
+    def _router_hook(self, acc: _LayerAccumulator, spec: RouterSpec, matched: nn.Module):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            source = self._health_sources.get(id(matched)) if self.health is not None else None
+            # Read on every forward: a captured logits tensor never outlives its forward.
+            decision = source.read(args, kwargs, output) if source is not None else None
+            if self._counts_now(module):
+                counted = spec.counts_fn(module, args, kwargs, output)
+                counts = per_expert(counted[0])
+                acc.add(counts, *counted[1:])
+                if self.health is not None:
+                    logits, bias, valid = decision if decision is not None else (None, None, None)
+                    self.health.observe(acc.layer_id, counts, logits, bias=bias, valid=valid)
+                if self.routing is not None and acc.layer_id in self._compared:
+                    assert spec.routes_fn is not None
+                    self.routing.observe(
+                        acc.layer_id, *spec.routes_fn(module, args, kwargs, output)
+                    )
+
+        return hook
+
+    def observe_module(
+        self, module: nn.Module, layer_id: int, observe: Callable[[int, nn.Module, Any], None]
+    ) -> None:
+        """Call ``observe(layer_id, module, output)`` after each counted forward of ``module``.
+
+        For a module other than the one counted, such as a Hugging Face router whose logits feed
+        the aux loss; same gating as the counts, and ``observe`` must only launch device ops.
+        """
+
+        def hook(mod: nn.Module, args: tuple, output: Any) -> None:
+            if self._counts_now(mod):
+                observe(layer_id, mod, output)
+
+        self._handles.append(module.register_forward_hook(hook))
+
+    def enable_routing(self, moe_layers: list[int], *, rollout_experts: int = 0) -> Any:
+        """Compare rollout routes with these routers' choices (``moe.routing.RoutingTracker``).
+
+        ``moe_layers``: every MoE layer of the model (global ids, model order), the layer axis
+        of the rollout routes. Megatron routers with router replay configured also report their
+        own top-k under replay (``megatron.compat.capture_router_choice``). ``rollout_experts``
+        > 0 also counts the rollout's own expert load (``RoutingTracker``).
+        """
+        specs = {spec for _, _, spec in self._routers}
+        unsupported = [name for name, _, spec in self._routers if spec.routes_fn is None]
+        if unsupported:
+            raise ValueError(
+                f"track_routing_consistency: routers {unsupported[:3]} were registered without a "
+                "routes function; routing consistency supports megatron-core and Hugging Face "
+                "routers"
+            )
+        # Rollout engines return routes for the decoder's MoE layers only: MTP layers (and any
+        # other layer outside moe_layers) are counted but not compared.
+        compared = [a for a in self._accs if a.layer_id in set(moe_layers)]
+        topks = {a.topk for a in compared}
+        if len(topks) > 1:
+            raise ValueError(
+                f"track_routing_consistency: the MoE layers route to different numbers of "
+                f"experts per token {sorted(topks)}; rollout routes need one top-k"
+            )
+        for name, module, spec in self._routers:
+            if spec.capture_choice is not None and mtp_index(name) is None:
+                spec.capture_choice(module)
+        self._compared = {a.layer_id for a in compared}
+        self.routing = RoutingTracker(
+            [a.layer_id for a in compared],
+            moe_layers,
+            topks.pop(),
+            [a.num_experts for a in compared],
+            self._accs[0].counts.device,
+            sequence_major=any(spec.sequence_major for spec in specs),
+            rollout_experts=rollout_experts,
+        )
+        return self.routing
+
+    def enable_health(self, near_tie_gap: float) -> Any:
+        """Judge these routers' decisions from their own logits (``moe.router_health``).
+
+        Routers whose class knows no health reader, or whose score function cannot be
+        determined, get no router-health keys (one warning names them); every router still
+        reports ``max_over_ideal_microbatch``.
+        """
+        scorings: dict[int, Any] = {acc.layer_id: None for acc in self._accs}
+        skipped: list[str] = []
+        for name, module, spec in self._routers:
+            layer = self._layer_of(name, module, spec)
+            try:
+                found = (
+                    spec.health(module, self._parents.get(id(module)))
+                    if spec.health is not None
+                    else "registered without a health reader"
+                )
+            except ValueError as err:  # a scoring the arithmetic cannot follow (RouterScoring)
+                found = str(err)
+            if isinstance(found, str):
+                skipped.append(f"{name} ({found})")
+                continue
+            self._health_sources[id(module)] = found
+            scorings[layer] = found.scoring
+        if skipped:
+            warnings.warn(
+                "track_router_health: no moe/...router_* keys for the layers of "
+                f"{len(skipped)} router(s): {'; '.join(skipped[:3])}"
+                f"{' ...' if len(skipped) > 3 else ''}. Their max_over_ideal_microbatch is "
+                "still logged.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self.health = RouterHealthTracker(
+            scorings, near_tie_gap=near_tie_gap, device=self._accs[0].counts.device
+        )
+        return self.health
+
+    # -- step boundary -----------------------------------------------------------------------
+    @property
+    def layer_ids(self) -> list[int]:
+        """Global 0-based layer index of each hooked router, ascending."""
+        return [a.layer_id for a in self._accs]
+
+    @property
+    def num_experts(self) -> list[int]:
+        """Experts per hooked layer, in ``layer_ids`` order."""
+        return [a.num_experts for a in self._accs]
+
+    @property
+    def topks(self) -> list[int]:
+        """Experts per token of each hooked layer, in ``layer_ids`` order."""
+        return [a.topk for a in self._accs]
+
+    @property
+    def topk(self) -> int:
+        """Experts per token, for callers that need one (routing consistency); an error when the
+        layers differ."""
+        ks = set(self.topks)
+        if len(ks) != 1:
+            raise ValueError(
+                f"the MoE layers route to different numbers of experts per token {sorted(ks)}; "
+                "routing consistency needs one top-k for the whole model"
+            )
+        return ks.pop()
+
+    @property
+    def zero_computation(self) -> list[bool]:
+        """Per hooked layer: whether its router can pick zero-computation experts."""
+        return [a.zero_computation for a in self._accs]
+
+    def local_counts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This rank's device accumulators (per-layer routed counts [E] and tokens []), not copied."""
+        return [a.counts for a in self._accs], [a.tokens for a in self._accs]
+
+    def local_executed(self) -> list[torch.Tensor]:
+        """This rank's per-layer executed counts [E] (padding included), not copied."""
+        return [a.executed for a in self._accs]
+
+    def local_zero_picks(self) -> list[torch.Tensor]:
+        """This rank's per-layer picks of zero-computation experts [], not copied."""
+        return [a.zero_picks for a in self._accs]
+
+    def reset(self) -> None:
+        """Zero the device accumulators (start of a new step)."""
+        for a in self._accs:
+            a.counts.zero_()
+            a.executed.zero_()
+            a.tokens.zero_()
+            a.zero_picks.zero_()
+        if self.routing is not None:
+            self.routing.reset()
+        if self.health is not None:
+            self.health.reset()
+
+    def export(self, group: Any = None, *, contribute: bool | None = None) -> ExpertLoads:
+        """Reduce over ``group`` (default: world), reset, return loads identical on every rank.
+
+        One host synchronisation; the first call per group also agrees on the layer signature.
+        """
+        if group not in self._reducers:
+            self._reducers[group] = ExpertLoadReducer(group)
+        return self._reducers[group].export(self, contribute=contribute)
+
+    def detach(self) -> None:
+        """Remove every hook this collector added."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for source in self._health_sources.values():
+            if source.release is not None:
+                source.release()
+        self._health_sources.clear()
