@@ -78,3 +78,40 @@ def test_an_override_without_its_section_is_suggested_with_it(override, suggeste
     # ...and the suggestion is a key the recipe accepts.
     value = override.split("=")[1]
     assert _cli("check", str(GRPO), f"{suggested}={value}").returncode == 0
+
+
+ERROR_IN_STEP = """
+import sys, torch
+sys.path.insert(0, "tests")
+from hf_families import tiny_model
+from nemo_moe_metrics import MetricsConfig, PolicyMetrics
+model = tiny_model(sys.argv[1])
+metrics = PolicyMetrics(MetricsConfig(track_moe_metrics=True, track_throughput=True))
+metrics.attach(model, model.config)
+try:
+    with metrics.step():
+        metrics.microbatch(seq_lens=torch.tensor([8]))
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long))
+        raise RuntimeError("the user's own error")
+except RuntimeError as err:
+    print("caught:", err)
+print("megatron modules:", sorted(m for m in sys.modules if m.split(".")[0] == "megatron"))
+"""
+
+
+@pytest.mark.parametrize("family", ["llama4_text", "glm4_moe", "qwen3_moe"])
+def test_an_error_inside_step_on_a_hf_model_does_not_import_megatron(family):
+    # Models without a transformers aux loss (llama4_text, glm4_moe) used to clear megatron's
+    # aux-loss tracker on this path: four "Transformer Engine and Apex" warnings first.
+    pytest.importorskip("transformers")
+    proc = subprocess.run(
+        [sys.executable, "-c", ERROR_IN_STEP, family],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "caught: the user's own error" in proc.stdout
+    assert "megatron modules: []" in proc.stdout, proc.stdout
+    assert "Transformer Engine" not in proc.stderr and "Apex" not in proc.stderr, proc.stderr
