@@ -184,9 +184,11 @@ class PolicyMetrics:
             self._families.append(families.MegatronAuxLoss(self._transformer_config, cfg))
         self._loads = families.ExpertLoads(collector, ExpertLoadReducer(None), cfg, facts.ep_size)
         self._families.append(self._loads)
-        if facts.expert_bias:
+        sources = collector.expert_bias_sources() if collector else []
+        if facts.source == "hf":  # no config flag says it: the layers that hold a bias do
+            sources = [(layer, get) for layer, get in sources if get() is not None]
+        if facts.expert_bias or (facts.source == "hf" and sources):
             # Every rank joins the bias reduce, also a pipeline stage without MoE layers.
-            sources = collector.expert_bias_sources() if collector else []
             tracker = ExpertBiasTracker(sources)
             self._families.append(
                 families.ExpertBias(tracker, self._loads, cfg.moe_per_layer_logging)

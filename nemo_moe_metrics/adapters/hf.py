@@ -96,6 +96,7 @@ EXPERTS = RouterSpec(
     topk=_experts_topk,
     routes_fn=_experts_routes,
     health=hf_health.hf_experts_health,
+    expert_bias=hf_health.hf_expert_bias,
 )
 ZERO_COMPUTATION_EXPERTS = dataclasses.replace(
     EXPERTS, counts_fn=_zero_computation_counts, zero_computation=True

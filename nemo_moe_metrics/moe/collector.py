@@ -218,7 +218,13 @@ class ExpertLoadCollector:
             source = self._health_sources.get(id(matched)) if self.health is not None else None
             # Read on every forward: a captured logits tensor never outlives its forward.
             decision = source.read(args, kwargs, output) if source is not None else None
-            if self._counts_now(module):
+            if not self._counts_now(module):
+                return
+            # No autograd graph: a measurement op on grad-requiring outputs (llama4's
+            # topk of its logits) would save tensors for backward in the first forward only,
+            # since a recomputation is not counted, and non-reentrant activation checkpointing
+            # refuses a recomputation that saves fewer tensors than the forward did.
+            with torch.no_grad():
                 counted = spec.counts_fn(module, args, kwargs, output)
                 counts = per_expert(counted[0])
                 acc.add(counts, *counted[1:])
@@ -244,7 +250,8 @@ class ExpertLoadCollector:
 
         def hook(mod: nn.Module, args: tuple, output: Any) -> None:
             if self._counts_now(mod):
-                observe(layer_id, mod, output)
+                with torch.no_grad():  # as the counts: no graph (activation checkpointing)
+                    observe(layer_id, mod, output)
 
         self._handles.append(module.register_forward_hook(hook))
 
