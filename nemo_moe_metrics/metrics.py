@@ -40,7 +40,7 @@ from torch import nn
 from nemo_moe_metrics import families
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.adapters import hf
-from nemo_moe_metrics.adapters.facts import ModelFacts, model_facts
+from nemo_moe_metrics.adapters.facts import ModelFacts, checked_hf_config, model_facts
 from nemo_moe_metrics.config import MetricsConfig
 from nemo_moe_metrics.flops import resolve_peak_flops, try_get_flops_estimator
 from nemo_moe_metrics.flops.megatron import is_megatron_config
@@ -152,6 +152,8 @@ class PolicyMetrics:
         if is_megatron_config(config):
             # The model decides: a hybrid model's pattern and the layers that hold routers.
             config = config_as_built(chunks, config)
+        else:  # a transformers model: another family's config is not read as if it were its own
+            config = checked_hf_config(chunks, config)
         self._transformer_config = config
         self._facts = model_facts(config)
         if self.cfg.track_moe_metrics:
