@@ -291,7 +291,7 @@ def hf_expert_bias(experts: nn.Module, block: nn.Module | None) -> torch.Tensor 
         tensors |= dict(owner.named_parameters(recurse=recurse))
         found = next((t for n, t in tensors.items() if n.rpartition(".")[2] in _BIAS_NAMES), None)
         if found is not None:
-            return found
+            return found.reshape(-1)  # ernie4_5_moe keeps it [1, E]: one value per expert
     return None
 
 
