@@ -45,10 +45,18 @@ Measures (JSON keys, targets):
   ``track_router_health`` on / off (every other MoE metric on in both), and
   ``router_health_syncs_per_microbatch`` (0): host reads it adds per microbatch. The step
   benchmark's "every metric on" includes it, so ``step_overhead_ratio`` covers it too.
+- ``trl_callback_overhead_ratio`` (<= 1.02): a TRL ``SFTTrainer`` step with
+  ``MoEMetricsCallback`` and every flag on over the same step without it, a model whose step
+  takes at least 100 ms on one CPU thread, an export every step (``benchmarks/trl_bench.py``);
+  absent when TRL is not installed.
 - ``attach_seconds_94_layers`` (<= 1): ``PolicyMetrics.attach`` with every MoE flag, FLOPs and
   router health on a 94-layer x 128-expert transformers model without a registered FLOP formula
   (GLM-4.5's family, built on the meta device: the estimate is read from its modules),
   median seconds (``benchmarks/attach_bench.py``).
+- ``placement_seconds_10k_94x256`` (<= 10): wall seconds of ``nemo-moe-metrics placement
+  --ep-size 32 --redundant-experts 32 --sweep --out PLAN.json`` in its own process over the
+  report's 10,000-step run with a table every step (every step read; the sweep R = 0, 32, ...,
+  256), the plan checked (``benchmarks/placement_bench.py``).
 
 Exits 1 if a correctness check of the measured path fails (the numbers would mean nothing);
 missed targets are reported, not fatal. Method and results: docs/en/performance.md.
@@ -59,6 +67,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -86,8 +95,10 @@ from benchmarks.harness import (  # noqa: E402
     step_rank,
 )
 from benchmarks.long_run import report_bench, tiled_report_bench  # noqa: E402
+from benchmarks.placement_bench import placement_bench  # noqa: E402
 from benchmarks.routing_bench import router_health_bench, routing_bench  # noqa: E402
 from benchmarks.store_bench import store_bench  # noqa: E402
+from benchmarks.trl_bench import trl_bench  # noqa: E402
 from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, LoggerConfig  # noqa: E402
 
 RESULT_KEYS = (
@@ -113,6 +124,8 @@ RESULT_KEYS = (
     "report_seconds_100k_94x256_every_step",
     "report_peak_rss_mb_100k_94x256_every_step",
     "attach_seconds_94_layers",
+    "placement_seconds_10k_94x256",
+    "trl_callback_overhead_ratio",
 )
 TARGETS: dict[str, tuple[str, float]] = {
     "step_overhead_ratio": ("<=", 1.02),
@@ -137,6 +150,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "report_seconds_100k_94x256_every_step": ("<=", 60.0),
     "report_peak_rss_mb_100k_94x256_every_step": ("<=", 2048.0),
     "attach_seconds_94_layers": ("<=", 1.0),
+    "placement_seconds_10k_94x256": ("<=", 10.0),
+    "trl_callback_overhead_ratio": ("<=", 1.02),
 }
 FLOPS_FIXTURES = {"qwen3_moe": "qwen3-30b-a3b", "qwen3_5_moe": "qwen3.5-35b-a3b"}
 STEP_WORLD_SIZE = 1  # one rank, one thread: the other core absorbs the machine's other load
@@ -156,6 +171,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         routing_pairs=40,
         health_pairs=40,
         attach_layers=94,
+        trl=dict(blocks=10, steps_per_block=5),
     ),
     "quick": dict(
         bench=BenchConfig(warmup_pairs=1, pairs=40, export_repeats=30),
@@ -167,6 +183,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         routing_pairs=20,
         health_pairs=20,
         attach_layers=94,
+        trl=dict(blocks=6, steps_per_block=4),
     ),
     # Tiny model and few repeats: exercises every path in seconds; the numbers mean little.
     "smoke": dict(
@@ -194,6 +211,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         routing_pairs=2,
         health_pairs=2,
         attach_layers=8,
+        trl=dict(blocks=2, steps_per_block=2, model={}),
     ),
 }
 
@@ -298,6 +316,9 @@ def summarise(
         checks.update(health["checks"])
     if attach is not None:
         checks.update(attach["checks"])
+    placement = report.get("placement")
+    if placement is not None:
+        checks.update(placement["checks"])
 
     result: dict[str, Any] = {
         "step_overhead_ratio": _median(ratios),
@@ -319,6 +340,8 @@ def summarise(
         result["router_health_syncs_per_microbatch"] = health["router_health_syncs_per_microbatch"]
     if attach is not None:
         result["attach_seconds_94_layers"] = attach["attach_seconds"]
+    if placement is not None:
+        result["placement_seconds_10k_94x256"] = placement["placement_seconds"]
     if tiled is not None:
         result["report_seconds_100k_94x256_every_step"] = tiled["report_seconds"]
         result["report_peak_rss_mb_100k_94x256_every_step"] = tiled["report_peak_rss_mb"]
@@ -362,6 +385,7 @@ def summarise(
         },
         "flops": flops,
         "report": {**report["details"], "tiled": tiled},
+        "placement": None if placement is None else placement["details"],
         "store": store["details"],
         "routing": (
             None
@@ -485,6 +509,18 @@ def _format(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _add_trl(result: dict[str, Any], preset: dict[str, Any]) -> None:
+    # TRL is an extra: without it the key is absent (and says so), never a made-up number.
+    if importlib.util.find_spec("trl") is None:
+        result["details"]["trl"] = "not measured: TRL is not installed (extra 'trl')"
+        return
+    trl = trl_bench(**preset)
+    key = "trl_callback_overhead_ratio"
+    result[key] = trl[key]
+    result["met"][key] = _meets(trl[key], *TARGETS[key])
+    result["details"]["trl"] = trl
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmarks, print a summary, optionally write JSON; 1 if a check failed."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -541,12 +577,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     with tempfile.TemporaryDirectory(prefix="nmm_report_") as work:
         report = report_bench(Path(work), **preset["report"])
+        shape = preset["report"]
+        report["placement"] = placement_bench(
+            Path(work) / "run_every_step",  # report_bench's run with a table every step
+            Path(work) / "PLAN.json",
+            layers=shape["layers"],
+            experts=shape["experts"],
+        )
         if args.slow or args.smoke:  # smoke: 10 x 300 steps at 8 x 16, to test the harness
             report["tiled"] = tiled_report_bench(Path(work), repeats=10)
     routing = routing_bench(bench.step, preset["routing_pairs"], timeout=args.timeout)
     health = router_health_bench(bench.step, preset["health_pairs"], timeout=args.timeout)
     attach = attach_bench(layers=preset["attach_layers"])
     result = summarise(ranks, exports, flops, store, report, routing, health, attach)
+    _add_trl(result, preset["trl"])
     result["machine"] = {
         **machine(),
         "load_average_1m_before": load_before[0],

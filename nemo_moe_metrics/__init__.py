@@ -29,6 +29,10 @@ _EXPORTS: dict[str, str] = {
     "build_sinks": "nemo_moe_metrics.sinks",
     "Sink": "nemo_moe_metrics.sinks",
     "read_expert_loads": "nemo_moe_metrics.sinks.store",
+    # the rollout engine's own expert loads (docs/en/placement.md)
+    "RolloutLoadRecorder": "nemo_moe_metrics.sinks.rollout_store",
+    "record_rollout_loads": "nemo_moe_metrics.sinks.rollout_store",
+    "counts_from_routes": "nemo_moe_metrics.sinks.rollout_store",
     # FLOP estimator
     "get_flops_estimator": "nemo_moe_metrics.flops",
     "register_flops_estimator": "nemo_moe_metrics.flops",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from nemo_moe_metrics.config import ConfigError, dump_recipe, load_recipe
 from nemo_moe_metrics.extras import MissingExtraError
+from nemo_moe_metrics.placement.command import add_ingest_parser, add_placement_parser
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -264,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_run_dir_flags(run)
     run.set_defaults(func=_cmd_run)
+    add_placement_parser(sub)
+    add_ingest_parser(sub)
     parser.subparsers = sub.choices  # type: ignore[attr-defined]  # name -> subparser
     return parser
 

@@ -1,5 +1,9 @@
 """Typed recipe configuration: metric flags, model section, training section, YAML loading.
 
+The models here (flags, model, policy, training, algorithms, alerts, logger, the whole
+:class:`Recipe`) and reading a recipe: YAML, dotted overrides, validation. Their strict base
+and the wording of their errors: ``strict_model.py``; which layers are MoE: ``layer_pattern.py``.
+
 A recipe is YAML; its metric flags sit under ``policy.megatron_cfg`` as in NeMo RL. Unlike a
 TypedDict, every model here rejects unknown keys and names the closest valid one, so a typo
 such as ``track_moe_metric`` fails loudly instead of silently leaving a metric off.
@@ -7,90 +11,14 @@ such as ``track_moe_metric`` fails loudly instead of silently leaving a metric o
 
 from __future__ import annotations
 
-import difflib
-import re
 from pathlib import Path
-from typing import Any, ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from nemo_moe_metrics.key_suggestions import nested_key_paths
-
-
-class ConfigError(ValueError):
-    """A recipe or override that cannot be used; the message names the key and the fix."""
-
-
-class _ConfigErrors(type(BaseModel)):
-    """Constructing a model from Python (``MetricsConfig(...)``) raises :class:`ConfigError`
-    instead of pydantic's ValidationError. A metaclass, not ``__init__``: pydantic calls a
-    model's own ``__init__`` when it validates it as a nested field, and would wrap the error."""
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().__call__(*args, **kwargs)
-        except ValidationError as err:
-            raise ConfigError(_api_error_text(cls.__name__, err)) from None
-
-
-class StrictModel(BaseModel, metaclass=_ConfigErrors):
-    """Base model: unknown keys are rejected with a 'did you mean' suggestion; built from
-    Python (``MetricsConfig(...)``, ``model_validate``), a bad value raises :class:`ConfigError`
-    with one line per problem (pydantic's own error adds a documentation link to each)."""
-
-    # allow_inf_nan=False: an infinite peak or coefficient passes "> 0" and poisons every rate.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @classmethod
-    def model_validate(cls, obj: Any, **kwargs: Any) -> Any:
-        """pydantic's ``model_validate``, raising :class:`ConfigError` as the constructor does."""
-        try:
-            return super().model_validate(obj, **kwargs)
-        except ValidationError as err:
-            if cls is Recipe:  # recipe_from_dict words recipe errors itself
-                raise
-            raise ConfigError(_api_error_text(cls.__name__, err)) from None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unknown_keys(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        known = set(cls.model_fields)
-        foreign = getattr(cls, "foreign_keys", {})
-        for key in data:
-            if key in foreign:
-                raise ValueError(f"unknown key '{key}': {foreign[key]}")
-            if key not in known:
-                close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
-                # Not a typo here, but a key of a section below (given without its section)?
-                close = close or nested_key_paths(cls, str(key))[:1]
-                hint = f"; did you mean '{close[0]}'?" if close else ""
-                raise ValueError(
-                    f"unknown key '{key}'{hint} (valid keys: {', '.join(sorted(known))})"
-                )
-            # Lax pydantic reads true as 1: `num_layers: true` would silently build one layer.
-            if isinstance(data[key], bool) and not _allows_bool(cls.model_fields[key].annotation):
-                raise ValueError(f"{key} takes no true/false value, got {str(data[key]).lower()}")
-        return data
-
-
-def _api_error_text(model: str, err: ValidationError) -> str:
-    """``invalid MetricsConfig:`` then one ``  key: problem`` line per error."""
-    lines = [f"invalid {model}:"]
-    for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"  {where}: {msg}" if where else f"  {msg}")
-    return "\n".join(lines)
-
-
-def _allows_bool(annotation: Any) -> bool:
-    """Whether a field's type accepts a bool as itself (bool, or a union or list with bool)."""
-    if annotation is bool or annotation is Any:
-        return True
-    return any(_allows_bool(arg) for arg in get_args(annotation))
+from nemo_moe_metrics.layer_pattern import hybrid_layer_symbols, moe_layer_flags
+from nemo_moe_metrics.strict_model import ConfigError, StrictModel, recipe_error_text
 
 
 class MetricsConfig(StrictModel):
@@ -233,16 +161,12 @@ class ModelConfig(StrictModel):
     @classmethod
     def _check_pattern(cls, pattern: str | None) -> str | None:
         if pattern is not None:
-            from nemo_moe_metrics.megatron.compat import hybrid_layer_symbols
-
             hybrid_layer_symbols(pattern)  # a bad symbol is reported at this field's path
         return pattern
 
     @model_validator(mode="after")
     def _check_shape(self) -> ModelConfig:
         if self.hybrid_layer_pattern is not None:
-            from nemo_moe_metrics.megatron.compat import hybrid_layer_symbols
-
             symbols = hybrid_layer_symbols(self.hybrid_layer_pattern)
             if len(symbols) != self.num_layers:
                 raise ValueError(
@@ -291,13 +215,7 @@ class ModelConfig(StrictModel):
         """One 0/1 entry per layer, 1 where the layer is MoE."""
         if not self.num_experts:
             return [0] * self.num_layers
-        if self.hybrid_layer_pattern is not None:
-            from nemo_moe_metrics.megatron.compat import MOE_SYMBOL, hybrid_layer_symbols
-
-            return [int(s == MOE_SYMBOL) for s in hybrid_layer_symbols(self.hybrid_layer_pattern)]
-        if isinstance(self.moe_layer_freq, list):
-            return list(self.moe_layer_freq)
-        return [1 if i % self.moe_layer_freq == 0 else 0 for i in range(self.num_layers)]
+        return moe_layer_flags(self.num_layers, self.moe_layer_freq, self.hybrid_layer_pattern)
 
 
 class PolicyConfig(StrictModel):
@@ -472,6 +390,11 @@ class LoggerConfig(StrictModel):
         "(sqlite:///<run_dir>/mlflow.db, artifacts in <run_dir>/mlflow_artifacts).",
     )
     mlflow_experiment: str = "nemo_moe_metrics"
+    trackio_enabled: bool = Field(
+        False,
+        description="Log the scalars to trackio (extra 'trackio'): a local SQLite store in "
+        "<run_dir>/trackio, no network; open it with TRACKIO_DIR=<run_dir>/trackio trackio show.",
+    )
     resume: bool = Field(
         False,
         description="Continue the run in the output directory: steps, train_perf/total_* and "
@@ -489,6 +412,7 @@ class LoggerConfig(StrictModel):
 class Recipe(StrictModel):
     """A whole recipe: which algorithm, the policy with its flags, training and logging."""
 
+    words_its_own_errors: ClassVar[bool] = True  # recipe_from_dict names file and override
     name: str = "run"
     algorithm: Literal["sft", "dpo", "grpo"] = "sft"
     policy: PolicyConfig
@@ -536,49 +460,6 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return result
 
 
-def _format_validation_error(
-    err: ValidationError,
-    source: str,
-    overrides: list[str] | None = None,
-    file_errors: set[tuple[tuple[Any, ...], str]] | None = None,
-) -> str:
-    """One line per problem; a problem an override brought in is named after that override.
-
-    ``file_errors`` are the (location, message) pairs the file has without any override: those
-    stay the file's, whatever the overrides touch.
-    """
-    by_key = {item.partition("=")[0].strip(): item for item in overrides or []}
-    file_errors = file_errors or set()
-    lines = []
-    for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["loc"]:  # a suggested key of a section below: its full dotted path
-            msg = re.sub(r"did you mean '(\w+\.[\w.]+)'", rf"did you mean '{where}.\1'", msg)
-        if e["type"] == "missing":
-            msg = (
-                f"section or key '{where}' is missing; add it to the recipe (the example recipes "
-                "in examples/configs/ show every section)"
-            )
-        culprit = None
-        if (tuple(e["loc"]), e["msg"]) not in file_errors:
-            # The override that set this key, or one inside the section the problem is at.
-            # An unknown key at the top level has no location: match it by its own name.
-            unknown = re.match(r"unknown key '([^']+)'", msg)
-            named = unknown and by_key.get(f"{where}." * bool(e["loc"]) + unknown.group(1))
-            culprit = (
-                named
-                or by_key.get(where)
-                or next((item for key, item in by_key.items() if key.startswith(where + ".")), None)
-            )
-        lines.append(f"  override '{culprit}': {msg}" if culprit else f"  {where}: {msg}")
-    only_overrides = all(line.startswith("  override '") for line in lines)
-    header = (
-        f"invalid override for recipe {source}:" if only_overrides else f"invalid recipe {source}:"
-    )
-    return "\n".join([header, *lines])
-
-
 def recipe_from_dict(
     data: dict[str, Any],
     source: str = "<dict>",
@@ -599,7 +480,7 @@ def recipe_from_dict(
                 Recipe.model_validate(without_overrides)
             except ValidationError as plain:
                 file_errors = {(tuple(e["loc"]), e["msg"]) for e in plain.errors()}
-        raise ConfigError(_format_validation_error(err, source, overrides, file_errors)) from None
+        raise ConfigError(recipe_error_text(err, source, overrides, file_errors)) from None
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:

@@ -11,6 +11,8 @@ and pyyaml. Everything heavier is an extra of the package, named in ``pyproject.
   of the package, because torchtitan's own pins (``datasets<4.8``) downgrade huggingface_hub
   under transformers 5; it installs with :data:`TORCHTITAN_INSTALL`, everywhere the same line;
 - ``mlflow``: mlflow-skinny with SQLAlchemy and Alembic, for the MLflow sink's SQLite store;
+- ``trl``: TRL (with accelerate and datasets) and transformers, for ``MoEMetricsCallback`` in
+  TRL's trainers (``examples/integrate_trl.py``); ``trackio``: the trackio sink;
 - ``all``: every one of them.
 
 A module that needs an extra imports it through :func:`require`, so a missing one fails with
@@ -33,6 +35,8 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "hf": ("transformers",),
     "torchtitan": ("torchtitan",),
     "mlflow": ("mlflow", "sqlalchemy", "alembic"),
+    "trl": ("trl", "accelerate", "datasets"),
+    "trackio": ("trackio",),
 }
 
 

@@ -29,12 +29,14 @@ from torch import nn
 
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import MetricsConfig
-from nemo_moe_metrics.host_read import Pending, done
+from nemo_moe_metrics.host_read import Pending, collective_device, done
 from nemo_moe_metrics.moe import aux_loss
+from nemo_moe_metrics.moe.balance import ExpertLoads as BalanceLoads
 from nemo_moe_metrics.moe.balance import expert_load_metrics
 from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 from nemo_moe_metrics.moe.expert_bias import ExpertBiasTracker, split_layer_keys
 from nemo_moe_metrics.moe.hf_aux_loss import HFAuxLossAccumulator, enqueue_hf_aux_loss_metrics
+from nemo_moe_metrics.moe.imbalance_cost import busiest_rank_share
 from nemo_moe_metrics.moe.reduction import (
     ExpertLoadReducer,
     RouterHealthReducer,
@@ -98,6 +100,7 @@ class ExpertLoads(MetricFamily):
         self.reducer = reducer
         self.cfg = cfg
         self.ep_size = ep_size
+        self.busiest_share: float | None = None  # of the last export (None: no work)
         if collector is not None:
             collector.counting = False  # only inside step()
 
@@ -115,23 +118,72 @@ class ExpertLoads(MetricFamily):
             self.collector.reset()
 
     def enqueue(self, num_microbatches: int) -> list[Pending[dict[str, Any]]]:
-        cfg = self.cfg
         loads = self.reducer.enqueue(self.collector)
-        return [
-            loads.then(
-                lambda result: expert_load_metrics(
-                    result,
-                    per_layer=cfg.moe_per_layer_logging,
-                    table=cfg.log_expert_table,
-                    ep_size=self.ep_size,
-                )
-            )
-        ]
+        return [loads.then(self._metrics)]
+
+    def _metrics(self, result: BalanceLoads) -> dict[str, Any]:
+        widths = [result.experts_of(i) for i in range(len(result.layer_ids))]
+        # The busiest EP rank's share of the step's work, for expert_imbalance_slowdown.
+        self.busiest_share = (
+            busiest_rank_share(result.executed_counts, self.ep_size, widths)
+            if len(result.layer_ids)
+            else None
+        )
+        return expert_load_metrics(
+            result,
+            per_layer=self.cfg.moe_per_layer_logging,
+            table=self.cfg.log_expert_table,
+            ep_size=self.ep_size,
+        )
 
     def detach(self) -> None:
         if self.collector is not None:
             self.collector.detach()
             self.collector = None
+
+
+class RolloutLoad(MetricFamily):
+    """The expert load of the policy's own generation (``PolicyMetrics.generation()``):
+    ``moe/rollout_max_over_ideal`` and per layer ``moe/layer_{i}/rollout_max_over_ideal``.
+
+    Exported only when a generation forward was counted since the last export; every rank
+    generates at the same steps (TRL's GRPO does), so the sum over ranks lines up.
+    """
+
+    def __init__(self, collector: ExpertLoadCollector, per_layer: bool) -> None:
+        self.collector = collector
+        self.per_layer = per_layer
+
+    def enqueue(self, num_microbatches: int) -> list[Pending[dict[str, Any]]]:
+        collector = self.collector
+        if not collector.rollout_seen:
+            return []
+        flat = torch.cat(collector.local_rollout())  # a copy: the accumulators restart at 0
+        collector.reset_rollout()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        layers, sizes = collector.layer_ids, collector.num_experts
+        per_layer = self.per_layer
+
+        def finish(host: list[Any]) -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            ratios = []
+            start = 0
+            for layer, size in zip(layers, sizes, strict=True):
+                counts = host[0][start : start + size]
+                start += size
+                total = int(counts.sum())
+                if total == 0:
+                    continue  # no generated token reached this layer: no ratio of nothing
+                ratio = float(counts.max()) * size / total
+                ratios.append(ratio)
+                if per_layer:
+                    out[mn.router_health_layer_key(layer, "rollout_max_over_ideal")] = ratio
+            if ratios:
+                out[mn.ROLLOUT_MAX_OVER_IDEAL] = sum(ratios) / len(ratios)
+            return out
+
+        return [Pending((flat,), finish)]
 
 
 class MegatronAuxLoss(MetricFamily):
@@ -378,8 +430,7 @@ class Throughput(MetricFamily):
             return
         calls = microbatches
         if dist.is_available() and dist.is_initialized():
-            device = "cpu" if str(dist.get_backend()) == "gloo" else "cuda"
-            total = torch.tensor([calls], dtype=torch.int64, device=device)
+            total = torch.tensor([calls], dtype=torch.int64, device=collective_device())
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
             calls = int(total.item())
         if calls == 0:

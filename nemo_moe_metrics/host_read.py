@@ -9,6 +9,9 @@ calls each family's ``finish`` in order. A new family joins the export by return
 
 Values are exact: integer tensors travel as int64 and floating tensors as float64 bit patterns
 inside one int64 buffer, so a count or a float32 loss arrives exactly as it left the device.
+
+:func:`collective_device` is the one rule for which device a family's collective runs on
+(the tensors an ``enqueue`` reduces before this read): CPU for gloo, CUDA for NCCL.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 T = TypeVar("T")
 
@@ -41,6 +45,25 @@ class Pending(Generic[T]):
         """The same read, with ``fn`` applied to the finished result (host arithmetic)."""
         finish = self.finish
         return Pending(self.tensors, lambda host: fn(finish(host)), self.fence)
+
+
+def collective_device(group: Any = None, preferred: torch.device | None = None) -> torch.device:
+    """The device a collective over ``group`` (None: the world) takes its tensors on.
+
+    CPU without an initialised process group and for gloo (which reduces CPU tensors); else
+    ``preferred`` when it is a CUDA device (where the values already are), else the current
+    CUDA device for a backend with NCCL (which reduces CUDA tensors only), else CPU.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group))
+    if backend == "gloo":
+        return torch.device("cpu")
+    if preferred is not None and preferred.type == "cuda":
+        return preferred
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def done(result: T) -> Pending[T]:

@@ -180,6 +180,8 @@ ESTIMATED_FLOPS_PER_SECOND = "train_perf/estimated_flops_per_second"
 CUMULATIVE_ESTIMATED_FLOPS_PER_SECOND = "train_perf/cumulative_estimated_flops_per_second"
 TFLOPS_PER_GPU = "train_perf/tflops_per_gpu"
 MFU = "train_perf/mfu"
+#: Estimated step time with this step's expert loads over the time with balanced loads.
+EXPERT_IMBALANCE_SLOWDOWN = "train_perf/expert_imbalance_slowdown"
 
 THROUGHPUT_KEYS = (
     TOKENS,
@@ -196,6 +198,13 @@ FLOPS_KEYS = (
     TFLOPS_PER_GPU,
     MFU,
 )
+# The generation inside a training step (TRL's GRPO rollout with transformers' generate), through
+# integrations.transformers: real tokens (prompt + completion up to its end), seconds, tokens/s.
+GEN_PERF_PREFIX = "gen_perf/"
+GENERATION_TOKENS = "gen_perf/tokens"
+GENERATION_SECONDS = "gen_perf/seconds"
+GENERATION_TOKENS_PER_SECOND = "gen_perf/tokens_per_second"
+GENERATION_KEYS = (GENERATION_TOKENS, GENERATION_SECONDS, GENERATION_TOKENS_PER_SECOND)
 BALANCE_SUMMARY_KEYS = (
     MAX_OVER_IDEAL,
     MAX_OVER_IDEAL_MAX,
@@ -217,7 +226,8 @@ def documented_key_patterns() -> list[str]:
     keys += [f"{MOE_PREFIX}{{name}}_layer_{{i}}"]
     keys += [*BALANCE_SUMMARY_KEYS, ZERO_EXPERT_FRACTION]
     keys += [f"{MOE_PREFIX}layer_{{i}}/{stat}" for stat in LAYER_STATS + OPTIONAL_LAYER_STATS]
-    keys += [ALERTS, EXPERT_LOADS, *THROUGHPUT_KEYS, *FLOPS_KEYS]
+    keys += [ALERTS, EXPERT_LOADS, *THROUGHPUT_KEYS, *FLOPS_KEYS, *GENERATION_KEYS]
+    keys += [EXPERT_IMBALANCE_SLOWDOWN]
     keys += [*EXPERT_BIAS_KEYS, *(f"{MOE_PREFIX}layer_{{i}}/{s}" for s in BIAS_LAYER_STATS)]
     keys += [*ROUTING_KEYS, *(f"{MOE_PREFIX}layer_{{i}}/{s}" for s in ROUTING_LAYER_STATS)]
     keys += [*ROUTER_HEALTH_KEYS]

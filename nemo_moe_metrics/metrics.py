@@ -50,6 +50,7 @@ from nemo_moe_metrics.moe.aux_loss import moe_layer_indices
 from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 from nemo_moe_metrics.moe.expert_bias import ExpertBiasTracker
 from nemo_moe_metrics.moe.hf_aux_loss import HFAuxLossAccumulator
+from nemo_moe_metrics.moe.imbalance_cost import expert_imbalance_slowdown, routed_flops_per_token
 from nemo_moe_metrics.moe.reduction import ExpertLoadReducer
 from nemo_moe_metrics.throughput import StepMeter
 
@@ -116,6 +117,7 @@ class PolicyMetrics:
         self._loads: families.ExpertLoads | None = None
         self._routing: families.RoutingConsistency | None = None
         self._meter: StepMeter | None = None
+        self._routed_flops_per_token: float | None = None  # for expert_imbalance_slowdown
         self._attached = False
         self._facts: ModelFacts | None = None
         self._routes_ignored = False  # warned once that routes came with the flag off
@@ -186,6 +188,9 @@ class PolicyMetrics:
             self._families.append(families.MegatronAuxLoss(self._transformer_config, cfg))
         self._loads = families.ExpertLoads(collector, ExpertLoadReducer(None), cfg, facts.ep_size)
         self._families.append(self._loads)
+        if collector is not None and facts.source != "megatron":
+            # Whole models on every rank: each rank generates, each joins (see generation()).
+            self._families.append(families.RolloutLoad(collector, cfg.moe_per_layer_logging))
         sources = collector.expert_bias_sources() if collector else []
         if facts.source == "hf":  # no config flag says it: the layers that hold a bias do
             sources = [(layer, get) for layer, get in sources if get() is not None]
@@ -248,6 +253,7 @@ class PolicyMetrics:
             device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
             if estimator is not None:
                 peak = resolve_peak_flops(device_name, self.cfg.peak_flops_per_gpu)
+                self._routed_flops_per_token = routed_flops_per_token(estimator)
         data_group = None  # world: every rank a data-parallel replica (DDP, FSDP)
         ps = sys.modules.get("megatron.core.parallel_state")  # only if in use
         if dist.is_initialized() and ps is not None and ps.model_parallel_is_initialized():
@@ -309,6 +315,28 @@ class PolicyMetrics:
             for family in self._families:
                 family.leave_step()
         self._steps_since_export += 1
+
+    @contextlib.contextmanager
+    def generation(self) -> Iterator[None]:
+        """Bracket a generation by the policy model itself (a rollout inside the training loop,
+        such as TRL's GRPO calling ``model.generate``).
+
+        Its forwards (prefill and every decode step, real tokens only) count as the rollout's
+        expert load, logged at the next ``finish_step`` as ``moe/rollout_max_over_ideal`` (per
+        layer ``moe/layer_{i}/rollout_max_over_ideal`` with ``moe_per_layer_logging``); they
+        never enter the training counts. The export of the rollout load is collective: every
+        rank generates at the same steps. Hugging Face and torchtitan models only.
+        """
+        self._require_attach("generation")
+        collector = self._collector
+        if collector is None:
+            yield
+            return
+        collector.rollout_counting = True
+        try:
+            yield
+        finally:
+            collector.rollout_counting = False
 
     def restart_step(self) -> None:
         """Forget what the open step counted so far, because its forward-backward runs again.
@@ -440,6 +468,7 @@ class PolicyMetrics:
                 _check_tokens_against_routers(out)
             for family in self._families:
                 family.check(out, self._microbatches_since_export)
+            self._imbalance_cost(out)
         finally:
             # The families consumed the interval at enqueue: an export that raises (bad input,
             # found on every rank alike) discards it, and the next step starts afresh.
@@ -448,6 +477,20 @@ class PolicyMetrics:
             for family in self._families:
                 family.end_export()
         return out
+
+    def _imbalance_cost(self, out: dict[str, Any]) -> None:
+        # Host numbers of this export: the routed experts' share of the estimated FLOPs and
+        # the busiest EP rank's share of the routed work (moe/imbalance_cost.py).
+        per_token, loads = self._routed_flops_per_token, self._loads
+        flops, tokens = out.get(mn.ESTIMATED_FLOPS), out.get(mn.TOKENS)
+        if not per_token or loads is None or not flops or not tokens:
+            return
+        share = loads.busiest_share
+        if share is not None and out.get(mn.ROUTED_TOKENS):
+            routed = min(1.0, per_token * tokens / flops)
+            out[mn.EXPERT_IMBALANCE_SLOWDOWN] = expert_imbalance_slowdown(
+                routed, share, loads.ep_size
+            )
 
     def _drop_empty_moe_step(self, out: dict[str, Any]) -> None:
         # No expert received a training token: balance statistics and aux losses of nothing

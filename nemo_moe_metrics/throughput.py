@@ -21,6 +21,9 @@ Conventions (docs/en/throughput.md has every key with its formula and caveats):
 - a rate over zero seconds is undefined: its key is left out (a gap on the dashboard), never 0.
 - the per-microbatch path makes no host-device synchronisation; ``export()`` makes one, shared
   with the other families when the worker reads them together (``enqueue`` + ``read_once``).
+
+The lengths and their device sums live in :mod:`nemo_moe_metrics.sequence_lengths`, the step
+timers (host clock, device events) in :mod:`nemo_moe_metrics.step_timers`.
 """
 
 from __future__ import annotations
@@ -38,12 +41,18 @@ import torch
 import torch.distributed as dist
 
 from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.flops.core import pairs_per_sequence
-from nemo_moe_metrics.host_read import Pending, read_once
+from nemo_moe_metrics.host_read import Pending, collective_device, read_once
+
+# lengths_from_*: public here too (docs/en/throughput.md, docs/en/integration.md).
+from nemo_moe_metrics.sequence_lengths import (
+    MAX_SEQUENCE_LENGTH,
+    length_sums,
+    lengths_from_attention_mask,
+    lengths_from_cu_seqlens,
+)
+from nemo_moe_metrics.step_timers import EventTimer, WallClockTimer
 
 #: ``estimator(seq_lens: np.ndarray[int64], causal: bool) -> obj with .total`` (training FLOPs).
-#: The longest sequence length accepted (int32's maximum); a longer one is an input error.
-MAX_SEQUENCE_LENGTH = 2**31 - 1
 FlopsEstimator = Callable[..., Any]
 
 
@@ -97,108 +106,6 @@ def perf_metrics(
     if total_seconds > 0:
         out[mn.CUMULATIVE_ESTIMATED_FLOPS_PER_SECOND] = total_flops / total_seconds
     return out
-
-
-def lengths_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Real tokens per sequence from a ``[batch, seq]`` padding mask (1/True = real token).
-
-    Stays on the mask's device; no synchronisation. (Megatron's 4-D ``[b, 1, s, s]`` attention
-    mask, True = masked, is a different thing: use the padding mask or the packed lengths.)
-    """
-    if attention_mask.dim() != 2:
-        raise ValueError(
-            f"attention_mask has shape {tuple(attention_mask.shape)}; expected the 2-D "
-            "[batch, seq] padding mask (1 = real token), not a 4-D attention mask"
-        )
-    return attention_mask.to(torch.int64).sum(-1)
-
-
-def lengths_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Per-sequence lengths of a packed batch from its cumulative offsets ``[0, l0, l0+l1, ...]``.
-
-    Pass the unpadded offsets (Megatron's ``cu_seqlens_q``, not ``cu_seqlens_q_padded``), so
-    padding is not counted. Stays on device; no synchronisation.
-    """
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(
-            f"cu_seqlens has shape {tuple(cu_seqlens.shape)}; expected 1-D offsets [0, l0, l0+l1, ...]"
-        )
-    return (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-
-
-class _WallClockTimer:
-    """Step seconds from the host clock: right on CPU, where work is done when calls return."""
-
-    uses_events = False
-
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self._clock = clock
-        self._start: float | None = None
-        self._seconds: list[float] = []
-
-    def start(self) -> None:
-        self._start = self._clock()
-
-    def stop(self) -> None:
-        assert self._start is not None
-        self._seconds.append(self._clock() - self._start)
-        self._start = None
-
-    def cancel(self) -> None:
-        self._start = None
-
-    def order_after_steps(self) -> None:
-        """Nothing to order on the host clock."""
-
-    def collect(self) -> list[float]:
-        seconds, self._seconds = self._seconds, []
-        return seconds
-
-
-class _EventTimer:
-    """Step seconds from device events; the host waits once, at ``collect``.
-
-    Events are recorded on the stream that runs the step and kept until export. At export the
-    current stream is made to wait for every step's end event (device-side, no host wait), the
-    caller queues its device-to-host copies, and one fence event recorded after them is
-    synchronised: that single wait covers the timings and the copies.
-    """
-
-    uses_events = True
-
-    def __init__(self, factory: Callable[[], Any], stream: Callable[[], Any]) -> None:
-        self._factory = factory
-        self._stream = stream
-        self._open: Any = None
-        self._pairs: list[tuple[Any, Any]] = []
-
-    def start(self) -> None:
-        event = self._factory()
-        event.record(self._stream())
-        self._open = event
-
-    def stop(self) -> None:
-        end = self._factory()
-        end.record(self._stream())
-        self._pairs.append((self._open, end))
-        self._open = None
-
-    def cancel(self) -> None:
-        self._open = None
-
-    def order_after_steps(self) -> None:
-        stream = self._stream()
-        for _, end in self._pairs:
-            end.wait(stream)
-
-    def collect(self) -> list[float]:
-        pairs, self._pairs = self._pairs, []
-        if not pairs:
-            return []
-        fence = self._factory()
-        fence.record(self._stream())
-        fence.synchronize()  # the one host-device synchronisation of an export
-        return [start.elapsed_time(end) / 1000.0 for start, end in pairs]
 
 
 def _flops_total(estimate: Any) -> float:
@@ -275,17 +182,17 @@ class StepMeter:
         self._host_timing_group = host_timing_group
         self._world_size = world_size
         self._causal = causal
-        self._timer: _WallClockTimer | _EventTimer
+        self._timer: WallClockTimer | EventTimer
         if event_factory is not None:
-            self._timer = _EventTimer(event_factory, lambda: None)
+            self._timer = EventTimer(event_factory, lambda: None)
         elif self._device is not None and self._device.type == "cuda":
             device_ = self._device
-            self._timer = _EventTimer(
+            self._timer = EventTimer(
                 functools.partial(torch.cuda.Event, enable_timing=True),
                 lambda: torch.cuda.current_stream(device_),
             )
         else:
-            self._timer = _WallClockTimer(clock)
+            self._timer = WallClockTimer(clock)
         self._in_step = False
         self._step_lens: list[torch.Tensor] = []
         self._lens: list[torch.Tensor] = []  # committed steps of the current interval
@@ -444,7 +351,7 @@ class StepMeter:
         windows = tuple(estimator.attention_windows) if on_device and estimator else ()
         errors, self._rejected = self._rejected, []
         if on_device:
-            sums, check = _length_sums(parts, windows, self._causal, self._device)
+            sums, check = length_sums(parts, windows, self._causal, self._device)
         else:
             sums, check = self._host_flops(parts, errors)
         # [... sums, input positions, microbatches whose input was not seen]: summed together.
@@ -617,14 +524,7 @@ class StepMeter:
         return 1
 
     def _collective_device(self, group: Any) -> torch.device:
-        backend = str(dist.get_backend(group))
-        if backend == "gloo":
-            return torch.device("cpu")
-        if self._device is not None and self._device.type == "cuda":
-            return self._device
-        if "nccl" in backend:
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return collective_device(group, self._device)
 
 
 class _InputPositions:
@@ -657,28 +557,10 @@ def _host_vector(values: float | list[float], device: torch.device) -> torch.Ten
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def _length_sums(
-    parts: list[torch.Tensor], windows: tuple, causal: bool, device: torch.device | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device sums of the lengths: float64 ``[tokens, pairs per window...]`` and int64 check
-    ``[negative lengths, min length, lengths over MAX_SEQUENCE_LENGTH, max length]``. Exact
-    below 2**53 tokens or attended pairs; no sync."""
-    device = parts[0].device if parts else device or torch.device("cpu")
-    parts = [p for p in parts if p.numel()]  # a microbatch without sequences adds nothing
-    if not parts:
-        return (
-            torch.zeros(1 + len(windows), dtype=torch.float64, device=device),
-            torch.zeros(4, dtype=torch.int64, device=device),
-        )
-    raw = torch.cat([p.to(device) for p in parts])
-    too_long = (raw > MAX_SEQUENCE_LENGTH).sum()
-    # Export raises for lengths outside [0, MAX_SEQUENCE_LENGTH]; clamped, the sums below cannot
-    # overflow int64 meanwhile (per sequence under 2**62; summed as float64).
-    lens = raw.clamp(0, MAX_SEQUENCE_LENGTH)
-    cols = [lens.sum().to(torch.float64)]
-    for window in windows:
-        pairs = pairs_per_sequence(lens, causal=causal, window=window)
-        cols.append(pairs.to(torch.float64).sum())
-    lens = raw
-    check = torch.stack([(lens < 0).sum(), lens.min(), too_long, lens.max()])
-    return torch.stack(cols).to(torch.float64), check
+__all__ = [
+    "MAX_SEQUENCE_LENGTH",
+    "StepMeter",
+    "lengths_from_attention_mask",
+    "lengths_from_cu_seqlens",
+    "perf_metrics",
+]

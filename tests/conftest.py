@@ -9,27 +9,6 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Mark every test of a module that touches megatron-core (imports it, builds the reference
-    worker or a megatron config) with ``megatron``: CI runs ``-m megatron`` on both supported
-    megatron-core lines (.ci/run).
-
-    A module marked ``one_line`` is left out: what it checks (CLI messages, report text, config
-    validation, Hugging Face models) does not depend on the megatron-core line, even where it
-    uses a megatron run as its input, so CI runs it on the Python 3.11 line only. Test modules
-    named after torchtitan are marked ``torchtitan``: CI runs them on both lines too.
-    """
-    touches: dict = {}
-    for item in items:
-        path = item.path
-        if path not in touches:
-            touches[path] = "megatron" in path.read_text(encoding="utf-8")
-        if touches[path] and item.get_closest_marker("one_line") is None:
-            item.add_marker(pytest.mark.megatron)
-        if "torchtitan" in path.name:
-            item.add_marker(pytest.mark.torchtitan)
-
-
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread for a module's tests (``pytestmark = usefixtures("one_thread")``):

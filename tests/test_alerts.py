@@ -234,8 +234,8 @@ def test_every_alert_is_recorded_in_its_steps_jsonl_line_and_the_report_lists_th
 
 def test_a_new_alert_kind_flows_to_the_jsonl_and_the_report_without_other_changes(tmp_path):
     """What issue 32's router-health kinds rely on: a check returning Alert is enough."""
-    from nemo_moe_metrics.moe.alerts import Alert, AlertMonitor
     from nemo_moe_metrics.report import render_report
+    from nemo_moe_metrics.sinks.alerts import Alert, AlertMonitor
 
     class WithNearTies(AlertMonitor):
         def check(self, metrics, step):
@@ -254,7 +254,7 @@ def test_a_new_alert_kind_flows_to_the_jsonl_and_the_report_without_other_change
 
 
 def test_the_console_shows_one_line_per_alert_and_holds_back_a_flood():
-    from nemo_moe_metrics.moe.alerts import AlertConsole
+    from nemo_moe_metrics.sinks.alerts import AlertConsole
 
     now = [0.0]
     console = AlertConsole(per_step=3, per_window=5, window_s=60, clock=lambda: now[0])

@@ -10,6 +10,8 @@ import torch
 from dist import ok_values, run_ranks
 from probe import ProbeHooks, portable, to_torch
 
+pytestmark = pytest.mark.megatron
+
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
 NUM_MOE_LAYERS = 3
 SFT_STEPS = 4

@@ -19,6 +19,8 @@ from nemo_moe_metrics.config import MetricsConfig
 from nemo_moe_metrics.metrics import PolicyMetrics
 from nemo_moe_metrics.moe.routing import RoutingShapeError
 
+pytestmark = pytest.mark.megatron
+
 BATCH, SEQ = 2, 8
 ALL = MetricsConfig(
     track_moe_metrics=True, moe_per_layer_logging=True, track_throughput=True, track_flops=True

@@ -15,6 +15,8 @@ from dist import ok_values, run_ranks
 
 from nemo_moe_metrics.metric_names import aux_loss_key, aux_loss_layer_key
 
+pytestmark = pytest.mark.megatron
+
 SEQ = 32
 MICRO_BATCH = 2
 TOPK = 2

@@ -28,6 +28,8 @@ from test_aux_loss import (
 
 from nemo_moe_metrics.metric_names import aux_loss_key, aux_loss_layer_key
 
+pytestmark = pytest.mark.megatron
+
 
 def _train_once(model, model_cfg, seed: int) -> None:
     from nemo_moe_metrics.megatron.model import causal_attention_mask

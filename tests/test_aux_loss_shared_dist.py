@@ -16,6 +16,8 @@ import torch
 from dist import ok_values, run_ranks
 from test_aux_loss import SEQ, _run_schedule, _tracker_snapshot
 
+pytestmark = pytest.mark.megatron
+
 
 def _shared_then_megatron(config, num_microbatches: int) -> dict:
     from nemo_moe_metrics.megatron import compat

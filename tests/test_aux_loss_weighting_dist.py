@@ -17,6 +17,8 @@ from test_aux_loss import _capture_routers, _lbl, _run_schedule
 
 from nemo_moe_metrics.metric_names import aux_loss_key
 
+pytestmark = pytest.mark.megatron
+
 MICROBATCHES = (1, 3)  # per data-parallel rank
 
 

@@ -71,7 +71,7 @@ def test_chinese_page_mirrors_the_english_structure(page):
 
 @pytest.mark.parametrize("lang", LANGS)
 def test_the_alert_record_the_docs_show_is_what_the_jsonl_sink_writes(lang, tmp_path):
-    from nemo_moe_metrics.moe.alerts import Alert
+    from nemo_moe_metrics.sinks.alerts import Alert
     from nemo_moe_metrics.sinks.jsonl import JsonlSink
 
     text = (DOCS / lang / "visualisation.md").read_text(encoding="utf-8")

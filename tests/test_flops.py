@@ -36,6 +36,8 @@ from nemo_moe_metrics.flops.core import (
     pairs_per_sequence,
 )
 
+pytestmark = pytest.mark.megatron
+
 H, HEADS, KV, HD, FFN, V = 64, 4, 2, 24, 96, 128
 
 

@@ -37,6 +37,8 @@ from nemo_moe_metrics.sinks.base import MultiSink, SinkWriteError
 from nemo_moe_metrics.sinks.jsonl import JsonlSink
 from nemo_moe_metrics.throughput import StepMeter
 
+pytestmark = pytest.mark.megatron
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "sft_moe_tiny.yaml"
 BASE = yaml.safe_load(EXAMPLE.read_text())
 

@@ -16,6 +16,8 @@ from dist import ok_values, run_ranks
 
 from nemo_moe_metrics import metric_names as mn
 
+pytestmark = pytest.mark.megatron
+
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "sft_moe_tiny.yaml"
 TIMEOUT_S = 45.0  # init_distributed's collective timeout for the normal phase
 FAIL_TIMEOUT_S = 3.0  # shortened (as Megatron's update_pg_timeout does) for the failure phase

@@ -106,12 +106,15 @@ def test_hf_model_gives_the_megatron_keys_with_independent_values(family):
     config, results = _run_steps(family)
     moe_layers = [1, 2] if family == "deepseek_v3" else [0, 1]
     for out, per_layer, lens in results:
-        tokens_routed = 2 * 10 * 2  # microbatches x batch x seq: routers see padding too
+        real_tokens = 2 * (10 + 7)  # microbatches x real tokens: padding is not counted
         for layer in moe_layers:
             assert out[mn.layer_stat_key(layer, "max_over_ideal")] >= 1.0
         table = np.array(out[mn.EXPERT_LOADS], dtype=float)
         for layer in moe_layers:
-            assert table[table[:, 0] == layer, 2].sum() == tokens_routed * K
+            assert table[table[:, 0] == layer, 2].sum() == real_tokens * K
+        assert out[mn.ROUTED_TOKENS] == real_tokens
+        # The experts still compute the padding (3 of 20 positions per microbatch).
+        assert out[mn.PADDING_FRACTION] == pytest.approx(1 - real_tokens / (2 * 2 * 10))
         assert out[mn.TOKENS] == sum(lens) == 2 * (10 + 7)  # 2 microbatches
         expected_flops = get_flops_estimator(config)(np.array(lens)).total
         assert out[mn.ESTIMATED_FLOPS] == pytest.approx(expected_flops, rel=1e-12)

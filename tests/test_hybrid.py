@@ -182,7 +182,7 @@ def test_pattern_and_num_layers_must_agree():
 
 
 def test_pipe_symbols_are_not_layers_and_mtp_is_refused():
-    from nemo_moe_metrics.megatron.compat import hybrid_layer_symbols
+    from nemo_moe_metrics.layer_pattern import hybrid_layer_symbols
 
     assert hybrid_layer_symbols("*E|*E") == ["*", "E", "*", "E"]
     with pytest.raises(ValueError, match="multi-token-prediction"):

@@ -1,7 +1,7 @@
 """examples/integrate_hf_fsdp.py on 2 gloo ranks (FSDP2 and DDP), checked against oracles.
 
 Oracles, independent of the code under test: transformers' own ``load_balancing_loss_func`` on
-router logits captured by this test's own hooks, the routed token count from the batch shapes,
+router logits captured by this test's own hooks, the routed token count from the attention masks,
 and ``get_flops_estimator(config)(seq_lens).total`` on the step's real sequence lengths.
 """
 
@@ -80,16 +80,21 @@ def test_hf_example_matches_transformers_and_flop_registry(tmp_path, wrap):
         recs = [
             r[1][step * MICRO * per_forward : (step + 1) * MICRO * per_forward] for r in results
         ]
+        seq_lens = np.array([n for r in results for n in r[2][step]])
         for layer in (0, 1):
             mine = [(v, t) for rank_recs in recs for (lay, v, t) in rank_recs if lay == layer]
             assert len(mine) == 2 * MICRO
-            routed = sum(t for _, t in mine)
+            positions = sum(t for _, t in mine)  # every row the router saw, padding included
             table = np.array(out[mn.EXPERT_LOADS], dtype=float)
-            assert table[table[:, 0] == layer, 2].sum() == routed * K
+            # The routed counts are the real tokens' (the padding is left out) ...
+            assert table[table[:, 0] == layer, 2].sum() == seq_lens.sum() * K
+            # ... and the experts' work on the padding is the padding fraction.
+            assert out[mn.layer_stat_key(layer, "padding_fraction")] == pytest.approx(
+                1 - seq_lens.sum() / positions
+            )
             expected = float(np.mean([v for v, _ in mine]))  # mean over microbatches and ranks
             key = mn.aux_loss_layer_key("load_balancing_loss", layer)
             assert out[key] == pytest.approx(expected, rel=1e-5)
-        seq_lens = np.array([n for r in results for n in r[2][step]])
         assert out[mn.TOKENS] == seq_lens.sum()
         assert out[mn.ESTIMATED_FLOPS] == pytest.approx(estimate(seq_lens).total, rel=1e-12)
         assert rows[step][mn.ESTIMATED_FLOPS] == pytest.approx(out[mn.ESTIMATED_FLOPS])

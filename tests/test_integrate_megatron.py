@@ -20,6 +20,8 @@ from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
 from nemo_moe_metrics.testing import free_port
 
+pytestmark = pytest.mark.megatron
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "integrate_megatron.py"
 STEPS, MICRO = 2, 2

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from dist import ok_values, run_ranks
 
+pytestmark = pytest.mark.torchtitan
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "integrate_torchtitan.py"
 STEPS = 2
 

@@ -15,6 +15,8 @@ from nemo_moe_metrics import metric_names as names
 from nemo_moe_metrics.config import load_recipe
 from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
 
+pytestmark = pytest.mark.megatron
+
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "examples" / "configs" / "grpo_moe_tiny.yaml"
 DPO = ROOT / "examples" / "configs" / "dpo_moe_tiny.yaml"

@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.host_reads import HostReadCounter  # noqa: E402
 from nemo_moe_metrics.testing import load_bridge_callbacks  # noqa: E402
 
+pytestmark = pytest.mark.megatron
+
 SEQ, MICRO_BATCH, MICROBATCHES, STEPS = 16, 2, 2, 2
 AUX_NAMES = ("load_balancing_loss", "z_loss")
 

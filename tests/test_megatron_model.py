@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 from dist import ok_values, run_ranks
 
+pytestmark = pytest.mark.megatron
+
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "sft_moe_tiny.yaml"
 
 

@@ -53,6 +53,7 @@ def _megatron_hybrid_step(rank, world_size):
 
     from nemo_moe_metrics.config import MegatronConfig, MetricsConfig
     from nemo_moe_metrics.flops import get_flops_estimator
+    from nemo_moe_metrics.layer_pattern import config_hybrid_pattern
     from nemo_moe_metrics.megatron import compat
     from nemo_moe_metrics.megatron.model import causal_attention_mask, init_distributed
     from nemo_moe_metrics.metrics import PolicyMetrics
@@ -72,7 +73,7 @@ def _megatron_hybrid_step(rank, world_size):
         **{spec_kw: compat.local_hybrid_stack_spec(config.num_moe_experts), pattern_kw: PATTERN},
     )
     out: dict = {"model_class": model_cls.__name__, "config_has_pattern": False}
-    out["config_has_pattern"] = compat.config_hybrid_pattern(config) is not None
+    out["config_has_pattern"] = config_hybrid_pattern(config) is not None
     flags = MetricsConfig(
         track_moe_metrics=True, moe_per_layer_logging=True, track_throughput=True, track_flops=True
     )

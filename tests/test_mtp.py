@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 from dist import ok_values, run_ranks
 
+pytestmark = pytest.mark.megatron
+
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "sft_moe_tiny.yaml"
 ONE_RANK = "policy.megatron_cfg.expert_model_parallel_size=1"
 SEQ = 16

@@ -15,6 +15,8 @@ import torch
 from dist import ok_values, run_ranks
 from probe import ProbeHooks, portable, to_torch
 
+pytestmark = pytest.mark.megatron
+
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "sft_moe_tiny.yaml"
 SEED = 77
 PER_RANK = 8  # sequences per rank in the parallel run

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nemo_moe_metrics.moe.timeline import js_divergence
+from nemo_moe_metrics.moe.load_over_steps import js_divergence
 from nemo_moe_metrics.report.pictures import _envelope
 from nemo_moe_metrics.report.timeline import Timeline, prepare_block
 

@@ -17,6 +17,8 @@ import pytest
 from dist import ok_values, run_ranks
 from health_oracle import Layer, Router, assert_matches, expected_keys
 
+pytestmark = pytest.mark.megatron
+
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "sft_moe_tiny.yaml"
 BATCH, TOPK, EXPERTS = 2, 2, 8
 

@@ -14,7 +14,6 @@ from matplotlib.image import imread
 
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import AlertsConfig, LoggerConfig, MetricsConfig
-from nemo_moe_metrics.moe.alerts import AlertMonitor
 from nemo_moe_metrics.moe.routing import (
     RoutingShapeError,
     RoutingTracker,
@@ -25,6 +24,9 @@ from nemo_moe_metrics.moe.routing import (
 )
 from nemo_moe_metrics.report import ROUTING_DISAGREEMENT_FILE, render_report
 from nemo_moe_metrics.sinks import build_sinks
+from nemo_moe_metrics.sinks.alerts import AlertMonitor
+
+pytestmark = pytest.mark.megatron
 
 E = 8
 

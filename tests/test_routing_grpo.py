@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from dist import ok_values, run_ranks
 
+pytestmark = pytest.mark.megatron
+
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "grpo_moe_r3_tiny.yaml"
 LAYERS = (1, 2, 3)
 

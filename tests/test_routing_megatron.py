@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from dist import ok_values, run_ranks
 
+pytestmark = pytest.mark.megatron
+
 RECIPE = Path(__file__).resolve().parent.parent / "examples" / "configs" / "sft_moe_tiny.yaml"
 BATCH = 2
 TOPK = 2

@@ -21,6 +21,8 @@ pytest.importorskip("mlflow")
 pytest.importorskip("sqlalchemy")
 from mlflow.tracking import MlflowClient  # noqa: E402
 
+pytestmark = pytest.mark.megatron
+
 CFG = LoggerConfig(
     tensorboard_enabled=False, wandb_enabled=False, mlflow_enabled=True, table_every=2
 )

@@ -16,7 +16,7 @@ from hf_tiny import VOCAB, K, tiny_model
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import AlertsConfig, LoggerConfig, MetricsConfig
 from nemo_moe_metrics.metrics import PolicyMetrics
-from nemo_moe_metrics.moe.alerts import AlertMonitor
+from nemo_moe_metrics.sinks.alerts import AlertMonitor
 
 BATCH, SEQ = 2, 16  # 32 tokens per forward
 FLAGS = MetricsConfig(track_moe_metrics=True, moe_per_layer_logging=True, log_expert_table=True)

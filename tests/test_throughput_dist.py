@@ -13,6 +13,8 @@ from throughput_helpers import TOY_ATTN, TOY_PARAMS
 
 from nemo_moe_metrics import metric_names as mn
 
+pytestmark = pytest.mark.megatron
+
 PEAK = 1e9  # a configured peak FLOP/s per GPU (small, so the toy model gives a readable MFU)
 
 # Per rank: steps of the first, second and third interval as (microbatch lengths, seconds).

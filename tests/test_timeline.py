@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from nemo_moe_metrics.moe.timeline import (
+from nemo_moe_metrics.moe.load_over_steps import (
     DeadStreaks,
     Drift,
     Streak,

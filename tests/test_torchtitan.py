@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from dist import ok_values, run_ranks
 
+pytestmark = pytest.mark.torchtitan
+
 pytest.importorskip(
     "torchtitan", reason="needs torchtitan 0.3.0 (docs/en/torchtitan.md: the install line)"
 )

@@ -23,7 +23,7 @@ from torch import nn  # noqa: E402
 from nemo_moe_metrics import metric_names as mn  # noqa: E402
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig  # noqa: E402
 from nemo_moe_metrics.metrics import PolicyMetrics  # noqa: E402
-from nemo_moe_metrics.moe.timeline import DeadStreaks  # noqa: E402
+from nemo_moe_metrics.moe.load_over_steps import DeadStreaks  # noqa: E402
 from nemo_moe_metrics.report import HEATMAP_FILE, OVER_STEPS_FILE, render_report  # noqa: E402
 from nemo_moe_metrics.report.timeline import prepare_block  # noqa: E402
 from nemo_moe_metrics.sinks import build_sinks  # noqa: E402
@@ -308,7 +308,11 @@ def test_a_damaged_record_of_the_new_kind_costs_that_record_only(tmp_path):
         np.testing.assert_array_equal(stored.counts, written[stored.step])
         assert stored.widths.tolist() == [4, 8, 2]
     assert any("between steps 3 and 5: a damaged record, skipped" in s for s in skipped)
-    assert any("failing their checksum (damaged): step(s) 1" in s for s in skipped)
+    assert any(
+        "damaged record(s) (a payload failing its checksum, or not inflating to the size its header declares): step(s) 1"
+        in s
+        for s in skipped
+    )
 
 
 def test_a_record_from_a_newer_version_is_named_and_never_cut(tmp_path):
@@ -412,7 +416,7 @@ def test_dead_streaks_skip_padding_and_blocks_equal_single_steps():
 
 def test_alerts_judge_each_layer_by_its_own_experts():
     from nemo_moe_metrics.config import AlertsConfig
-    from nemo_moe_metrics.moe.alerts import AlertMonitor
+    from nemo_moe_metrics.sinks.alerts import AlertMonitor
 
     off = dict(drift=None, dropped_fraction=None, routing_disagreement=None)
     monitor = AlertMonitor(AlertsConfig(enabled=True, max_over_ideal=1.5, dead_steps=1, **off))

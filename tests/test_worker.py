@@ -11,6 +11,8 @@ from dist import ok_values, run_ranks
 
 from nemo_moe_metrics import metric_names as names
 
+pytestmark = pytest.mark.megatron
+
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
 SFT = CONFIGS / "sft_moe_tiny.yaml"
 

@@ -46,6 +46,7 @@ from nemo_moe_metrics.moe.router_spec import (
     count_experts,
     in_decoder_layer,
     layer_id_from_name,
+    rows_of,
 )
 from nemo_moe_metrics.moe.routing import indices_to_map
 
@@ -60,24 +61,41 @@ def _routing_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor
     return index, weights
 
 
-def _experts_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+def masked_counts(index: torch.Tensor, num_experts: int, valid: torch.Tensor | None) -> tuple:
+    """``(routed, tokens, executed)`` of expert ids ``index`` ``[T, k]`` (or ``[..., k]``):
+    routed counts and tokens of the real rows (``valid`` [T], None = every row), executed
+    counts of every row (what the experts compute, padding included). Device ops only."""
+    rows = index.reshape(-1, index.shape[-1])
+    valid = rows_of(valid, rows.shape[0])
+    executed = count_experts(rows, num_experts)
+    if valid is None:
+        return executed, rows.shape[0], executed
+    keep = valid.reshape(-1, 1).expand(rows.shape)
+    return count_experts(rows, num_experts, keep), valid.sum(), executed
+
+
+def _experts_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any, valid=None):
     index, _ = _routing_args(args, kwargs)
-    return count_experts(index, int(module.num_experts)), index.shape[0]
+    return masked_counts(index.reshape(index.shape[0], -1), int(module.num_experts), valid)
 
 
-def _zero_computation_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+def _zero_computation_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any, valid=None):
     # A pick of a zero-computation expert arrives remapped to a real id with weight exactly 0
     # (longcat_flash, zaya): the real experts' load is the picks with a non-zero weight.
     index, weights = _routing_args(args, kwargs)
     real = weights != 0
-    skipped = (~real).sum()
-    return count_experts(index, int(module.num_experts), real), index.shape[0], None, skipped
+    valid = rows_of(valid, index.shape[0])
+    if valid is not None:
+        real = real & valid.reshape(-1, 1)
+    tokens = index.shape[0] if valid is None else valid.sum()
+    skipped = (~real).sum() if valid is None else ((weights == 0) & valid.reshape(-1, 1)).sum()
+    return count_experts(index, int(module.num_experts), real), tokens, None, skipped
 
 
-def _experts_routes(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+def _experts_routes(module: nn.Module, args: tuple, kwargs: dict, output: Any, valid=None):
     index, _ = _routing_args(args, kwargs)
     chosen = indices_to_map(index.reshape(index.shape[0], -1), int(module.num_experts))
-    return chosen, chosen, None, False
+    return chosen, chosen, rows_of(valid, chosen.shape[0]), False
 
 
 def _experts_topk(module: nn.Module) -> int:
@@ -97,6 +115,7 @@ EXPERTS = RouterSpec(
     routes_fn=_experts_routes,
     health=hf_health.hf_experts_health,
     expert_bias=hf_health.hf_expert_bias,
+    padding_from_model=True,
 )
 ZERO_COMPUTATION_EXPERTS = dataclasses.replace(
     EXPERTS, counts_fn=_zero_computation_counts, zero_computation=True
@@ -104,46 +123,43 @@ ZERO_COMPUTATION_EXPERTS = dataclasses.replace(
 
 
 # -- named adapters ----------------------------------------------------------------------------
-def _dbrx_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+def _dbrx_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any, valid=None):
     # hooked: DbrxFFN.experts, called as experts(hidden, top_k_index, top_k_weights)
     index, _ = _routing_args(args, kwargs)
-    return count_experts(index, int(module.num_experts)), index.shape[0]
+    return masked_counts(index.reshape(index.shape[0], -1), int(module.num_experts), valid)
 
 
 def _logits_topk_counts(logits_at: int) -> Callable:
     # llama4 (Llama4Router -> (scores, logits)) and jetmoe (gating -> (..., logits)): both pick
     # topk(logits, k) and route exactly those experts; recomputing the topk is a device op.
-    def counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    def counts(module: nn.Module, args: tuple, kwargs: dict, output: Any, valid=None):
         logits = output[logits_at]
         index = torch.topk(logits, int(module.top_k), dim=-1).indices
-        return count_experts(index, logits.shape[-1]), logits.shape[0]
+        return masked_counts(index, logits.shape[-1], valid)
 
     return counts
 
 
 def _logits_topk_routes(logits_at: int) -> Callable:
-    def routes(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    def routes(module: nn.Module, args: tuple, kwargs: dict, output: Any, valid=None):
         logits = output[logits_at]
         chosen = indices_to_map(
             torch.topk(logits, int(module.top_k), dim=-1).indices, logits.shape[-1]
         )
-        return chosen, chosen, None, False
+        return chosen, chosen, rows_of(valid, chosen.shape[0]), False
 
     return routes
 
 
-def _doge_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
-    # hooked: DogeCDMoE.down_embed, looked up with the chosen expert ids [tokens, top_k]
-    index = args[0]
-    return count_experts(index, int(module.num_embeddings)), index.reshape(
-        -1, index.shape[-1]
-    ).shape[0]
+def _doge_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any, valid=None):
+    # hooked: DogeCDMoE.down_embed, looked up with the chosen expert ids [..., tokens, top_k]
+    return masked_counts(args[0], int(module.num_embeddings), valid)
 
 
-def _doge_routes(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+def _doge_routes(module: nn.Module, args: tuple, kwargs: dict, output: Any, valid=None):
     index = args[0].reshape(-1, args[0].shape[-1])
     chosen = indices_to_map(index, int(module.num_embeddings))
-    return chosen, chosen, None, False
+    return chosen, chosen, rows_of(valid, chosen.shape[0]), False
 
 
 def _text_experts(block: nn.Module) -> nn.Module:
@@ -166,6 +182,7 @@ _NAMED: dict[str, RouterSpec] = {
         routes_fn=_experts_routes,
         hooked=lambda m: m.experts,
         health=lambda m, parent: hf_health.hf_experts_health(m.experts, m),
+        padding_from_model=True,
     ),
     "transformers.models.llama4.modeling_llama4.Llama4TextMoe": RouterSpec(
         counts_fn=_logits_topk_counts(1),
@@ -174,6 +191,7 @@ _NAMED: dict[str, RouterSpec] = {
         routes_fn=_logits_topk_routes(1),
         hooked=lambda m: m.router,
         health=lambda m, parent: hf_health.hf_health(m.router, m),
+        padding_from_model=True,
     ),
     "transformers.models.jetmoe.modeling_jetmoe.JetMoeMoE": RouterSpec(
         counts_fn=_logits_topk_counts(4),
@@ -182,6 +200,7 @@ _NAMED: dict[str, RouterSpec] = {
         routes_fn=_logits_topk_routes(4),
         hooked=lambda m: m.router,
         health=lambda m, parent: hf_health.hf_health(m.router, m),
+        padding_from_model=True,
     ),
     "transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe.Ernie4_5_VLMoeMoeBlock": (
         RouterSpec(
@@ -192,6 +211,7 @@ _NAMED: dict[str, RouterSpec] = {
             hooked=_text_experts,
             health=lambda m, parent: hf_health.hf_experts_health(m.text_moe.experts, m.text_moe),
             token_subset=True,
+            padding_from_model=True,
         )
     ),
     "transformers.models.doge.modeling_doge.DogeCDMoE": RouterSpec(
@@ -201,6 +221,7 @@ _NAMED: dict[str, RouterSpec] = {
         routes_fn=_doge_routes,
         hooked=lambda m: m.down_embed,
         health=hf_health.doge_health,
+        padding_from_model=True,
     ),
 }
 #: Families whose experts include zero-computation experts (by modeling module).

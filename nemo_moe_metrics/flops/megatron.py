@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from nemo_moe_metrics import layer_pattern as lp
 from nemo_moe_metrics.flops.components import (
     ConfigReader,
     dense_mlp,
@@ -32,6 +33,11 @@ from nemo_moe_metrics.flops.components import (
     moe_block,
 )
 from nemo_moe_metrics.flops.core import FlopsEstimator, Layer, ModelShape
+from nemo_moe_metrics.layer_pattern import (
+    config_hybrid_pattern,
+    config_hybrid_symbols,
+    moe_layer_flags,
+)
 
 MEGATRON_MODEL_TYPE = "megatron_gpt"
 
@@ -57,8 +63,6 @@ def megatron_config_to_dict(config: Any, vocab_size: int | None) -> dict[str, An
             "or vocab_size=0 to leave the lm_head out deliberately"
         )
     out = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    from nemo_moe_metrics.megatron.compat import config_hybrid_pattern
-
     # A plain TransformerConfig carries a hybrid pattern as an attribute, not a field.
     pattern = config_hybrid_pattern(config)
     if pattern is not None:
@@ -87,8 +91,6 @@ def megatron_gpt(config: Mapping[str, Any]) -> FlopsEstimator:
     n = int(cfg.require("num_layers"))
     heads = int(cfg.require("num_attention_heads"))
     gated = bool(cfg.get("gated_linear_unit", False))
-
-    from nemo_moe_metrics.megatron.compat import config_hybrid_symbols
 
     symbols = config_hybrid_symbols(config)
     if symbols is not None and len(symbols) != n:
@@ -152,15 +154,7 @@ def megatron_gpt(config: Mapping[str, Any]) -> FlopsEstimator:
 
     # Feed-forward blocks.
     moe = _moe(cfg, hidden, gated)
-    if moe is not None:
-        is_moe = _pattern(
-            cfg.get("moe_layer_freq", 1),
-            n,
-            "moe_layer_freq",
-            int_rule=lambda i, f: 1 if i % f == 0 else 0,
-        )
-    else:
-        is_moe = [0] * n
+    is_moe = [0] * n if moe is None else moe_layer_flags(n, cfg.get("moe_layer_freq", 1), None)
     dense = dense_mlp(hidden, int(cfg.require("ffn_hidden_size")), gated=gated)
     layers = tuple(Layer(mixers[i], moe if is_moe[i] else dense) for i in range(n))
     mtp = (layers[-1],) * int(cfg.get("mtp_num_layers") or 0)
@@ -232,23 +226,21 @@ def _hybrid_estimator(
     gated: bool,
 ) -> FlopsEstimator:
     """One layer per pattern symbol, each costed by its own component."""
-    from nemo_moe_metrics.megatron import compat as c
-
     layers = []
     for i, symbol in enumerate(symbols):
-        if symbol == c.ATTENTION_SYMBOL:
+        if symbol == lp.ATTENTION_SYMBOL:
             layers.append(Layer(attention[i], None))
-        elif symbol == c.MLA_SYMBOL:
+        elif symbol == lp.MLA_SYMBOL:
             layers.append(Layer(_mla(cfg, hidden, heads), None))
-        elif symbol == c.GDN_SYMBOL:
+        elif symbol == lp.GDN_SYMBOL:
             layers.append(Layer(gated_delta_net_from_config(cfg, hidden), None))
-        elif symbol == c.MAMBA_SYMBOL:
+        elif symbol == lp.MAMBA_SYMBOL:
             layers.append(Layer(_mamba(cfg, hidden), None))
-        elif symbol == c.MLP_SYMBOL:
+        elif symbol == lp.MLP_SYMBOL:
             layers.append(
                 Layer(None, dense_mlp(hidden, int(cfg.require("ffn_hidden_size")), gated=gated))
             )
-        elif symbol == c.MOE_SYMBOL:
+        elif symbol == lp.MOE_SYMBOL:
             moe = _moe(cfg, hidden, gated)
             if moe is None:
                 raise ValueError(

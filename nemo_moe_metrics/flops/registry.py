@@ -1,4 +1,11 @@
-"""model_type -> estimator factory, and config normalisation (HF object, config.json, megatron)."""
+"""The FLOP estimator registry and its dispatch.
+
+``model_type`` -> estimator factory (the registered formulas, and ``register_flops_estimator``
+for a user's own), config normalisation (a transformers config, a config.json dict, a
+megatron-core ``TransformerConfig``), and :func:`get_flops_estimator`'s choice: a torchtitan
+config read layer by layer, else a registered formula, else the transformers model's modules
+(:mod:`nemo_moe_metrics.flops.hf_modules`).
+"""
 
 from __future__ import annotations
 
@@ -9,14 +16,12 @@ from typing import Any
 from nemo_moe_metrics.extras import install_hint
 from nemo_moe_metrics.flops import deepseek, hf_defaults, hf_dense, hf_moe, megatron, qwen_hybrid
 from nemo_moe_metrics.flops.core import FlopsEstimator
+from nemo_moe_metrics.flops.errors import NotInTransformersError, UnknownModelTypeError
+from nemo_moe_metrics.flops.torchtitan import torchtitan_flops_estimator
 
 Factory = Callable[[Mapping[str, Any]], FlopsEstimator]
 
 _REGISTRY: dict[str, Factory] = {}
-
-
-class UnknownModelTypeError(ValueError):
-    """No FLOP formula is registered for the config's model_type."""
 
 
 def register_flops_estimator(model_type: str, factory: Factory) -> None:
@@ -121,11 +126,10 @@ def get_flops_estimator(
     costed, not the encoders) built on the meta device (no memory, well under a second even
     for 671B parameters).
     """
+    # Imported here: the adapter imports torch, and the formulas of this package need none.
     from nemo_moe_metrics.adapters.torchtitan import is_torchtitan_config
 
     if is_torchtitan_config(config):  # read layer by layer, not through a config dict
-        from nemo_moe_metrics.flops.torchtitan import torchtitan_flops_estimator
-
         return torchtitan_flops_estimator(config, vocab_size=vocab_size)
     data = normalise_config(config, vocab_size=vocab_size)
     model_type = data.get("model_type")
@@ -147,6 +151,7 @@ def _from_transformers_modules(
 ) -> FlopsEstimator:
     """The estimate read from a transformers model's modules: ``model``, else a meta skeleton."""
     try:
+        # Imported here: reading modules needs torch, the formulas above do not.
         from nemo_moe_metrics.flops import hf_modules
     except ImportError as err:  # no torch: only the formulas are available
         raise _unknown(model_type) from err
@@ -158,7 +163,7 @@ def _from_transformers_modules(
     try:
         hf_config = hf_modules.transformers_config(config)
         return hf_modules.estimator_from_config(hf_config, vocab_size=vocab_size)
-    except hf_modules.NotInTransformersError as err:
+    except NotInTransformersError as err:
         raise _unknown(model_type) from err
     except ImportError as err:
         if (err.name or "").split(".")[0] != "transformers":

@@ -18,6 +18,12 @@ from typing import Any
 
 from torch import nn
 
+from nemo_moe_metrics.layer_pattern import (
+    config_hybrid_pattern,
+    config_moe_layer_flags,
+    hybrid_layer_symbols,
+    moe_flags_from_symbols,
+)
 from nemo_moe_metrics.megatron import compat
 
 _DECODER_LAYER_RE = re.compile(r"(?:^|\.)decoder\.layers\.\d+$")
@@ -47,7 +53,7 @@ def config_as_built(chunks: nn.Module | Sequence[nn.Module], config: Any) -> Any
     """A copy of the megatron ``config`` carrying the layer layout of the model ``chunks``.
 
     A hybrid model's own pattern is set on the copy as ``hybrid_layer_pattern`` (what
-    :func:`~nemo_moe_metrics.megatron.compat.config_hybrid_pattern` reads); a GPT model's routers
+    :func:`~nemo_moe_metrics.layer_pattern.config_hybrid_pattern` reads); a GPT model's routers
     are checked against ``moe_layer_freq``. The config is returned unchanged when the chunks are
     no megatron model (no router and no hybrid pattern). Raises ``ValueError`` where the config
     and the model disagree (pattern, layer count, MoE layers), naming both.
@@ -66,9 +72,9 @@ def config_as_built(chunks: nn.Module | Sequence[nn.Module], config: Any) -> Any
             "config given to attach has no num_moe_experts; pass the model's own TransformerConfig"
         )
     if pattern is not None:
-        symbols = compat.hybrid_layer_symbols(pattern)
-        said = compat.config_hybrid_pattern(config)
-        if said is not None and compat.hybrid_layer_symbols(said) != symbols:
+        symbols = hybrid_layer_symbols(pattern)
+        said = config_hybrid_pattern(config)
+        if said is not None and hybrid_layer_symbols(said) != symbols:
             raise ValueError(
                 f"the config's hybrid layer pattern {said!r} is not the model's {pattern!r}; "
                 "the model decides: drop the pattern from the config or pass the model's own"
@@ -78,12 +84,10 @@ def config_as_built(chunks: nn.Module | Sequence[nn.Module], config: Any) -> Any
                 f"the model's hybrid layer pattern {pattern!r} has {len(symbols)} layers but the "
                 f"config has num_layers={num_layers}; pass the model's own TransformerConfig"
             )
-        moe = [1 if s == compat.MOE_SYMBOL else 0 for s in symbols]
+        moe = moe_flags_from_symbols(symbols)
         where = f"the model's hybrid layer pattern {pattern!r}"
     else:
-        from nemo_moe_metrics.moe.aux_loss import _moe_layer_pattern
-
-        moe = _moe_layer_pattern(config)
+        moe = config_moe_layer_flags(config)
         where = f"the config's moe_layer_freq={config.moe_layer_freq!r}"
     expected = {i for i in layers if i < num_layers and moe[i]}
     found = {i for i in routers if i < num_layers}
@@ -94,7 +98,7 @@ def config_as_built(chunks: nn.Module | Sequence[nn.Module], config: Any) -> Any
             "pass the TransformerConfig the model was built with (for a GPT model, moe_layer_freq "
             "is honoured by get_gpt_decoder_block_spec, not by get_gpt_layer_local_spec)"
         )
-    if pattern is None or compat.config_hybrid_pattern(config) == pattern:
+    if pattern is None or config_hybrid_pattern(config) == pattern:
         return config
     built = copy.copy(config)
     # TransformerConfig has no pattern field: an attribute, as megatron/model.py sets it.

@@ -134,7 +134,7 @@ def build_transformer_config(model: ModelConfig, megatron_cfg: MegatronConfig):
     if model.hybrid_layer_pattern is not None:
         # TransformerConfig has no pattern field; carried as an attribute under the name
         # megatron-core 0.19 and Megatron-Bridge's hybrid providers use, so the aux-loss and
-        # FLOP code (megatron/compat.config_hybrid_pattern) can read it from the config alone.
+        # FLOP code (layer_pattern.config_hybrid_pattern) can read it from the config alone.
         config.hybrid_layer_pattern = model.hybrid_layer_pattern
     return config
 

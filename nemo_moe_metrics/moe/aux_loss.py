@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 
 from nemo_moe_metrics.host_read import Pending, done, read_once
+from nemo_moe_metrics.layer_pattern import config_moe_layer_flags
+from nemo_moe_metrics.megatron import compat
 from nemo_moe_metrics.metric_names import (
     AUX_LOSS_TRACKER_NAMES,
     Z_LOSS,
@@ -90,38 +92,6 @@ def tracked_aux_loss_names(config: Any) -> list[str]:
     return names
 
 
-def _moe_layer_pattern(config: Any) -> list[int]:
-    """One 0/1 entry per decoder layer: from the hybrid layer pattern (``E`` = MoE) when the
-    config carries one, else from ``moe_layer_freq`` as megatron-core's GPT decoder reads it."""
-    from nemo_moe_metrics.megatron.compat import MOE_SYMBOL, config_hybrid_symbols
-
-    symbols = config_hybrid_symbols(config)
-    if symbols is not None:
-        if len(symbols) != config.num_layers:
-            raise ValueError(
-                f"the hybrid layer pattern has {len(symbols)} layers but num_layers is "
-                f"{config.num_layers}; pass the model's own config"
-            )
-        return [1 if s == MOE_SYMBOL else 0 for s in symbols]
-    num_layers = config.num_layers
-    freq = config.moe_layer_freq
-    if isinstance(freq, bool) or not isinstance(freq, (int, list, tuple)):
-        raise ValueError(
-            f"moe_layer_freq={freq!r} is neither an int nor a list of 0/1 per layer; "
-            "pass e.g. 1 (every layer MoE), 2 (every other layer) or [0, 1, 1, 1]"
-        )
-    if isinstance(freq, int):
-        if freq < 1:
-            raise ValueError(f"moe_layer_freq={freq} must be >= 1 (1 = every layer is MoE)")
-        return [1 if i % freq == 0 else 0 for i in range(num_layers)]
-    if len(freq) != num_layers:
-        raise ValueError(
-            f"moe_layer_freq has {len(freq)} entries but num_layers is {num_layers}; "
-            "give one 0/1 entry per decoder layer"
-        )
-    return [int(v) for v in freq]
-
-
 def tracker_length(config: Any) -> int:
     """Length of megatron's tracker vectors: decoder layers plus multi-token-prediction layers."""
     return config.num_layers + (getattr(config, "mtp_num_layers", None) or 0)
@@ -135,7 +105,7 @@ def moe_layer_indices(config: Any) -> list[int]:
     """
     if not getattr(config, "num_moe_experts", None):
         return []
-    pattern = _moe_layer_pattern(config)
+    pattern = config_moe_layer_flags(config)
     layers = [i for i, is_moe in enumerate(pattern) if is_moe]
     mtp = getattr(config, "mtp_num_layers", None) or 0
     if mtp and pattern and pattern[-1]:
@@ -156,8 +126,6 @@ def local_aux_loss_values(config: Any, names: Sequence[str]) -> torch.Tensor:
     Names this rank never recorded (a stage without MoE layers, no forward yet) are zeros, so
     every rank brings the same shape to the collectives. Megatron's tracker is not modified.
     """
-    from nemo_moe_metrics.megatron import compat
-
     length = tracker_length(config)
     tracker = compat.tracker_values()
     rows = []
@@ -298,7 +266,8 @@ def summarize_aux_losses(
     return metrics
 
 
-def _check_num_microbatches(num_microbatches: Any) -> int:
+def check_num_microbatches(num_microbatches: Any) -> int:
+    """``num_microbatches`` when it is an int >= 1; a TypeError or ValueError naming the fix."""
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
         raise TypeError(
             f"num_microbatches must be an int (microbatches run in this optimizer step), "
@@ -314,22 +283,16 @@ def _check_num_microbatches(num_microbatches: Any) -> int:
 
 def clear_aux_loss_tracker() -> None:
     """Zero megatron's layer-wise aux-loss tracker (every name), as megatron-core does per step."""
-    from nemo_moe_metrics.megatron import compat
-
     compat.clear_tracker()
 
 
 def tracker_snapshot() -> dict[str, torch.Tensor]:
     """Device copies of megatron's tracker vectors, by name (no host read)."""
-    from nemo_moe_metrics.megatron import compat
-
     return {name: values.detach().clone() for name, values in compat.tracker_values().items()}
 
 
 def restore_tracker(snapshot: Mapping[str, torch.Tensor]) -> None:
     """Put megatron's tracker back to ``snapshot`` in place; names recorded since are zeroed."""
-    from nemo_moe_metrics.megatron import compat
-
     for name, values in compat.tracker_values().items():
         before = snapshot.get(name)
         if before is None or before.shape != values.shape:
@@ -381,7 +344,7 @@ def enqueue_aux_loss_metrics(
     and groups (:func:`nemo_moe_metrics.megatron.compat.reduce_like_megatron`), so the values
     equal that report's in the same step on every rank that logs.
     """
-    _check_num_microbatches(num_microbatches)
+    check_num_microbatches(num_microbatches)
     if tracker not in ("own", "shared"):
         raise ValueError(f"tracker must be 'own' or 'shared', got {tracker!r}")
     own = tracker == "own"
@@ -397,8 +360,6 @@ def enqueue_aux_loss_metrics(
     if own:
         reduce_aux_losses(values, names, pg_collection=pg_collection)
     else:
-        from nemo_moe_metrics.megatron import compat
-
         compat.reduce_like_megatron(values, names, pg_collection)
 
     def finish(host: list[np.ndarray]) -> dict[str, float]:

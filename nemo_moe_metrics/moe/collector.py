@@ -16,6 +16,14 @@ docs/en/expert_load.md):
   training forward: counted) and replays it during backward (the chunk forward is over and
   autograd's graph task is active: not counted). Reference-model / rollout log-probs under
   ``torch.no_grad()`` or ``eval()`` are never counted.
+- Real tokens only: a router whose spec says ``padding_from_model`` (Hugging Face routers see
+  no mask) gets the real-token mask of the model forward it serves: the chunk's 2-D
+  ``attention_mask`` (1 = real token), its last ``width`` columns for a forward of ``width``
+  positions (a decode step's own token). A forward without one (packed ``position_ids``,
+  unpadded batches) holds no padding. The mask is a view and one device op; nothing is read.
+- A *generation* (``rollout_counting``, set by ``PolicyMetrics.generation()``): forwards that
+  are not training forwards count into per-layer rollout accumulators instead, real tokens
+  only, never into the training counts.
 - ``counting`` scopes it to a step: ``PolicyMetrics`` sets it on entering ``step()`` and clears
   it on leaving, so a training forward outside ``step()`` is not counted into any step. A
   collector used on its own counts whenever the rules above hold (``counting`` stays True).
@@ -25,6 +33,7 @@ docs/en/expert_load.md):
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -39,6 +48,7 @@ from nemo_moe_metrics.moe.router_spec import (
     layer_id_from_name,
     mtp_index,
     per_expert,
+    rows_of,
     same_layer_message,
 )
 from nemo_moe_metrics.moe.routing import RoutingTracker
@@ -53,6 +63,44 @@ def _in_backward() -> bool:
     if torch.compiler.is_compiling():
         return False
     return torch._C._current_graph_task_id() != -1
+
+
+_FORWARD_PARAMS: dict[type, list[str]] = {}
+
+
+def _forward_params(chunk: nn.Module) -> list[str]:
+    # Positional argument names of the chunk's forward (input_ids, attention_mask, ...), once
+    # per class, so a mask passed positionally is found too.
+    cls = type(chunk)
+    if cls not in _FORWARD_PARAMS:
+        try:
+            names = list(inspect.signature(cls.forward).parameters)[1:]
+        except (TypeError, ValueError):
+            names = []
+        _FORWARD_PARAMS[cls] = names
+    return _FORWARD_PARAMS[cls]
+
+
+def real_token_mask(chunk: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """``[batch * width]`` bool, True = real token, of one forward of ``chunk``; None when its
+    forward has no 2-D ``attention_mask`` (every position real). A view, no host read."""
+    named = dict(zip(_forward_params(chunk), args, strict=False))
+    mask = kwargs.get("attention_mask", named.get("attention_mask"))
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return None
+    tokens = next(
+        (
+            t
+            for t in (
+                kwargs.get("input_ids", named.get("input_ids")),
+                kwargs.get("inputs_embeds", named.get("inputs_embeds")),
+            )
+            if isinstance(t, torch.Tensor)
+        ),
+        None,
+    )
+    width = int(tokens.shape[1]) if tokens is not None and tokens.dim() >= 2 else mask.shape[1]
+    return mask[:, mask.shape[1] - width :].reshape(-1).bool()
 
 
 class _LayerAccumulator:
@@ -75,6 +123,7 @@ class _LayerAccumulator:
         self.executed = torch.zeros(num_experts, dtype=torch.int64, device=device)
         self.tokens = torch.zeros((), dtype=torch.int64, device=device)
         self.zero_picks = torch.zeros((), dtype=torch.int64, device=device)
+        self.rollout = torch.zeros(num_experts, dtype=torch.int64, device=device)
 
     def add(
         self,
@@ -85,7 +134,7 @@ class _LayerAccumulator:
     ) -> None:
         counts = per_expert(counts)
         if counts.device != self.counts.device:  # the model moved after attach
-            for name in ("counts", "executed", "tokens", "zero_picks"):
+            for name in ("counts", "executed", "tokens", "zero_picks", "rollout"):
                 setattr(self, name, getattr(self, name).to(counts.device))
         self.counts.add_(counts)
         self.executed.add_(counts if executed is None else per_expert(executed))
@@ -112,7 +161,11 @@ class ExpertLoadCollector:
         """
         self._active_depth = 0  # > 0 inside a training forward of a chunk
         self.counting = True  # False: count nothing (PolicyMetrics: outside step())
+        #: True: forwards that are not training forwards count as the rollout's (generation)
+        self.rollout_counting = False
+        self.rollout_seen = False  # a rollout forward was counted since the last reset
         self._entered: list[bool] = []
+        self._masks: list[torch.Tensor | None] = []  # real-token mask per open chunk forward
         self._handles: list[Any] = []
         self._accs: list[_LayerAccumulator] = []
         self._reducers: dict[Any, Any] = {}
@@ -151,8 +204,9 @@ class ExpertLoadCollector:
             )
             cfg = getattr(module, "config", None)
             self.sequence_parallel |= bool(getattr(cfg, "sequence_parallel", False))
+        self._reads_mask = any(spec.padding_from_model for _, _, spec in routers)
         for chunk in chunks:
-            self._handles.append(chunk.register_forward_pre_hook(self._enter))
+            self._handles.append(chunk.register_forward_pre_hook(self._enter, with_kwargs=True))
             self._handles.append(chunk.register_forward_hook(self._leave, always_call=True))
         self._accs.sort(key=lambda a: a.layer_id)
         #: some counted layer routes every token: then no step routes fewer than its real tokens
@@ -200,15 +254,18 @@ class ExpertLoadCollector:
         return list(self._bias_sources)
 
     # -- hooks (hot path: Python flags and device ops only) --------------------------------
-    def _enter(self, chunk: nn.Module, args: tuple) -> None:
+    def _enter(self, chunk: nn.Module, args: tuple, kwargs: dict) -> None:
         training = chunk.training and torch.is_grad_enabled() and not _in_backward()
         self._entered.append(training)
         if training:
             self._active_depth += 1
+        self._masks.append(real_token_mask(chunk, args, kwargs) if self._reads_mask else None)
 
     def _leave(self, chunk: nn.Module, args: tuple, output: Any) -> None:
         if self._entered and self._entered.pop():
             self._active_depth -= 1
+        if self._masks:
+            self._masks.pop()
 
     def _counts_now(self, module: nn.Module) -> bool:
         return self.counting and self._active_depth > 0 and module.training and not _in_backward()
@@ -218,24 +275,38 @@ class ExpertLoadCollector:
             source = self._health_sources.get(id(matched)) if self.health is not None else None
             # Read on every forward: a captured logits tensor never outlives its forward.
             decision = source.read(args, kwargs, output) if source is not None else None
-            if not self._counts_now(module):
-                return
-            # No autograd graph: a measurement op on grad-requiring outputs (llama4's
-            # topk of its logits) would save tensors for backward in the first forward only,
-            # since a recomputation is not counted, and non-reentrant activation checkpointing
-            # refuses a recomputation that saves fewer tensors than the forward did.
+            # No autograd graph: a measurement op on grad-requiring outputs (llama4's topk of
+            # its logits) would save tensors for backward in the first forward only, since a
+            # recomputation is not counted, and non-reentrant activation checkpointing refuses a
+            # recomputation that saves fewer tensors than the forward did.
             with torch.no_grad():
-                counted = spec.counts_fn(module, args, kwargs, output)
-                counts = per_expert(counted[0])
-                acc.add(counts, *counted[1:])
-                if self.health is not None:
-                    logits, bias, valid = decision if decision is not None else (None, None, None)
-                    self.health.observe(acc.layer_id, counts, logits, bias=bias, valid=valid)
-                if self.routing is not None and acc.layer_id in self._compared:
-                    assert spec.routes_fn is not None
-                    self.routing.observe(
-                        acc.layer_id, *spec.routes_fn(module, args, kwargs, output)
+                extra = {}
+                if spec.padding_from_model:
+                    extra["valid"] = self._masks[-1] if self._masks else None
+                if self._counts_now(module):
+                    counted = spec.counts_fn(module, args, kwargs, output, **extra)
+                    counts = per_expert(counted[0])
+                    acc.add(counts, *counted[1:])
+                    if self.health is not None:
+                        logits, bias, valid = (
+                            decision if decision is not None else (None, None, None)
+                        )
+                        if valid is None and logits is not None and extra.get("valid") is not None:
+                            valid = rows_of(
+                                extra["valid"], logits.reshape(-1, logits.shape[-1]).shape[0]
+                            )
+                        self.health.observe(acc.layer_id, counts, logits, bias=bias, valid=valid)
+                    if self.routing is not None and acc.layer_id in self._compared:
+                        assert spec.routes_fn is not None
+                        self.routing.observe(
+                            acc.layer_id, *spec.routes_fn(module, args, kwargs, output, **extra)
+                        )
+                elif self.rollout_counting and self._masks and not _in_backward():
+                    # A generation forward (prefill or decode): the rollout's load, real tokens.
+                    acc.rollout.add_(
+                        per_expert(spec.counts_fn(module, args, kwargs, output, **extra)[0])
                     )
+                    self.rollout_seen = True
 
         return hook
 
@@ -378,8 +449,18 @@ class ExpertLoadCollector:
         """This rank's per-layer picks of zero-computation experts [], not copied."""
         return [a.zero_picks for a in self._accs]
 
+    def local_rollout(self) -> list[torch.Tensor]:
+        """This rank's per-layer rollout (generation) counts [E], real tokens, not copied."""
+        return [a.rollout for a in self._accs]
+
+    def reset_rollout(self) -> None:
+        """Zero the rollout accumulators (after their export)."""
+        for a in self._accs:
+            a.rollout.zero_()
+        self.rollout_seen = False
+
     def reset(self) -> None:
-        """Zero the device accumulators (start of a new step)."""
+        """Zero the device accumulators (start of a new step); the rollout's are kept."""
         for a in self._accs:
             a.counts.zero_()
             a.executed.zero_()

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.host_read import Pending
+from nemo_moe_metrics.host_read import Pending, collective_device
 
 BiasGetter = Callable[[], "torch.Tensor | None"]
 _FIELDS = 3  # per global layer: [present, range, update]
@@ -105,10 +105,8 @@ class ExpertBiasTracker:
         Collective when a process group is initialised: every rank of ``group`` calls it at the
         same point, also ranks without biased layers.
         """
-        from nemo_moe_metrics.moe.reduction import _collective_device
-
         layer_ids = list(layer_ids)
-        device = _collective_device(self.group, None)
+        device = collective_device(self.group)
         payload = torch.zeros(len(layer_ids), _FIELDS, dtype=torch.float64, device=device)
         layers, values = self._current()
         if values is not None:

@@ -34,8 +34,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nemo_moe_metrics.host_read import Pending
+from nemo_moe_metrics.host_read import Pending, collective_device
 from nemo_moe_metrics.metric_names import AUX_LOSS_TRACKER_NAMES
+from nemo_moe_metrics.moe.aux_loss import (
+    check_num_microbatches,
+    reduce_aux_losses,
+    summarize_aux_losses,
+)
 from nemo_moe_metrics.moe.router_spec import logits_of
 
 #: The one loss a Hugging Face MoE model defines, under megatron's tracker name.
@@ -157,19 +162,12 @@ def enqueue_hf_aux_loss_metrics(
     world) through ``aux_loss.reduce_aux_losses`` and resets; the values are read with the
     export's one host read (:func:`~nemo_moe_metrics.host_read.read_once`).
     """
-    from nemo_moe_metrics.moe.aux_loss import (
-        _check_num_microbatches,
-        reduce_aux_losses,
-        summarize_aux_losses,
-    )
-
-    _check_num_microbatches(num_microbatches)
+    check_num_microbatches(num_microbatches)
     values = acc.values.clone()
     acc.reset()
     values.div_(num_microbatches)
     if dist.is_available() and dist.is_initialized():
-        if str(dist.get_backend(data_group)) == "gloo" and values.device.type != "cpu":
-            values = values.cpu()
+        values = values.to(collective_device(data_group, values.device))
         reduce_aux_losses(values, HF_AUX_LOSS_NAMES, pg_collection=_hf_groups(data_group))
 
     def finish(host: list[np.ndarray]) -> dict[str, float]:

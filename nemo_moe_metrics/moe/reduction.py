@@ -26,7 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nemo_moe_metrics.host_read import Pending, read_once
+from nemo_moe_metrics.host_read import Pending, collective_device, read_once
+from nemo_moe_metrics.moe import router_health, routing
 from nemo_moe_metrics.moe.balance import ExpertLoads
 
 _GUARD = 2  # [participants, ranks whose signature changed]
@@ -163,12 +164,6 @@ def _world(group: Any) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _collective_device(group: Any, collector: Any) -> torch.device:
-    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 class ExpertLoadReducer:
     """Reduces expert counts over one process group; holds the agreed layout between steps."""
 
@@ -238,7 +233,7 @@ class ExpertLoadReducer:
         assert self._layout is not None and self._index is not None
         if contribute is None:
             contribute = default_contribute(collector)
-        device = _collective_device(self.group, collector)
+        device = collective_device(self.group)
         payload = torch.zeros(self._size, dtype=torch.int64, device=device)
         changed = sig != self._signature
         if collector is not None and contribute and not changed and self._index.numel():
@@ -343,10 +338,8 @@ class RoutingReducer:
         self, tracker: Any, *, per_layer: bool, contribute: bool = True
     ) -> Pending[dict[str, Any]]:
         """Launch the summing ``all_reduce``; the Pending turns the sums into ``moe/routing_*``."""
-        from nemo_moe_metrics.moe import routing
-
         world, _ = _world(self.group)
-        device = _collective_device(self.group, None)
+        device = collective_device(self.group)
         n_layers = len(self.moe_layers)
         stats = torch.zeros(n_layers, routing.LAYER_SLOTS, dtype=torch.int64, device=device)
         tokens = torch.zeros(routing.GLOBAL_SLOTS, dtype=torch.int64, device=device)
@@ -390,10 +383,12 @@ class RoutingReducer:
                 per_layer=per_layer,
             )
             if experts:
-                from nemo_moe_metrics.moe.router_health import rollout_balance_metrics
-
                 counts = values[tail_end:-1].reshape(n_layers, experts)
-                out.update(rollout_balance_metrics(self.moe_layers, counts, per_layer=per_layer))
+                out.update(
+                    router_health.rollout_balance_metrics(
+                        self.moe_layers, counts, per_layer=per_layer
+                    )
+                )
             return out
 
         return Pending((payload,), finish)
@@ -427,10 +422,8 @@ class RouterHealthReducer:
 
         ``layer_ids`` and ``topks``: the layout agreed by the expert-load export
         (``ExpertLoadReducer``), the same on every rank."""
-        from nemo_moe_metrics.moe import router_health
-
         world, _ = _world(self.group)
-        device = _collective_device(self.group, None)
+        device = collective_device(self.group)
         n_layers = len(layer_ids)
         sums = torch.zeros(n_layers, router_health.SLOTS, dtype=torch.float64, device=device)
         peaks = torch.zeros(n_layers, dtype=torch.float64, device=device)

@@ -69,6 +69,10 @@ class RouterSpec:
     #: the counted experts see only some of the layer's tokens by design (ernie4_5_vl_moe's
     #: text experts: image and video tokens go to its vision experts)
     token_subset: bool = False
+    #: the router sees no padding mask (Hugging Face): the collector reads the real-token mask
+    #: of the model forward the router serves (its 2-D ``attention_mask``) and passes it as
+    #: ``valid=`` ([T] bool, or None when there is none) to ``counts_fn`` and ``routes_fn``
+    padding_from_model: bool = False
 
 
 def count_experts(
@@ -83,6 +87,15 @@ def count_experts(
     ones = torch.ones_like(flat) if keep is None else keep.reshape(-1).to(torch.int64)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
     return counts.scatter_add_(0, flat, ones)
+
+
+def rows_of(valid: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """``valid`` when it describes ``rows`` token rows (a shape check, no sync), else None.
+
+    The model forward's mask covers every token of the forward; a router that sees a subset
+    (ernie4_5_vl_moe's text experts) or a reshaped batch gets no mask and counts every row.
+    """
+    return valid if valid is not None and valid.numel() == rows else None
 
 
 def per_expert(counts: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,10 @@ existed. The JSONL is streamed for the few scalars the summary needs, so a 10,00
 94 x 256 is read in seconds with a bounded amount of memory. Later records win when a resumed
 run logged a step twice; a torn last line from a crash is skipped with a warning.
 
-Layout: ``reading`` (the JSONL, the store, ``run.json``), ``timeline`` (counts over steps in
-bounded memory), ``pictures`` (matplotlib), ``summary`` (the text and which pictures to draw).
+Layout: ``reading`` (the JSONL streamed, ``run.json``), ``expert_counts`` (a run's counts
+step by step, from the store or the JSONL), ``timeline`` (counts over steps in bounded memory),
+``pictures`` (matplotlib), ``bias`` and ``router_health_section`` (their sections of the
+summary and pictures), ``summary`` (the text and which pictures to draw).
 """
 
 from nemo_moe_metrics.report.pictures import (

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics.moe.timeline import real_experts
+from nemo_moe_metrics.moe.load_over_steps import real_experts
 from nemo_moe_metrics.report.reading import ReportError, RunInfo
 from nemo_moe_metrics.report.timeline import StepBins, Timeline
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.sinks.alerts import recorded_alerts
 
 METRICS_FILE = "metrics.jsonl"
 RUN_FILE = "run.json"
@@ -199,86 +199,12 @@ def last_values(path: Path, lines: list[Line], keys: list[str]) -> dict[str, flo
 
 def alert_records(path: Path, lines: list[Line]) -> list[tuple[int, list[dict[str, Any]]]]:
     """``(step, alert records)`` of the lines that recorded alerts (the JSONL's ``"alerts"``)."""
-    from nemo_moe_metrics.moe.alerts import recorded_alerts
-
     out = []
     with path.open("rb") as f:
         for line in lines:
             if line.has_alerts:
                 out.append((line.step, recorded_alerts(read_line(f, line))))
     return out
-
-
-# --- expert counts over steps ------------------------------------------------------------------
-
-
-def store_counts(
-    run_dir: Path, window: Window | None
-) -> Iterator[tuple[int, np.ndarray, np.ndarray]] | None:
-    from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
-
-    path = store_path(run_dir)
-    if not path.is_file():
-        return None
-    lo, hi = window if window is not None else (None, None)
-    return read_expert_loads(path, slice(lo, None if hi is None else hi + 1))
-
-
-def store_blocks(
-    run_dir: Path, window: Window | None, skipped: list[str] | None = None
-) -> Iterator[Any] | None:
-    """The store's logged steps as ``timeline.Block`` s of up to 32 steps, decoded and prepared
-    by up to two reader threads while the caller accumulates; None without a store. What the
-    reader skipped goes to ``skipped`` (see ``read_expert_load_blocks``)."""
-    from nemo_moe_metrics.report.timeline import prepare_block
-    from nemo_moe_metrics.sinks.store import read_expert_load_blocks, store_path
-
-    path = store_path(run_dir)
-    if not path.is_file():
-        return None
-    lo, hi = window if window is not None else (None, None)
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    return read_expert_load_blocks(
-        path,
-        slice(lo, None if hi is None else hi + 1),
-        workers=max(1, min(2, cpus)),
-        prepare=prepare_block,
-        widths=True,
-        skipped=skipped,
-    )
-
-
-def store_has_steps(run_dir: Path) -> bool:
-    from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
-
-    path = store_path(run_dir)
-    return path.is_file() and next(read_expert_loads(path), None) is not None
-
-
-def jsonl_table_counts(
-    path: Path, lines: list[Line], num_experts: int | None
-) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-    """``(step, layer_ids, counts, widths)`` from ``moe/expert_loads`` rows: the JSONL of runs
-    from before the store. ``widths`` is each layer's number of experts (its rows'); a table
-    of equal layers narrower than ``num_experts`` (run.json's) is widened to it."""
-    from nemo_moe_metrics.sinks.store import table_to_counts_and_widths
-
-    with path.open("rb") as f:
-        for line in lines:
-            if not line.has_table:
-                continue
-            rows = read_line(f, line).get(mn.EXPERT_LOADS)
-            if not rows:
-                continue
-            layer_ids, counts, widths = table_to_counts_and_widths(rows)
-            uniform = int(widths.min()) == counts.shape[1]
-            if uniform and num_experts and counts.shape[1] < num_experts:
-                counts = np.pad(counts, ((0, 0), (0, num_experts - counts.shape[1])))
-                widths = np.full_like(widths, num_experts)
-            yield line.step, layer_ids, counts, widths
 
 
 def layer_key_series(

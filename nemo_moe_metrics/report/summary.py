@@ -10,7 +10,10 @@ from typing import Any
 import numpy as np
 
 from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.moe.timeline import Streak, real_experts
+from nemo_moe_metrics.extras import missing_extra_message, missing_modules
+from nemo_moe_metrics.moe.load_over_steps import Streak, real_experts
+from nemo_moe_metrics.report.bias import bias_report_lines
+from nemo_moe_metrics.report.expert_counts import jsonl_table_counts, store_blocks, store_has_steps
 from nemo_moe_metrics.report.pictures import (
     DRIFT_FILE,
     HEATMAP_FILE,
@@ -25,6 +28,7 @@ from nemo_moe_metrics.report.pictures import (
     render_over_steps,
     steps_label,
 )
+from nemo_moe_metrics.report.placement import placement_report_lines
 from nemo_moe_metrics.report.reading import (
     METRICS_FILE,
     Line,
@@ -33,17 +37,22 @@ from nemo_moe_metrics.report.reading import (
     Window,
     alert_records,
     experts_text,
-    jsonl_table_counts,
     last_values,
     layer_key_series,
     run_info,
     scan_jsonl,
-    store_blocks,
-    store_has_steps,
     window_text,
 )
+from nemo_moe_metrics.report.router_health_section import router_health_report_lines
 from nemo_moe_metrics.report.timeline import Timeline
-from nemo_moe_metrics.sinks.store import store_path
+from nemo_moe_metrics.sinks.alerts import summarize_alerts
+from nemo_moe_metrics.sinks.store import (
+    FILE_HEADER_SIZE,
+    STORE_FILE,
+    StoreError,
+    steps_text,
+    store_path,
+)
 
 DEFAULT_DEAD_STEPS = 10
 DEFAULT_WORST_LAYERS = 4
@@ -136,8 +145,6 @@ def render_report(
     the summary lists. Pictures that the run has no data for are skipped and the summary says
     which flag would produce them.
     """
-    from nemo_moe_metrics.extras import missing_extra_message, missing_modules
-
     run_dir = resolve_run_dir(Path(run_dir))
     out_dir = Path(out_dir) if out_dir is not None else run_dir
     path = run_dir / METRICS_FILE
@@ -235,21 +242,16 @@ def render_report(
             )
 
     out += _routing_lines(run, path, lines_, out_dir)
-    from nemo_moe_metrics.moe.alerts import summarize_alerts
-
     out += summarize_alerts(alert_records(path, lines_))
     last_keys = [mn.TOKENS_PER_SECOND, mn.TFLOPS_PER_GPU, mn.MFU]
     aux_keys = [mn.aux_loss_key(n) for n in (*mn.AUX_LOSS_TRACKER_NAMES.values(), mn.Z_LOSS)]
     values = last_values(path, lines_, last_keys + aux_keys)
     out += _throughput_lines(lines_, values, run)
     aux = [f"{k} {values[k]:.4g}" for k in aux_keys if k in values]
-    from nemo_moe_metrics.report.bias import bias_report_lines
-
     bias = bias_report_lines(run, path, lines_, out_dir)  # [] without an expert bias
     out += bias
-    from nemo_moe_metrics.report.router_health import router_health_report_lines
-
     out += router_health_report_lines(run, path, lines_, out_dir, draw)  # [] without the flag
+    out += placement_report_lines(run_dir, out_dir, draw, path, lines_)  # [] without loads
     if aux:
         out.append("aux losses (last step): " + ", ".join(aux))
     elif routed == 0:
@@ -271,8 +273,6 @@ def _read_counts(
 ) -> str | None:
     """Fill ``timeline`` from the store; a line saying why it holds nothing when it exists but
     cannot be read (not a store; cut short before its first record), else None."""
-    from nemo_moe_metrics.sinks.store import FILE_HEADER_SIZE, StoreError
-
     path = store_path(run_dir)
     blocks = store_blocks(run_dir, steps, skipped)
     if blocks is None:
@@ -313,8 +313,6 @@ def _missing_from_store(run: RunInfo, lines: list[Line], timeline: Timeline) -> 
     ]
     if not missing:
         return []
-    from nemo_moe_metrics.sinks.store import STORE_FILE, steps_text
-
     return [
         f"{STORE_FILE}: no counts for logged step(s) {steps_text(missing)} (on the table "
         f"cadence, table_every {run.table_every}): their records are missing or damaged"

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics.moe.timeline import (
+from nemo_moe_metrics.moe.load_over_steps import (
     DeadStreaks,
     entropy_from_counts,
     js_from_shares,

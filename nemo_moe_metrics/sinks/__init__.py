@@ -42,6 +42,7 @@ from nemo_moe_metrics.sinks.resume import (
     recover_run_id,
 )
 from nemo_moe_metrics.sinks.store import STORE_FILE, ExpertLoadSink, store_path
+from nemo_moe_metrics.sinks.trackio import TRACKIO_DIR
 
 RUN_FILE = "run.json"
 TENSORBOARD_DIR = "tensorboard"
@@ -56,6 +57,7 @@ RUN_RECORD = (
     WANDB_DIR,
     MLFLOW_DB,
     MLFLOW_ARTIFACTS_DIR,
+    TRACKIO_DIR,
     "expert_load_heatmap.png",
     "expert_load_over_steps.png",
     "routing_drift.png",
@@ -238,6 +240,8 @@ def build_sinks(
             meta["mlflow_run_id"] = added.run_id
             meta["mlflow_tracking_uri"] = added.tracking_uri
             _write_json_atomic(run_dir / RUN_FILE, meta)
+    if logger_cfg.trackio_enabled:
+        _try_add(sinks, "trackio", lambda: _trackio(run_dir, run_name, config, resume))
     # The JSONL goes last: a step it holds is complete in every sink (what resume relies on).
     return MultiSink(sinks + jsonl, monitor=_alert_monitor(logger_cfg))
 
@@ -324,7 +328,13 @@ def _mlflow(
     )
 
 
-_FLAGS = {"W&B": "wandb", "TensorBoard": "tensorboard", "MLflow": "mlflow"}
+def _trackio(run_dir: Path, run_name: str, config: dict[str, Any] | None, resume: bool) -> Any:
+    from nemo_moe_metrics.sinks.trackio import TrackioSink
+
+    return TrackioSink(run_dir, run_name=run_name, config=config, resume=resume)
+
+
+_FLAGS = {"W&B": "wandb", "TensorBoard": "tensorboard", "MLflow": "mlflow", "trackio": "trackio"}
 
 
 def _try_add(sinks: list[Sink], name: str, make: Any) -> Any:

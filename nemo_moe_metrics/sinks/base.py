@@ -216,7 +216,7 @@ class StepMonitor(Protocol):
 
     A monitor may also keep ``last_alerts``: the step's alerts (objects with ``record()``),
     which the fan-out hands to the sinks that record them (``records_alerts = True``: the
-    JSONL sink, see :mod:`nemo_moe_metrics.moe.alerts`).
+    JSONL sink, see :mod:`nemo_moe_metrics.sinks.alerts`).
     """
 
     def observe(self, metrics: Mapping[str, MetricValue], step: int) -> Mapping[str, int | float]:

@@ -21,7 +21,7 @@ from nemo_moe_metrics.sinks.base import Metrics, finite_or_none, is_table
 METRICS_FILE = "metrics.jsonl"
 
 
-#: The reserved field of a line that holds the step's alert records (moe/alerts.py).
+#: The reserved field of a line that holds the step's alert records (sinks/alerts.py).
 ALERTS_FIELD = "alerts"
 
 

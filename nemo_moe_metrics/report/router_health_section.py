@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.report.pictures import layer_colours
 from nemo_moe_metrics.report.reading import Line, RunInfo, last_values, read_line
 
 ROUTER_HEALTH_FILE = "router_health.png"
@@ -91,8 +92,6 @@ def render_router_health(
     the global-batch next to the micro-batch max/ideal."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
-
-    from nemo_moe_metrics.report.pictures import layer_colours
 
     fig = Figure(figsize=(15, 4.5), dpi=110, layout="constrained")
     conf_ax, tie_ax, bal_ax = fig.subplots(1, 3, sharex=True)

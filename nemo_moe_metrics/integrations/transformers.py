@@ -1,0 +1,421 @@
+"""transformers ``Trainer`` and TRL (``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``): one callback.
+
+One line in a training script::
+
+    trainer = SFTTrainer(..., callbacks=[MoEMetricsCallback(MetricsConfig(track_moe_metrics=True))])
+
+It is a thin layer over :class:`~nemo_moe_metrics.worker.PolicyMetrics` (docs/en/trl.md tells
+the five traps a hand-written callback falls into and how this one answers each):
+
+- **every backend and ``log_history``**: callbacks given in ``callbacks=[...]`` run after the
+  Trainer's reporting callbacks (TensorBoard, W&B, MLflow, trackio, comet), and
+  ``trainer.state.log_history`` is copied before any of them runs. The callback therefore moves
+  itself to the front of the Trainer's callback list (at ``on_init_end``, and again at
+  ``on_train_begin`` for one added later with ``add_callback``), and adds its keys to the dict
+  every reporting callback then receives and to the ``log_history`` entry of the same call;
+- **one optimizer step, one measured step**: ``on_step_begin`` .. ``on_step_end`` is one
+  ``PolicyMetrics.step()``; every training forward of the model inside it (model in
+  ``train()`` mode, autograd on: each gradient-accumulation microbatch, each of GRPO's chunked
+  loss forwards) is one ``microbatch()``, with its real lengths from the forward's own
+  ``attention_mask`` (or packed ``position_ids``). Evaluation, generation, reference and
+  old-logprob scoring run without grad or in ``eval()`` and are not training forwards.
+  Gradient checkpointing replays layers in backward, never the model's forward: counted once;
+- **a logging window** (``logging_steps=N``) is one export: expert counts and tokens summed
+  over its N steps, every ratio (``max_over_ideal``, tokens/s, MFU) a ratio of those sums,
+  seconds summed, aux losses the mean over its microbatches;
+- **generation** (``model.generate`` inside a training step, GRPO's rollout) is taken out of
+  the step: ``train_perf/`` times and counts the training part only, and ``gen_perf/`` (tokens,
+  seconds, tokens/s) describes the generation;
+- **a step that raises** leaves no partial counts: the next ``on_step_begin`` (or the next
+  ``train()``) discards the open step and starts afresh.
+
+With ``run_dir``, rank 0 also writes the run directory ``nemo-moe-metrics report`` reads
+(``metrics.jsonl``, ``expert_loads.bin``, ``run.json``; more sinks through ``logger``), at the
+Trainer's ``global_step``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.config import LoggerConfig, MetricsConfig
+from nemo_moe_metrics.extras import require
+from nemo_moe_metrics.metrics import PolicyMetrics
+from nemo_moe_metrics.sinks import build_sinks, logged_run
+from nemo_moe_metrics.sinks.base import split_tables, validate_metrics
+from nemo_moe_metrics.throughput import StepMeter
+
+log = logging.getLogger(__name__)
+
+_transformers = require("transformers", "hf", "nemo_moe_metrics.integrations.transformers")
+TrainerCallback = _transformers.TrainerCallback
+CallbackHandler = _transformers.trainer_callback.CallbackHandler
+
+#: What the Trainer logs when it evaluates or predicts (metric_key_prefix): no window is closed.
+_EVAL_PREFIXES = ("eval_", "test_", "predict_")
+#: gen_perf/ from a StepMeter's interval keys.
+_GENERATION_KEYS = {
+    mn.TOKENS: mn.GENERATION_TOKENS,
+    mn.SECONDS: mn.GENERATION_SECONDS,
+    mn.TOKENS_PER_SECOND: mn.GENERATION_TOKENS_PER_SECOND,
+}
+
+
+class _StepAbandoned(Exception):
+    """Raised into an open ``PolicyMetrics.step()`` whose optimizer step never ended."""
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model under DDP / accelerate / ``torch.compile`` wrappers (FSDP2 shards in place)."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            break
+        model = inner
+    return model
+
+
+def forward_lengths(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """Real tokens per sequence of one model forward, on its device, no host read.
+
+    From ``attention_mask`` ``[batch, seq]`` (1 = real token); else from packed
+    ``position_ids`` ``[1, total]`` (a sequence starts where the position is 0: one length per
+    position, the lengths first and zeros after, so the shape needs no value); else every
+    position of ``input_ids`` / ``inputs_embeds``. None when the forward has no token input.
+    """
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return mask.to(torch.int64).sum(-1)
+    ids = kwargs.get("input_ids")
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    if ids is None and args and isinstance(args[0], torch.Tensor):
+        ids = args[0]
+    if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
+        return None
+    positions = kwargs.get("position_ids")
+    if isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[0] == 1:
+        starts = (positions[0] == 0).to(torch.int64)
+        sequence = (starts.cumsum(0) - 1).clamp(min=0)
+        return torch.zeros_like(starts).scatter_add_(0, sequence, torch.ones_like(starts))
+    rows, width = int(ids.shape[0]), int(ids.shape[1])
+    return torch.full((rows,), width, dtype=torch.int64, device=ids.device)
+
+
+def generated_lengths(
+    prompt_mask: torch.Tensor | None,
+    prompt_width: int,
+    sequences: torch.Tensor,
+    eos_ids: list[int],
+) -> torch.Tensor:
+    """Real tokens per sequence of one ``generate`` call: the prompt's (its mask) plus the
+    completion's up to and including its first end-of-sequence token. Device ops only."""
+    completion = sequences[:, prompt_width:]
+    if eos_ids:
+        eos = torch.isin(completion, torch.tensor(eos_ids, device=completion.device))
+        before_end = (eos.to(torch.int64).cumsum(-1) - eos.to(torch.int64)) == 0
+        completion_tokens = before_end.to(torch.int64).sum(-1)
+    else:
+        completion_tokens = torch.full_like(completion[:, 0], completion.shape[1])
+    if prompt_mask is None:
+        prompt_tokens = torch.full_like(completion_tokens, prompt_width)
+    else:
+        prompt_tokens = prompt_mask.to(torch.int64).sum(-1)
+    return (prompt_tokens + completion_tokens).to(torch.int64)
+
+
+def _eos_ids(model: nn.Module, kwargs: dict) -> list[int]:
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]
+
+
+def _training_forward(model: nn.Module) -> bool:
+    # Not inside autograd's backward: a checkpoint that replayed the whole model would be there.
+    return (
+        model.training
+        and torch.is_grad_enabled()
+        and (torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1)
+    )
+
+
+class MoEMetricsCallback(TrainerCallback):
+    """A ``transformers.TrainerCallback`` that logs ``moe/``, ``train_perf/`` and ``gen_perf/``.
+
+    Args:
+        metrics_cfg: the metric flags (a :class:`MetricsConfig` or a dict of them).
+        vocab_size: the output-layer size for the FLOP estimate; None reads it from the
+            model's config.
+        run_dir: where rank 0 writes the run directory ``nemo-moe-metrics report`` reads
+            (``metrics.jsonl``, ``expert_loads.bin``, ``run.json``); None: nothing written,
+            the keys reach the Trainer's own ``report_to`` backends only. A directory holding
+            a run is continued (the report keeps the newest record of a step logged twice).
+        logger: the sinks of ``run_dir`` (default: JSONL and the expert-load store only; the
+            Trainer's ``report_to`` already writes TensorBoard, W&B, MLflow, trackio).
+
+    ``callback.metrics`` is the :class:`PolicyMetrics` (after ``on_train_begin``);
+    ``callback.last_metrics`` the last window's dict (the same on every rank, tables included).
+    """
+
+    def __init__(
+        self,
+        metrics_cfg: MetricsConfig | Mapping[str, Any],
+        vocab_size: int | None = None,
+        *,
+        run_dir: str | Path | None = None,
+        logger: LoggerConfig | Mapping[str, Any] | None = None,
+    ) -> None:
+        self.cfg = (
+            metrics_cfg
+            if isinstance(metrics_cfg, MetricsConfig)
+            else MetricsConfig.model_validate(dict(metrics_cfg))
+        )
+        if logger is None:
+            logger = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False)
+        elif not isinstance(logger, LoggerConfig):
+            logger = LoggerConfig.model_validate(dict(logger))
+        self.logger = logger
+        self.vocab_size = vocab_size
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.metrics: PolicyMetrics | None = None
+        self.last_metrics: dict[str, Any] = {}
+        self._model: nn.Module | None = None
+        self._hooks: list[Any] = []
+        self._original_generate: Any = None
+        self._step: Any = None  # the open PolicyMetrics.step() context manager
+        self._window_steps = 0
+        self._window_microbatches = 0
+        self._microbatches_at_open = 0
+        self._generation: StepMeter | None = None
+        self._sinks: Any = None
+        self._warned_order = False
+
+    # -- Trainer events --------------------------------------------------------------------
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Run first among the Trainer's callbacks (see the module docstring)."""
+        self._move_first()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Attach to the unwrapped model once; open the run directory on rank 0."""
+        self._move_first()
+        self._abandon_step()
+        model = kwargs.get("model")
+        if self.metrics is None:
+            if model is None:
+                raise RuntimeError(
+                    "MoEMetricsCallback: the Trainer passed no model to on_train_begin"
+                )
+            self._attach(unwrap_model(model))
+        if self.run_dir is not None and self._sinks is None and state.is_world_process_zero:
+            self._open_sinks(args)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Open the optimizer step (a step left open by an exception is discarded first)."""
+        if self.metrics is None:
+            return
+        self._abandon_step()
+        self._open_step()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Close the optimizer step; it joins the logging window."""
+        if self._step is not None:
+            self._close_step()
+            self._window_steps += 1
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs
+    ) -> None:
+        """Export the window (collective: every rank logs) into ``logs`` and ``log_history``."""
+        if self.metrics is None or not self._window_steps or logs is None:
+            return
+        if any(key.startswith(_EVAL_PREFIXES) for key in logs):
+            return
+        out = self._export()
+        scalars, _ = split_tables(validate_metrics(out, int(state.global_step)))
+        logs.update(scalars)
+        last = state.log_history[-1] if state.log_history else None
+        if isinstance(last, dict) and last.get("step") == state.global_step:
+            last.update(scalars)
+        if self._sinks is not None:
+            self._sinks.log(out, int(state.global_step))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Flush and close the run directory (a later ``train()`` reopens and continues it)."""
+        self._abandon_step()
+        if self._sinks is not None:
+            self._sinks.close()
+            self._sinks = None
+
+    # -- attach ----------------------------------------------------------------------------
+    def _attach(self, model: nn.Module) -> None:
+        self._model = model
+        self.metrics = PolicyMetrics(self.cfg, vocab_size=self.vocab_size)
+        self.metrics.attach(model, model.config)
+        if not self.metrics.active:
+            return
+        # Before PolicyMetrics' own input hook (it reads the lengths microbatch() was given).
+        self._hooks.append(
+            model.register_forward_pre_hook(self._on_forward, with_kwargs=True, prepend=True)
+        )
+        if callable(getattr(model, "generate", None)):
+            if self.cfg.track_throughput:
+                self._generation = StepMeter(device=self._device(model))
+            self._original_generate = model.__dict__.get("generate")
+            bound = model.generate
+            model.generate = functools.partial(self._generate, bound)
+
+    @staticmethod
+    def _device(model: nn.Module) -> torch.device | None:
+        param = next(model.parameters(), None)
+        if param is not None and param.device.type == "cuda":
+            return param.device
+        return None
+
+    def detach(self) -> None:
+        """Remove every hook and the ``generate`` wrapper (the model runs exactly as before)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if self._model is not None and "generate" in self._model.__dict__:
+            del self._model.generate
+            if self._original_generate is not None:
+                self._model.generate = self._original_generate
+        if self.metrics is not None:
+            self.metrics.detach()
+
+    # -- hooks -----------------------------------------------------------------------------
+    def _on_forward(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._step is None or not _training_forward(model):
+            return
+        lengths = forward_lengths(args, kwargs)
+        if lengths is None:
+            return
+        self.metrics.microbatch(seq_lens=lengths)
+        self._window_microbatches += 1
+
+    def _generate(self, generate: Any, *args: Any, **kwargs: Any) -> Any:
+        # Inside a training step (GRPO's rollout) the generation leaves the step: train_perf/
+        # times the training part only, gen_perf/ the generation.
+        if self._step is None:
+            return generate(*args, **kwargs)
+        self._close_step()  # the optimizer step goes on after the generation
+        try:
+            with self.metrics.generation(), self._generation_timer():
+                sequences = generate(*args, **kwargs)
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                timed = self._generation is not None
+                if timed and isinstance(sequences, torch.Tensor) and isinstance(ids, torch.Tensor):
+                    lengths = generated_lengths(
+                        kwargs.get("attention_mask"),
+                        int(ids.shape[-1]),
+                        sequences,
+                        _eos_ids(self._model, kwargs),
+                    )
+                    self._generation.add_sequences(lengths)
+        finally:
+            self._open_step()
+        return sequences
+
+    def _generation_timer(self) -> Any:
+        return self._generation.step() if self._generation is not None else contextlib.nullcontext()
+
+    # -- steps and windows -----------------------------------------------------------------
+    def _open_step(self) -> None:
+        step = self.metrics.step()
+        step.__enter__()
+        self._step = step
+        self._microbatches_at_open = self._window_microbatches
+
+    def _close_step(self) -> None:
+        step, self._step = self._step, None
+        step.__exit__(None, None, None)
+
+    def _abandon_step(self) -> None:
+        # An exception left the optimizer step open: forget what it counted (PolicyMetrics
+        # discards a step its body raised in), so the next step starts clean.
+        if self._step is None:
+            return
+        step, self._step = self._step, None
+        step.__exit__(_StepAbandoned, _StepAbandoned(), None)
+        self._window_microbatches = self._microbatches_at_open
+
+    def _export(self) -> dict[str, Any]:
+        microbatches = max(self._window_microbatches, 1)
+        self._window_steps = 0
+        self._window_microbatches = 0
+        out = self.metrics.finish_step(num_microbatches=microbatches)
+        generation = self._generation
+        if generation is not None and generation.steps:
+            # Every rank generates at the same optimizer steps (TRL gathers the rollouts).
+            for key, value in generation.export().items():
+                if key in _GENERATION_KEYS:
+                    out[_GENERATION_KEYS[key]] = value
+        self.last_metrics = out
+        return out
+
+    def _move_first(self) -> None:
+        # The Trainer calls callbacks in list order from CallbackHandler.call_event, a caller of
+        # this event method: its list is where the callback moves itself to the front.
+        handler = _calling_handler()
+        if handler is None:
+            if not self._warned_order:
+                self._warned_order = True
+                log.warning(
+                    "MoEMetricsCallback: could not find the Trainer's callback list; callbacks "
+                    "before it in the list (report_to backends) will not see its keys"
+                )
+            return
+        callbacks = handler.callbacks
+        if callbacks and callbacks[0] is not self and any(cb is self for cb in callbacks):
+            # Removing at i and inserting at 0 leaves the entries after i where they were, so
+            # the handler's running loop over the list calls each callback once.
+            callbacks.remove(self)
+            callbacks.insert(0, self)
+
+    def _open_sinks(self, args: Any) -> None:
+        run_dir = self.run_dir
+        assert run_dir is not None
+        resume = bool(logged_run(run_dir)) or self.logger.resume
+        logger = self.logger.model_copy(update={"resume": resume})
+        facts = self.metrics._facts if self.metrics is not None else None
+        model: dict[str, Any] = {}
+        if facts is not None:
+            model = {"num_layers": facts.num_layers, "num_experts": facts.num_experts or None}
+        topk = getattr(getattr(self._model, "config", None), "num_experts_per_tok", None)
+        if topk:
+            model["moe_router_topk"] = int(topk)
+        config = {
+            "policy": {"model": model},
+            "transformers": {
+                "metrics": self.cfg.model_dump(),
+                "logging_steps": getattr(args, "logging_steps", None),
+            },
+        }
+        name = getattr(args, "run_name", None) or run_dir.name or "transformers"
+        self._sinks = build_sinks(logger, run_dir, run_name=str(name), config=config, rank=0)
+
+
+def _calling_handler() -> Any:
+    frame = sys._getframe(1)
+    for _ in range(8):
+        frame = frame.f_back
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, CallbackHandler):
+            return owner
+    return None

@@ -1,0 +1,256 @@
+"""`nemo-moe-metrics placement` and `ingest sglang` on real stores: the plan file, balancedness
+computed independently, the engine files, the errors, rollout loads and SGLang dumps."""
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.cli import main
+from nemo_moe_metrics.config import LoggerConfig
+from nemo_moe_metrics.placement.eplb import rebalance_experts
+from nemo_moe_metrics.placement.sglang_dump import SglangDumpError, read_sglang_dump
+from nemo_moe_metrics.report import render_report
+from nemo_moe_metrics.sinks import build_sinks
+from nemo_moe_metrics.sinks.rollout_store import (
+    RolloutLoadRecorder,
+    counts_from_routes,
+    record_rollout_loads,
+)
+from nemo_moe_metrics.sinks.store import ExpertLoadStore, read_expert_loads, store_path
+
+LAYERS = [1, 3, 5]
+EXPERTS = 16
+
+
+def _skewed(rng, steps):
+    base = rng.pareto(0.9, size=(len(LAYERS), EXPERTS)) + 0.05
+    return {s: rng.poisson(base * 50).astype(np.int64) for s in steps}
+
+
+def _store(run_dir: Path, counts: dict[int, np.ndarray]) -> None:
+    with ExpertLoadStore(store_path(run_dir)) as store:
+        for step, c in counts.items():
+            store.append(step, LAYERS, c)
+
+
+def _balancedness_by_hand(weight_row, gpu_of_slot, experts_of_slot):
+    """Loads per GPU, a replicated expert split evenly: written out with plain loops."""
+    replicas = {}
+    for e in experts_of_slot:
+        replicas[e] = replicas.get(e, 0) + 1
+    loads = {}
+    for g, e in zip(gpu_of_slot, experts_of_slot, strict=True):
+        loads[g] = loads.get(g, 0.0) + weight_row[e] / replicas[e]
+    vals = list(loads.values())
+    return (sum(vals) / len(vals)) / max(vals)
+
+
+def test_plan_file_holds_a_valid_plan_and_balancedness_computed_by_hand(tmp_path, capsys):
+    rng = np.random.default_rng(3)
+    counts = _skewed(rng, range(10))
+    _store(tmp_path, counts)
+    out = tmp_path / "plans" / "PLAN.json"
+    args = ["placement", str(tmp_path), "--ep-size", "4", "--redundant-experts", "4"]
+    assert main([*args, "--steps", "2-7", "--out", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    weight = sum(counts[s] for s in range(2, 8))
+    assert plan["layers"] == LAYERS and plan["source"]["steps"] == [2, 7]
+    for i, row in enumerate(plan["physical_to_logical"]):
+        assert len(row) == EXPERTS + 4 and set(row) == set(range(EXPERTS))
+        gpus = [p // 5 for p in range(20)]
+        assert plan["balancedness_after"][i] == pytest.approx(
+            _balancedness_by_hand(weight[i], gpus, row), abs=1e-6
+        )
+        contiguous = list(range(EXPERTS))
+        assert plan["balancedness_before"][i] == pytest.approx(
+            _balancedness_by_hand(weight[i], [e // 4 for e in contiguous], contiguous), abs=1e-6
+        )
+    # At least as balanced as DeepSeek's algorithm on the same loads.
+    eplb = rebalance_experts(weight, EXPERTS + 4, 1, 1, 4).physical_to_logical
+    for i in range(len(LAYERS)):
+        ref = _balancedness_by_hand(weight[i], [p // 5 for p in range(20)], eplb[i].tolist())
+        assert plan["balancedness_after"][i] >= ref - 1e-6  # JSON keeps 6 decimals
+    sglang = json.loads((tmp_path / "plans" / "PLAN.sglang.json").read_text())
+    assert list(sglang) == ["physical_to_logical_map"]
+    rows = sglang["physical_to_logical_map"]
+    assert len(rows) == 6  # decoder layers 0..5; 0, 2, 4 have no experts: trivial rows
+    assert rows[0] == [p % EXPERTS for p in range(20)]
+    assert rows[3] == plan["physical_to_logical"][1]
+    vllm = json.loads((tmp_path / "plans" / "PLAN.vllm_eplb_config.json").read_text())
+    assert vllm == {"num_redundant_experts": 4}
+    text = capsys.readouterr().out
+    assert "balancedness" in text and "hierarchical" not in text and "global policy" in text
+
+
+def test_sweep_is_monotone_and_draws_the_picture(tmp_path, capsys):
+    _store(tmp_path, _skewed(np.random.default_rng(5), range(4)))
+    out = tmp_path / "PLAN.json"
+    assert main(["placement", str(tmp_path), "--ep-size", "4", "--sweep", "--out", str(out)]) == 0
+    sweep = json.loads(out.read_text())["sweep"]
+    assert [r["redundant_experts"] for r in sweep] == [0, 4, 8, 12, 16]
+    table = np.array([r["balancedness"] for r in sweep])
+    assert (np.diff(table, axis=0) >= 0).all()
+    assert (tmp_path / "placement_sweep.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "flags,option",
+    [
+        (["--ep-size", "4", "--redundant-experts", "3"], "--redundant-experts"),
+        (["--ep-size", "3"], "--ep-size"),
+        (["--ep-size", "4", "--groups", "3"], "--groups"),
+        (["--ep-size", "4", "--nodes", "3"], "--nodes"),
+        (["--ep-size", "4", "--phase", "rollout"], "ingest sglang"),
+        (["--ep-size", "4", "--steps", "50-60"], "--steps"),
+    ],
+)
+def test_impossible_plans_name_the_option_to_change(tmp_path, capsys, flags, option):
+    _store(tmp_path, _skewed(np.random.default_rng(1), range(3)))
+    assert main(["placement", str(tmp_path), *flags]) == 2
+    assert option in capsys.readouterr().err
+
+
+def test_counts_from_routes_by_hand_with_padding():
+    # 3 tokens, 2 layers, top-2; token 2 is padding (-1) in layer 1.
+    routes = torch.tensor([[[0, 1], [2, 3]], [[1, 2], [3, 3]], [[0, 2], [-1, -1]]])
+    counts = counts_from_routes(routes, 4)
+    assert counts.tolist() == [[2, 2, 2, 0], [0, 0, 1, 3]]
+    with pytest.raises(ValueError, match="num_experts"):
+        counts_from_routes(routes, 3)
+
+
+def test_rollout_loads_are_a_second_phase_and_old_stores_read_unchanged(tmp_path, capsys):
+    train = _skewed(np.random.default_rng(2), range(3))
+    _store(tmp_path, train)
+    assert not store_path(tmp_path, "rollout").exists()  # an old run: no rollout phase
+    with RolloutLoadRecorder(tmp_path) as rec:
+        rec.record_routes(0, LAYERS, np.full((5, 3, 2), 7), EXPERTS)
+    rollout = np.zeros((3, EXPERTS), np.int64)
+    rollout[:, 3] = 40
+    rollout[:, 9] = 10
+    record_rollout_loads(tmp_path, 1, LAYERS, rollout)
+    got = list(read_expert_loads(store_path(tmp_path, "rollout")))
+    assert [s for s, _, _ in got] == [0, 1]
+    assert got[0][2][:, 7].tolist() == [10, 10, 10] and got[1][2].tolist() == rollout.tolist()
+    # Training's store is untouched.
+    assert [c.tolist() for _, _, c in read_expert_loads(store_path(tmp_path))] == [
+        train[s].tolist() for s in range(3)
+    ]
+    out = tmp_path / "R.json"
+    assert main(["placement", str(tmp_path), "--ep-size", "4", "--phase", "rollout",
+                 "--steps", "1-1", "--out", str(out)]) == 0  # fmt: skip
+    plan = json.loads(out.read_text())
+    # Contiguous: GPU 0 holds experts 0-3 (40 tokens), GPU 2 holds 8-11 (10): 12.5 / 40.
+    assert plan["balancedness_before"] == [pytest.approx(12.5 / 40)] * 3
+
+
+def _sglang_dump(path, count):
+    torch.save({"rank": 0, "logical_count": count, "average_utilization_rate_over_window": None},
+               path)  # fmt: skip
+
+
+def test_sglang_stat_dump_is_ingested_summed_over_passes_dense_layers_left_out(tmp_path, capsys):
+    rng = np.random.default_rng(4)
+    count = torch.from_numpy(rng.integers(0, 50, size=(5, 4, EXPERTS))).to(torch.int32)
+    count[:, 0] = 0  # layer 0 is dense in the model: SGLang keeps a row of zeros
+    dump = tmp_path / "expert_distribution_recorder_1700000000.0.pt"
+    _sglang_dump(dump, count)
+    run = tmp_path / "run"
+    run.mkdir()
+    assert main(["ingest", "sglang", str(dump), "--run", str(run), "--step", "12"]) == 0
+    assert "layers without tokens left out: [0]" in capsys.readouterr().out
+    [(step, ids, counts)] = list(read_expert_loads(store_path(run, "rollout")))
+    assert step == 12 and ids.tolist() == [1, 2, 3]
+    assert counts.tolist() == count.sum(0)[1:].tolist()
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_with_code_in_it_is_refused_and_never_runs(tmp_path):
+    marker = tmp_path / "ran"
+    payload = _Payload()
+    payload.marker = marker
+    dump = tmp_path / "evil.pt"
+    with dump.open("wb") as f:
+        pickle.dump({"logical_count": payload}, f, protocol=2)
+    with pytest.raises(SglangDumpError, match="weights_only"):
+        read_sglang_dump(dump)
+    assert not marker.exists()
+    # The same file under a plain unpickler does run its code (so the refusal mattered).
+    with dump.open("rb") as f:
+        pickle.load(f)  # noqa: S301
+    assert marker.exists()
+
+
+@pytest.mark.parametrize(
+    "data,why",
+    [
+        ({"records": [], "last_physical_to_logical_map": torch.zeros(2, 2)}, "per_token"),
+        ({"logical_count": torch.zeros(3, 4)}, r"\[passes, layers, experts\]"),
+        ({"logical_count": torch.zeros(1, 3, 4)}, "integer"),
+        ({"other": 1}, "logical_count"),
+        (torch.zeros(3), "not a dict"),
+    ],
+)
+def test_anything_but_a_stat_dump_is_refused_with_the_reason(tmp_path, data, why):
+    dump = tmp_path / "d.pt"
+    torch.save(data, dump)
+    with pytest.raises(SglangDumpError, match=why):
+        read_sglang_dump(dump)
+
+
+def test_report_shows_placement_and_rollout_beside_training(tmp_path):
+    cfg = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False, table_every=1)
+    config = {"policy": {"megatron_cfg": {"expert_model_parallel_size": 2}}}
+    sink = build_sinks(cfg, tmp_path, run_name="tiny", config=config)
+    rng = np.random.default_rng(6)
+    total = np.zeros((2, 8), np.int64)
+    for step in range(3):
+        c = rng.integers(1, 100, size=(2, 8))
+        total += c
+        rows = [[la, e, int(c[la, e]), 0.0] for la in range(2) for e in range(8)]
+        extra = {mn.EXPERT_IMBALANCE_SLOWDOWN: 1.25, mn.MFU: 0.4} if step == 2 else {}
+        sink.log({mn.EXPERT_LOADS: rows, **extra}, step)
+    sink.close()
+    rollout = np.zeros((2, 8), np.int64)
+    rollout[:, 5] = 100
+    rollout[:, 0] = 1
+    record_rollout_loads(tmp_path, 2, [0, 1], rollout)
+    text = render_report(tmp_path)
+    assert "MFU 40.0% would be 50.0% with balance" in text
+    # The run's EP size (2, from run.json): busiest rank over the mean rank, by hand.
+    ratios = [max(r[:4].sum(), r[4:].sum()) / (r.sum() / 2) for r in total]
+    worst = int(np.argmax(ratios))
+    assert "EP ranks (G=2)" in text and f"worst: layer {worst} {ratios[worst]:.2f}" in text
+    assert "placement (train loads, steps 0–2, 2 GPUs)" in text
+    assert "placement (rollout loads" in text
+    hot_same = sum(int(total[la].argmax() == 5) for la in range(2))
+    assert f"the hottest expert is the same in {hot_same} of 2 layers" in text
+    assert (tmp_path / "placement_sweep.png").stat().st_size > 0
+    assert (tmp_path / "rollout_vs_train_load.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "text,window",
+    [("2-7", (2, 7)), ("2:7", (2, 7)), ("5-", (5, None)), ("-5", (None, 5)), ("4", (4, 4))],
+)
+def test_steps_windows(text, window):
+    from nemo_moe_metrics.placement.command import parse_window
+
+    assert parse_window(text) == window
+
+
+@pytest.mark.parametrize("text", ["7-2", "a-b", "-", ""])
+def test_bad_steps_windows_are_refused(text, capsys):
+    with pytest.raises(SystemExit):
+        main(["placement", ".", "--ep-size", "2", "--steps", text])
+    assert "--steps" in capsys.readouterr().err
