@@ -14,9 +14,22 @@ a few steps in) and injects one fault, as a user's cluster would:
 - ``kill-run``: SIGKILL to ``run`` alone: the launcher's children must stop by themselves;
 - ``kill-rank``: SIGKILL to one rank (the OOM killer): the run must fail naming that rank;
 - ``kill-all``: SIGKILL to every process of the job at once (a lost node, a cgroup OOM kill);
+- ``stop-rank``: SIGSTOP to one rank (a hung rank; Ctrl-Z of its process), then SIGCONT and
+  Ctrl-C: the run must have named the stopped rank while it waited (exit 130);
+- ``kill-torchrun``: SIGKILL to torchrun (the launcher of the ranks): the run must fail saying
+  torchrun ended before its ranks, with the ranks' last words from torchelastic's log;
+- ``stop-launcher``: SIGSTOP to torchrun: the run must give up on it after its timeout
+  (``NEMO_MOE_METRICS_LAUNCHER_TIMEOUT_S``, 10 s here), stop the job and say why (exit 1);
 - ``disk-full`` (``--disk-full``, root: the run directory is a small tmpfs): a ballast file
   fills the file system; the run must fail naming the file it could not write; the ballast
   is removed before the next round.
+
+Two checks run once, apart from the rounds: ``--io-error`` (root: an ext4 file system on a
+loop device that starts failing writes, :class:`FailingDisk`) checks that JSONL, TensorBoard
+and ``run.json`` keep every step logged before a real disk I/O error; ``--hostile-names``
+checks that recipe names that would leave ``--output-dir`` (``..``, ``/abs``, ``""``) are
+refused by ``check`` and ``run`` with nothing written, and that a user's own file in the run
+directory survives ``run`` and ``run --overwrite``.
 
 After each fault no process of the job may be left (checked by pid, within 15 s). After the
 last round a final ``--resume`` trains to ``training.max_steps``; then every step must be in
@@ -54,7 +67,18 @@ RECIPE = _REPO / "examples" / "configs" / "sft_moe_tiny.yaml"
 NAME = "sft_moe_tiny"
 # W&B off: it cannot be read back step by step offline; every other sink is on.
 OVERRIDES = ["logger.wandb_enabled=false", "logger.table_every=1"]
-FAULTS = ("sigint", "sigterm", "kill-run", "kill-rank", "kill-all")
+FAULTS = (
+    "sigint",
+    "sigterm",
+    "kill-run",
+    "kill-rank",
+    "kill-all",
+    "stop-rank",
+    "kill-torchrun",
+    "stop-launcher",
+)
+#: The launcher timeout of the jobs started here (stop-launcher waits for it).
+LAUNCHER_TIMEOUT_S = 10
 
 
 @dataclass
@@ -80,6 +104,7 @@ class Job:
         if resume:
             cmd.append("--resume")
         env = {**os.environ, "PYTHONPATH": str(_REPO), "COLUMNS": "160"}
+        env["NEMO_MOE_METRICS_LAUNCHER_TIMEOUT_S"] = str(LAUNCHER_TIMEOUT_S)
         env.setdefault("HOME", str(out.parent))
         self.proc = subprocess.Popen(
             cmd,
@@ -113,6 +138,15 @@ class Job:
                 if rank is not None:
                     ranks.append((int(rank), pid))
         return [pid for _, pid in sorted(ranks)]
+
+    def torchrun(self) -> int | None:
+        """The pid of torchrun (the launcher of the ranks), None before it started."""
+        for pid in self.pids():
+            with contextlib.suppress(OSError):
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if b"torchrun" in cmdline or b"torch.distributed.run" in cmdline:
+                    return pid
+        return None
 
     def output(self, timeout: float = 300.0) -> tuple[int, str]:
         """Wait for the run to end: its exit status and everything it printed."""
@@ -180,6 +214,22 @@ def inject(job: Job, fault: str, rng: random.Random) -> str:
             fault = "kill-all"
         else:
             os.kill(ranks[rng.randrange(len(ranks))], signal.SIGKILL)
+    elif fault == "stop-rank":
+        ranks = job.ranks()
+        if not ranks:
+            fault = "kill-all"
+        else:
+            rank = ranks[rng.randrange(len(ranks))]
+            os.kill(rank, signal.SIGSTOP)
+            time.sleep(10.0)  # run looks every 2 s and names a rank stopped for 5 s
+            os.kill(rank, signal.SIGCONT)
+            os.killpg(job.proc.pid, signal.SIGINT)
+    elif fault in ("kill-torchrun", "stop-launcher"):
+        torchrun = job.torchrun() if job.ranks() else None
+        if torchrun is None:
+            fault = "kill-all"
+        else:
+            os.kill(torchrun, signal.SIGKILL if fault == "kill-torchrun" else signal.SIGSTOP)
     if fault == "kill-all":
         for pid in job.pids():
             with contextlib.suppress(ProcessLookupError):
@@ -199,6 +249,12 @@ def expectation(fault: str, status: int, said: str) -> bool:
         return status != 0 and ("was killed by SIGKILL" in said or "run failed" in said)
     if fault == "disk-full":
         return status != 0 and ("No space left on device" in said or "is full" in said)
+    if fault == "stop-rank":
+        return status == 130 and "is stopped (SIGSTOP" in said
+    if fault == "kill-torchrun":
+        return status != 0 and "torchrun, which started and watched the ranks, ended" in said
+    if fault == "stop-launcher":
+        return status == 1 and "was stopped (SIGSTOP) and answered nothing" in said
     return status == -signal.SIGKILL  # kill-run, kill-all: nothing is printed
 
 
@@ -261,6 +317,139 @@ def small_filesystem(size_mb: int) -> Any:
         shutil.rmtree(where, ignore_errors=True)
 
 
+class FailingDisk:
+    """An ext4 file system on a loop device whose backing file lies, sparse, on a small tmpfs:
+    :meth:`fail` fills that tmpfs, so every later write of a new block is a real I/O error of
+    the device (``Buffer I/O error on device loopN``), as a failing disk gives. :meth:`reread`
+    unmounts (what was not on the device is gone, as after a crash), frees the tmpfs and mounts
+    the file system again, read-only, to see what survived."""
+
+    def __init__(self, size_mb: int = 48) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="nmm_io_error_"))
+        self.backing = self.root / "backing"
+        self.mount = self.root / "fs"
+        self.backing.mkdir()
+        self.mount.mkdir()
+        self.device = ""
+        self._size_mb = size_mb
+
+    def start(self) -> bool:
+        """Mount it (root only); False where this machine cannot."""
+        if os.geteuid() != 0 or not shutil.which("losetup") or not shutil.which("mkfs.ext4"):
+            return False
+        size = f"size={self._size_mb + 8}m"
+        if not _ok("mount", "-t", "tmpfs", "-o", size, "tmpfs", str(self.backing)):
+            return False
+        image = self.backing / "disk.img"
+        with image.open("wb") as f:
+            f.truncate(self._size_mb << 20)
+        found = subprocess.run(["losetup", "-f", "--show", str(image)], capture_output=True)
+        self.device = found.stdout.decode().strip()
+        return (
+            found.returncode == 0
+            and _ok("mkfs.ext4", "-q", "-F", self.device)
+            and _ok("mount", "-o", "errors=remount-ro", self.device, str(self.mount))
+        )
+
+    def fail(self) -> None:
+        """From now on every write of a new block to the device fails."""
+        fill_disk(self.backing)
+
+    def reread(self) -> None:
+        """Unmount (unwritten data is lost), free the device's space, mount it read-only."""
+        subprocess.run(["umount", str(self.mount)], capture_output=True)
+        with contextlib.suppress(OSError):
+            (self.backing / "ballast").unlink()
+        if not _ok("mount", "-o", "ro", self.device, str(self.mount)):
+            raise RuntimeError(f"cannot mount {self.device} again on {self.mount}")
+
+    def close(self) -> None:
+        """Unmount and detach everything."""
+        subprocess.run(["umount", "-l", str(self.mount)], capture_output=True)
+        if self.device:
+            subprocess.run(["losetup", "-d", self.device], capture_output=True)
+        subprocess.run(["umount", "-l", str(self.backing)], capture_output=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _ok(*command: str) -> bool:
+    return subprocess.run(list(command), capture_output=True).returncode == 0
+
+
+@contextlib.contextmanager
+def failing_disk(size_mb: int = 48) -> Any:
+    """A :class:`FailingDisk`, mounted; None where this machine cannot mount one."""
+    disk = FailingDisk(size_mb)
+    try:
+        yield disk if disk.start() else None
+    finally:
+        disk.close()
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(_REPO), "COLUMNS": "160"}
+    return subprocess.run(
+        [sys.executable, "-m", "nemo_moe_metrics.cli", *args],
+        capture_output=True, text=True, env=env, cwd=cwd, timeout=120,
+    )  # fmt: skip
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def check_hostile_names(root: Path) -> dict[str, bool]:
+    """Names that would leave ``--output-dir`` refused by ``check`` and ``run`` with nothing
+    written; a user's file in the run directory kept by ``run`` and ``run --overwrite``."""
+    out = root / "project" / "out"
+    (out / NAME).mkdir(parents=True)
+    (root / "project" / "README.md").write_text("the user's project\n")
+    (out / NAME / "notes.txt").write_text("keep\n")
+    before = _tree(root)
+    result = {}
+    for name in ("..", ".", '""', "/abs/dir", "a/b"):
+        codes = [
+            _cli(cmd, str(RECIPE), f"name={name}", *extra, cwd=root).returncode
+            for cmd, extra in (("check", []), ("run", ["--output-dir", str(out), "--overwrite"]))
+        ]
+        result[f"name={name}"] = codes == [2, 2] and _tree(root) == before
+    for flags in ([], ["--overwrite"]):
+        proc = _cli("run", str(RECIPE), *flags, "--output-dir", str(out), cwd=root)
+        ok = proc.returncode == 2 and "holds files that no run wrote" in proc.stderr
+        result[f"notes.txt kept by run {' '.join(flags)}".strip()] = ok and _tree(root) == before
+    return result
+
+
+def check_io_error() -> dict[str, Any] | None:
+    """Steps logged before a real disk I/O error, as each sink keeps them (None without
+    root or loop devices)."""
+    from nemo_moe_metrics.config import LoggerConfig
+    from nemo_moe_metrics.sinks import build_sinks
+    from nemo_moe_metrics.sinks.tensorboard import logged_steps
+
+    with failing_disk() as disk:
+        if disk is None:
+            return None
+        run_dir = disk.mount / "run"
+        cfg = LoggerConfig(tensorboard_enabled=True, wandb_enabled=False)
+        sink = build_sinks(cfg, run_dir, run_name="io_error")
+        step = 0
+        for step in range(40):
+            if step == 5:
+                disk.fail()
+            try:
+                sink.log({"train/loss": 1.0, "train_perf/tokens": 8.0}, step)
+            except OSError:
+                break
+        disk.reread()
+        kept = {
+            "metrics.jsonl": logged(run_dir),
+            "tensorboard": sorted(set(logged_steps(run_dir / "tensorboard", limit=10_000))),
+            "run.json": (run_dir / "run.json").stat().st_size > 0,
+        }
+        return {"failed_at_step": step, "kept": kept}
+
+
 def run_round(out: Path, fault: str, rng: random.Random, max_steps: int) -> Round:
     """Start (or resume) the run, inject ``fault`` at a random point, check what followed."""
     run_dir = out / NAME
@@ -320,6 +509,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--faults", help=f"comma-separated, in order (default: random of {FAULTS})")
     parser.add_argument("--disk-full", action="store_true", help="add disk-full rounds (root)")
+    parser.add_argument(
+        "--io-error", action="store_true", help="also check the sinks on a failing disk (root)"
+    )
+    parser.add_argument(
+        "--hostile-names", action="store_true", help="also check names that leave --output-dir"
+    )
     parser.add_argument("--max-steps", type=int, default=0, help="default: 6 per round + 4")
     parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args(argv)
@@ -335,6 +530,21 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("disk-full rounds need root (a tmpfs is mounted for the run directory)")
         out = small if small is not None else Path(tempfile.mkdtemp(prefix="nmm_faults_"))
         report = run_faults(out, faults, args.seed, max_steps)
+    extra_ok = True
+    if args.hostile_names:
+        report["hostile_names"] = check_hostile_names(Path(tempfile.mkdtemp(prefix="nmm_names_")))
+        extra_ok &= all(report["hostile_names"].values())
+        for case, ok in report["hostile_names"].items():
+            print(f"hostile name {case:<28} {'refused, nothing touched' if ok else 'NOT MET'}")
+    if args.io_error:
+        report["io_error"] = check_io_error()
+        if report["io_error"] is None:
+            print("io-error: skipped (needs root, losetup and mkfs.ext4)")
+        else:
+            kept = report["io_error"]["kept"]
+            ok = all(set(range(5)) <= set(kept[k]) for k in ("metrics.jsonl", "tensorboard"))
+            extra_ok &= ok and kept["run.json"]
+            print(f"io-error at step {report['io_error']['failed_at_step']}: kept {kept}")
     report["seconds"] = time.monotonic() - started
     for i, r in enumerate(report["rounds"]):
         print(
@@ -348,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     ok = report["lost"] == 0 and report["duplicated"] == 0 and report["expectations_met"]
+    ok = ok and extra_ok
     return 0 if ok else 1
 
 

@@ -287,11 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         # The subcommand's usage, not the top level's: that is where the typo is.
         sub = parser.subparsers[args.command]  # type: ignore[attr-defined]
         sub.error(f"unrecognized arguments: {' '.join(extra)}{_did_you_mean(sub, extra)}")
-    from nemo_moe_metrics.run_dir import RunDirBusyError
+    from nemo_moe_metrics.run_dir import RunDirError
 
     try:
         return args.func(args)
-    except (ConfigError, MissingExtraError, RunDirBusyError) as err:
+    except (ConfigError, MissingExtraError, RunDirError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before anything was started: one line, no traceback

@@ -18,6 +18,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from nemo_moe_metrics.layer_pattern import hybrid_layer_symbols, moe_layer_flags
+from nemo_moe_metrics.run_files import check_run_name
 from nemo_moe_metrics.strict_model import ConfigError, StrictModel, recipe_error_text
 
 
@@ -420,6 +421,11 @@ class Recipe(StrictModel):
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        return check_run_name(name)  # the run directory's name: it must not leave --output-dir
 
     @model_validator(mode="after")
     def _check_router_replay(self) -> Recipe:

@@ -40,9 +40,12 @@ class RankFailure:
     exception: str  # "Type: message" (the message may span lines)
     frame: str | None  # deepest frame in this package or the user's code: "path:line in func"
     raised_at: str | None  # deepest frame overall, when it is elsewhere (torch, megatron, ...)
+    refused: bool = False  # the rank refused its command line (nothing was raised in training)
 
     def describe(self) -> str:
         """A few lines for the terminal."""
+        if self.refused:
+            return f"rank {self.rank} refused its arguments: {self.exception}"
         lines = [f"rank {self.rank} raised {self.exception}"]
         if self.frame:
             lines.append(f"  at {self.frame}")
@@ -161,6 +164,25 @@ def record_failure(err: BaseException, rank: int | None = None) -> None:
         "frame": frame,
         "raised_at": raised_at,
     }
+    _append_line(path, line)
+
+
+def record_refusal(message: str, argv: list[str]) -> None:
+    """Record (as :func:`record_failure`) that this rank refused its command line ``argv``
+    with ``message``: the launcher then says so, with the arguments as the rank got them."""
+    path = os.environ.get(LAST_WORDS_ENV)
+    if not path:
+        return
+    line = {
+        "rank": int(os.environ.get("RANK", "0")),
+        "time": time.time(),
+        "exception": f"{message}\n  the rank's arguments, as it got them: {argv!r}"[:4000],
+        "refused": True,
+    }
+    _append_line(path, line)
+
+
+def _append_line(path: str, line: dict[str, object]) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
@@ -179,7 +201,8 @@ def read_failures(path: Path | None) -> list[RankFailure]:
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 row = json.loads(raw)
                 rows.append((float(row["time"]), RankFailure(
-                    int(row["rank"]), str(row["exception"]), row.get("frame"), row.get("raised_at")
+                    int(row["rank"]), str(row["exception"]), row.get("frame"),
+                    row.get("raised_at"), bool(row.get("refused")),
                 )))  # fmt: skip
     return [f for _, f in sorted(rows, key=lambda r: r[0])]
 
@@ -198,6 +221,35 @@ def rank_failure_lines(log: Path | None, recorded: list[RankFailure]) -> list[st
     if failure:
         return [failure.describe()]
     return ["no Python exception in the rank log (killed by a signal or out of memory?)"]
+
+
+def torchelastic_last_words(home: Path, since: float = 0.0, lines: int = 2) -> list[str]:
+    """The ranks' last lines in torchelastic's own per-rank logs under ``home`` (nemo-run's
+    folder of the run), written since ``since``: what the ranks said after torchrun itself
+    died, when nothing read their output any more."""
+    found = []
+    for log in sorted(Path(home).glob("**/torchelastic/**/attempt_*/*/stderr.log")):
+        try:
+            if log.stat().st_mtime < since:
+                continue
+            text = log.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        said = [line.strip() for line in text if line.strip()][-lines:]
+        rank = f"rank {log.parent.name}: "
+        found += [line if line.startswith(rank) else rank + line for line in said]
+    return found
+
+
+def launcher_death_lines(last_words: list[str]) -> list[str]:
+    """What to say when the ranks' last words show that torchrun ended before them."""
+    if not any("parent process" in line and "has ended" in line for line in last_words):
+        return []
+    return [
+        "torchrun, which started and watched the ranks, ended before them (killed, e.g. "
+        "kill -9, or crashed); the ranks then stopped. Their last words (torchelastic's log):",
+        *(f"  {line}" for line in last_words),
+    ]
 
 
 def _killed_lines(rank: int, sig: int, log: Path | None, recorded: list[RankFailure]) -> list[str]:

@@ -37,18 +37,29 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
 
-def start_ticks(pid: int) -> int | None:
-    """When ``pid`` started (clock ticks after boot), or None when there is no such process."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """``/proc/<pid>/stat`` from field 3 (the state) on, or None when there is no such process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    if fields[0] == b"Z":  # a zombie has ended; only its exit status is left
+    return stat[stat.rfind(b")") + 2 :].split()
+
+
+def start_ticks(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks after boot), or None when there is no such process."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] == b"Z":  # a zombie has ended; only its exit status is left
         return None
     return int(fields[19])
+
+
+def proc_state(pid: int) -> str | None:
+    """The one-letter state of ``pid`` (``T``: stopped, ``Z``: ended), None when it is gone."""
+    fields = _stat_fields(pid)
+    return fields[0].decode() if fields else None
 
 
 def identity(pid: int | None = None) -> str:

@@ -46,6 +46,7 @@ import json
 import os
 import shlex
 import socket
+import stat
 import sys
 import threading
 import time
@@ -53,11 +54,10 @@ import uuid
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from nemo_moe_metrics import processes
+from nemo_moe_metrics.run_files import LOCK_FILE
 
-LOCK_FILE = ".run.lock"
 #: Set by the owner for the ranks it starts: the token rank 0 joins the lock with.
 TOKEN_ENV = "NEMO_MOE_METRICS_RUN_LOCK"
 #: The owner touches the lock file this often; a holder on another host whose file is older
@@ -75,7 +75,11 @@ _HELD: dict[tuple[int, int], set[int]] = {}
 _OPEN_GUARD = threading.Lock()
 
 
-class RunDirBusyError(RuntimeError):
+class RunDirError(RuntimeError):
+    """The run directory cannot be used as asked; the message says why and what to do."""
+
+
+class RunDirBusyError(RunDirError):
     """The run directory belongs to a live run (or its ranks still write there)."""
 
 
@@ -93,6 +97,9 @@ class Holder:
     writer_host: str = ""
     writer_pid: int = 0
     writer_ticks: int = 0
+    #: A run was started in the directory under this lock (:meth:`RunDirLock.mark_run`): the
+    #: mark that makes a directory a run's even when it failed before it logged a step.
+    run_started: bool = False
 
     def describe(self, now: float | None = None) -> str:
         """``nemo-moe-metrics run ... (pid 123 on host h, since 2026-..., 5 min ago)``."""
@@ -147,6 +154,10 @@ class RunDirLock:
         self._key: tuple[int, int] | None = None
         self._fd: int | None = None
         self._bytes: list[int] = []
+        #: Who held the lock before this one took it (None: nobody, or a file it cannot read),
+        #: read in :meth:`acquire`; its ``run_started`` marks the directory as a run's, even
+        #: one that failed before it logged a step.
+        self.previous: Holder | None = None
         self._kernel_locks = True
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -159,6 +170,7 @@ class RunDirLock:
         self._open()
         try:
             previous = self._read()
+            self.previous = previous if previous is not None and previous.pid else None
             if not self._lock(_OWNER_BYTE) or self._alive_elsewhere(previous):
                 raise RunDirBusyError(self._busy_text(previous))
             self._wait_for_writer(previous, wait_for_writer_s)
@@ -202,11 +214,19 @@ class RunDirLock:
             raise
         return self
 
+    def mark_run(self) -> None:
+        """Record in the lock that a run starts in the directory (see :attr:`Holder.run_started`);
+        call it once the directory was found fit for the run, before the job starts."""
+        holder = self._read()
+        if holder is None or holder.token != self.token:
+            raise RunDirBusyError(f"{self.run_dir}: this process does not hold its lock")
+        self._write(Holder(**{**asdict(holder), "run_started": True}))
+
     @classmethod
     def probe(cls, run_dir: Path) -> Holder | None:
         """Who holds ``run_dir`` now, or None when it is free (taking nothing)."""
         lock = cls(run_dir)
-        if not lock.path.is_file():
+        if not lock.path.is_file() and not lock.path.is_symlink():
             return None
         lock._open(create=False)
         try:
@@ -240,8 +260,22 @@ class RunDirLock:
     def _open(self, create: bool = True) -> None:
         if create:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+        # O_NOFOLLOW: the lock is rewritten, so a link in its place would rewrite its target.
+        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise RunDirError(_link_text(self.path)) from None
+            raise
         st = os.fstat(fd)
+        if st.st_nlink > 1 or not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise RunDirError(
+                f"{self.path} is not a file of its own (it has {st.st_nlink} hard links, or is "
+                "not a regular file): the lock is rewritten, which would change the other "
+                "names too. Remove it (rm, not the file it shares), then run again"
+            )
         key = (st.st_dev, st.st_ino)
         with _OPEN_GUARD:
             if key in _OPEN:  # this process has it open: reuse that descriptor (see _OPEN)
@@ -371,9 +405,9 @@ class RunDirLock:
             raw = os.pread(self._fd, 1 << 16, 0)
             if not raw.strip():
                 return None
-            with contextlib.suppress(ValueError, TypeError):
-                data: dict[str, Any] = json.loads(raw)
-                return Holder(**{k: v for k, v in data.items() if k in Holder.__annotations__})
+            holder = parse_holder(raw)
+            if holder is not None:
+                return holder
             time.sleep(0.05)
         return Holder(host="?", pid=0, started="?", command="(lock file unreadable)")
 
@@ -402,6 +436,41 @@ class RunDirLock:
         self._heartbeat.start()
 
 
+def parse_holder(raw: bytes) -> Holder | None:
+    """The holder a lock file's text names, or None when the text is not a lock's."""
+    try:
+        data = json.loads(raw)
+        holder = Holder(**{k: v for k, v in data.items() if k in Holder.__annotations__})
+    except (ValueError, TypeError, AttributeError):
+        return None
+    return holder if isinstance(holder.pid, int) and holder.pid > 0 else None
+
+
+def read_earlier_lock(run_dir: Path) -> Holder | None:
+    """The holder ``run_dir``'s lock file names, read without taking it (nor following a
+    link); None when there is no lock file of a run there."""
+    try:
+        fd = os.open(lock_path(run_dir), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        return parse_holder(os.read(fd, 1 << 16))
+    finally:
+        os.close(fd)
+
+
+def _link_text(path: Path) -> str:
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    return (
+        f"{path} is a symbolic link (to {target}): a run writes only inside its own directory, "
+        "never through a link. Remove the link (rm, which leaves its target alone), or choose "
+        "another directory (--output-dir DIR, or the override name=NEW_NAME)"
+    )
+
+
 def _with_writer(holder: Holder) -> Holder:
     return Holder(
         **{
@@ -419,4 +488,14 @@ def _writer_text(holder: Holder | None) -> str:
     return f"pid {holder.writer_pid} on host {holder.writer_host}, started by {holder.command}"
 
 
-__all__ = ["LOCK_FILE", "TOKEN_ENV", "Holder", "RunDirBusyError", "RunDirLock", "lock_path"]
+__all__ = [
+    "LOCK_FILE",
+    "TOKEN_ENV",
+    "Holder",
+    "RunDirBusyError",
+    "RunDirError",
+    "RunDirLock",
+    "lock_path",
+    "parse_holder",
+    "read_earlier_lock",
+]

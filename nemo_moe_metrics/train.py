@@ -1,6 +1,6 @@
 """Per-rank training entrypoint: ``python -m nemo_moe_metrics.train --recipe R --output-dir D``.
 
-torchrun (through nemo-run, see :mod:`nemo_moe_metrics.launch`) starts one of these per rank.
+torchrun (through nemo-run, see :mod:`nemo_moe_metrics.launch.local`) starts one of these per rank.
 Every rank builds the policy worker (with the metrics integration the recipe's flags ask for)
 and runs the recipe's loop; rank 0 writes the sinks the recipe enables (``D/metrics.jsonl``,
 ``D/tensorboard/``, ``D/wandb/``) and ``D/recipe.yaml``.
@@ -18,11 +18,16 @@ import torch
 
 from nemo_moe_metrics import processes
 from nemo_moe_metrics.config import ConfigError, Recipe, dump_recipe, load_recipe
-from nemo_moe_metrics.failures import record_failure
+from nemo_moe_metrics.durable import write_text_durably
+from nemo_moe_metrics.failures import record_failure, record_refusal
+from nemo_moe_metrics.launch.slurm_job import SlurmError, rank_env_from_slurm, requeue_count
 from nemo_moe_metrics.metrics import PolicyMetrics
 from nemo_moe_metrics.preflight import preflight
 from nemo_moe_metrics.run_dir import TOKEN_ENV, RunDirLock
+from nemo_moe_metrics.run_files import RECIPE_FILE
 from nemo_moe_metrics.sinks import ResumeState, build_sinks, prepare_resume
+from nemo_moe_metrics.sinks.run_record import refuse_logged_run
+from nemo_moe_metrics.train_args import rank_argv
 
 
 def make_metrics(recipe: Recipe) -> PolicyMetrics | None:
@@ -71,7 +76,7 @@ def _train(
     if rank == 0:
         _refuse_a_logged_run(output_dir, recipe)  # before recipe.yaml: the old run stays whole
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+        write_text_durably(output_dir / RECIPE_FILE, dump_recipe(recipe))
         if state is not None and state.last_step is not None:
             left = max(0, recipe.training.max_steps - start_step)
             print(
@@ -101,16 +106,14 @@ def _train(
 
 
 def _refuse_a_logged_run(output_dir: Path, recipe: Recipe) -> None:
-    """One run per directory (as ``run`` and ``build_sinks``), said in recipe terms."""
-    from nemo_moe_metrics.sinks import RunExistsError, logged_run
-
-    old = [] if recipe.logger.resume else logged_run(output_dir)
-    if old:
-        raise RunExistsError(
-            f"{output_dir} already holds a run ({', '.join(old)}); pass the override "
-            "logger.resume=true to continue it, or choose another --output-dir "
-            "(nemo-moe-metrics run --overwrite deletes the old run first)"
-        )
+    """One run per directory (sinks/run_record.py, as ``run`` and ``build_sinks``), said in
+    recipe terms."""
+    refuse_logged_run(
+        output_dir,
+        resume=recipe.logger.resume,
+        ways="pass the override logger.resume=true to continue it, or choose another "
+        "--output-dir (nemo-moe-metrics run --overwrite deletes the old run first)",
+    )
 
 
 def own_run_dir(output_dir: Path) -> RunDirLock:
@@ -123,6 +126,7 @@ def own_run_dir(output_dir: Path) -> RunDirLock:
     if token:
         return lock.join(token)
     lock.acquire(writer=True)
+    lock.mark_run()  # a run starts here: its directory is a run's from now on
     for note in lock.notes:
         print(note, flush=True)
     return lock
@@ -153,7 +157,6 @@ def _requeued_run_resumes(output_dir: Path) -> list[str]:
     run directory its earlier start wrote. That run is this job's own, so it continues.
     """
     from nemo_moe_metrics.sinks import logged_run
-    from nemo_moe_metrics.slurm import requeue_count
 
     restarts = requeue_count(os.environ)
     if not restarts or not logged_run(output_dir):
@@ -178,9 +181,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; a configuration error prints one line and exits with status 2."""
-    from nemo_moe_metrics.slurm import SlurmError, rank_env_from_slurm
-
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        argv = rank_argv(argv)  # a local launch passes them in the environment (train_args.py)
+        args = build_parser().parse_args(argv)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        record_refusal(str(err), argv)
+        return 2
+    except SystemExit as stop:  # argparse said why on stderr; the launcher says which rank
+        if stop.code:
+            record_refusal("its command line does not parse (see its log)", argv)
+        raise
     try:
         # One Slurm task per rank (srun without torchrun): the rank comes from Slurm.
         os.environ.update(rank_env_from_slurm(os.environ))
@@ -191,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         preflight(recipe, int(world) if world else None)
     except (ConfigError, SlurmError) as err:
         print(f"error: {err}", file=sys.stderr)
+        record_refusal(str(err), argv)
         return 2
     if "LOCAL_RANK" in os.environ:  # started by torchrun: end with it (and with `run`)
         rank = os.environ.get("RANK", os.environ["LOCAL_RANK"])

@@ -28,7 +28,7 @@ import sys
 from nemo_moe_metrics.cli import add_run_dir_flags
 from nemo_moe_metrics.config import ConfigError
 from nemo_moe_metrics.extras import MissingExtraError, check_extra
-from nemo_moe_metrics.slurm import SlurmError
+from nemo_moe_metrics.launch.slurm_job import SlurmError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_extra("launch", "recipes/slurm.py")
         from nemo_moe_metrics.launch import slurm_dry_run, slurm_submit
-        from nemo_moe_metrics.slurm import SubmittedJob, follow_job
+        from nemo_moe_metrics.launch.slurm_job import SubmittedJob, follow_job
 
         if args.follow:
             return follow_job(SubmittedJob.load(args.job_dir, args.follow))

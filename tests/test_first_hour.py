@@ -200,17 +200,23 @@ def test_a_run_that_failed_before_logging_does_not_block_build_sinks(tmp_path):
 
 def test_a_run_that_failed_before_logging_does_not_block_the_cli_rerun(tmp_path):
     from nemo_moe_metrics.launch import prepare_run_dir
+    from nemo_moe_metrics.run_dir import RunDirLock
 
     run_dir = tmp_path / "runs" / "grpo_moe_tiny"
+    # What a run that failed early leaves: its lock (the mark of a run), logs, no step.
+    lock = RunDirLock(run_dir, command="nemo-moe-metrics run grpo_moe_tiny.yaml").acquire()
+    lock.mark_run()
+    lock.release()
     (run_dir / "nemo_run" / "experiments").mkdir(parents=True)
     (run_dir / "launch.log").write_text("Traceback ...\n")
     (run_dir / "metrics.jsonl").write_text("")
     (run_dir / "run.json").write_text("{}")
-    note = prepare_run_dir(run_dir)
+    with RunDirLock(run_dir) as lock:
+        note = prepare_run_dir(run_dir, earlier_lock=lock.previous)
     assert note == (
         f"{run_dir}: the earlier run there logged no step (it failed early); starting afresh"
     )
-    assert list(run_dir.iterdir()) == []
+    assert [p.name for p in run_dir.iterdir()] == [".run.lock"]
     # With a logged step it is a run again: refused as before.
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
     with pytest.raises(Exception, match="already holds a run"):

@@ -189,7 +189,7 @@ def test_run_reports_recipe_typo_before_launching(tmp_path):
 
 
 def test_rank_error_line_is_found_in_a_torchrun_log(tmp_path):
-    from nemo_moe_metrics.launch import _first_rank_error
+    from nemo_moe_metrics.launch import first_rank_failure
 
     log = tmp_path / "combined.log"
     log.write_text(
@@ -198,7 +198,7 @@ def test_rank_error_line_is_found_in_a_torchrun_log(tmp_path):
         "[default0]:ValueError: set pipeline_model_parallel_size=1\n"
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
     )
-    assert _first_rank_error(log) == "ValueError: set pipeline_model_parallel_size=1"
+    assert first_rank_failure(log).exception == "ValueError: set pipeline_model_parallel_size=1"
 
 
 def test_describe_step_shows_loss_and_skips_missing_fields():

@@ -349,3 +349,28 @@ def test_a_deleted_run_json_gets_its_run_id_back_from_the_wandb_folder(tmp_path)
         folder.rmdir()
     with pytest.warns(RuntimeWarning, match="W&B and MLflow .if on. start new runs"):
         _log(tmp_path, [3], cfg=LoggerConfig(wandb_enabled=False, resume=True))
+
+
+def test_resume_keeps_a_complete_non_record_last_line(tmp_path):
+    from nemo_moe_metrics.sinks import prepare_resume
+
+    text = '{"step": 0, "train_perf/total_tokens": 8.0}\n{"note": "paused by hand"}\n'
+    (tmp_path / "metrics.jsonl").write_text(text)
+    state, notes = prepare_resume(tmp_path)
+    assert (tmp_path / "metrics.jsonl").read_text() == text
+    assert state.last_step == 0 and state.total_tokens == 8.0
+    assert not [n for n in notes if "torn" in n]
+    (tmp_path / "metrics.jsonl").write_text(text + '{"step": 1, "train_p')  # a torn write
+    _, notes = prepare_resume(tmp_path)
+    assert (tmp_path / "metrics.jsonl").read_text() == text
+    assert any("cut a torn last line" in n for n in notes)
+
+
+def test_a_non_finite_total_tokens_in_the_last_line_is_an_error_not_a_restart(tmp_path):
+    from nemo_moe_metrics.sinks import ResumeError, prepare_resume
+
+    text = '{"step": 0, "train_perf/total_tokens": 8.0}\n{"step": 1, "train_perf/total_tokens": null}\n'
+    (tmp_path / "metrics.jsonl").write_text(text)
+    with pytest.raises(ResumeError, match=r"step 1\) holds train_perf/total_tokens = null"):
+        prepare_resume(tmp_path)
+    assert (tmp_path / "metrics.jsonl").read_text() == text

@@ -346,23 +346,26 @@ def test_srun_per_task_dry_run_gives_every_rank_a_task_and_the_first_node_addres
 
 def test_cpu_nodes_need_ranks_per_node_and_paths_with_nemo_run_are_refused(tmp_path):
     from nemo_moe_metrics.config import ConfigError, load_recipe
-    from nemo_moe_metrics.launch import _check_paths_survive_nemo_run, _ranks_per_node
+    from nemo_moe_metrics.launch.slurm_submit import (
+        check_paths_survive_nemo_run,
+        ranks_on_each_node,
+    )
     from nemo_moe_metrics.preflight import preflight, slurm_rank_words
 
     with pytest.raises(ConfigError, match="--gpus-per-node 0 runs on CPU nodes: say how many"):
-        _ranks_per_node({"gpus_per_node": 0, "ranks_per_node": None})
-    assert _ranks_per_node({"gpus_per_node": 8}) == 8
-    assert _ranks_per_node({"gpus_per_node": 0, "ranks_per_node": 2}) == 2
+        ranks_on_each_node({"gpus_per_node": 0, "ranks_per_node": None})
+    assert ranks_on_each_node({"gpus_per_node": 8}) == 8
+    assert ranks_on_each_node({"gpus_per_node": 0, "ranks_per_node": 2}) == 2
     with pytest.raises(ConfigError, match="contains '/nemo_run', which nemo-run rewrites"):
-        _check_paths_survive_nemo_run(tmp_path / "jobs", tmp_path / "nemo_run_x" / "runs")
-    _check_paths_survive_nemo_run(tmp_path / "jobs", tmp_path / "runs")
+        check_paths_survive_nemo_run(tmp_path / "jobs", tmp_path / "nemo_run_x" / "runs")
+    check_paths_survive_nemo_run(tmp_path / "jobs", tmp_path / "runs")
     with pytest.raises(ConfigError, match=r"--nodes 1 x --ranks-per-node 3 \(3 ranks\)"):
         preflight(load_recipe(ROOT / RECIPE), 3, slurm_rank_words(1, 3, cpu=True))
 
 
 def test_an_uncommitted_recipe_inside_the_repository_is_refused(tmp_path, monkeypatch):
     from nemo_moe_metrics.config import ConfigError
-    from nemo_moe_metrics.launch import _recipe_for_job
+    from nemo_moe_metrics.launch.slurm_submit import recipe_for_job
 
     repo = tmp_path / "repo"
     (repo / "configs").mkdir(parents=True)
@@ -373,13 +376,13 @@ def test_an_uncommitted_recipe_inside_the_repository_is_refused(tmp_path, monkey
     outside.write_text("x: 1\n")
     monkeypatch.chdir(repo)
     with pytest.raises(ConfigError, match=r"configs/r.yaml is not committed as it is"):
-        _recipe_for_job(recipe, check_committed=True)
-    assert _recipe_for_job(recipe) == "configs/r.yaml"  # the dry run shows the path all the same
-    assert _recipe_for_job(outside, check_committed=True) == str(outside)
+        recipe_for_job(recipe, check_committed=True)
+    assert recipe_for_job(recipe) == "configs/r.yaml"  # the dry run shows the path all the same
+    assert recipe_for_job(outside, check_committed=True) == str(outside)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run([*git, "add", "configs/r.yaml"], check=True)
     subprocess.run([*git, "commit", "-qm", "r"], check=True)
-    assert _recipe_for_job(recipe, check_committed=True) == "configs/r.yaml"
+    assert recipe_for_job(recipe, check_committed=True) == "configs/r.yaml"
 
 
 # A line of `scontrol show job -o` from Slurm 22.05 (this controller), after scancel.

@@ -31,6 +31,7 @@ from nemo_moe_metrics.placement.plan import (
 )
 from nemo_moe_metrics.report.pictures import save_figure
 from nemo_moe_metrics.report.reading import RUN_FILE, Line, last_values
+from nemo_moe_metrics.run_files import ROLLOUT_VS_TRAIN_FILE, SWEEP_FILE  # run_files.PICTURES
 from nemo_moe_metrics.sinks.store import scan_store, store_path
 
 __all__ = [
@@ -42,8 +43,6 @@ __all__ = [
     "placement_report_lines",
 ]
 
-SWEEP_FILE = "placement_sweep.png"
-ROLLOUT_VS_TRAIN_FILE = "rollout_vs_train_load.png"
 REPORT_EP_SIZE = 8
 REPORT_STEPS = 200
 #: The report's sweep goes to R = this many times G (the command's goes to E).

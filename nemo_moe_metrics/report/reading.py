@@ -304,14 +304,28 @@ def run_info(run_dir: Path) -> RunInfo:
             warnings.warn(
                 f"{run_dir / RUN_FILE} is not valid JSON ({err}); ignoring it", stacklevel=3
             )
+    if not isinstance(meta, dict) or not isinstance(meta.get("config") or {}, dict):
+        warnings.warn(
+            f"{run_dir / RUN_FILE} is not a run record (a JSON object with run_name, config, "
+            "...; found "
+            + (f"config as {type(meta['config']).__name__}" if isinstance(meta, dict) else "")
+            + (type(meta).__name__ if not isinstance(meta, dict) else "")
+            + "); ignoring it",
+            stacklevel=3,
+        )
+        meta = {}
     return RunInfo(
         name=str(meta.get("run_name") or run_dir.resolve().name),
-        num_experts=meta.get("num_experts"),
-        topk=meta.get("moe_router_topk"),
+        num_experts=_positive_int(meta.get("num_experts")),
+        topk=_positive_int(meta.get("moe_router_topk")),
         # A recipe's config is the whole Recipe dump; the API passes what it likes (or nothing).
         recipe=not meta or "algorithm" in (meta.get("config") or {}),
         table_every=_table_every(meta),
     )
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _table_every(meta: dict[str, Any]) -> int | None:

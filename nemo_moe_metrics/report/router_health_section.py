@@ -19,8 +19,8 @@ import numpy as np
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.report.pictures import layer_colours
 from nemo_moe_metrics.report.reading import Line, RunInfo, last_values, read_line
+from nemo_moe_metrics.run_files import ROUTER_HEALTH_FILE  # every picture: run_files.PICTURES
 
-ROUTER_HEALTH_FILE = "router_health.png"
 _LAYER_KEY = re.compile(r"^moe/layer_(\d+)/(router_confidence|router_near_tie_fraction)$")
 _SUMMARIES = (
     mn.ROUTER_CONFIDENCE,

@@ -14,16 +14,16 @@ that fails for lack of space or a disk error ends the run (:class:`SinkWriteErro
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import shutil
-import tempfile
 import warnings
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from nemo_moe_metrics import run_files
 from nemo_moe_metrics.config import LoggerConfig
+from nemo_moe_metrics.durable import write_text_durably
+from nemo_moe_metrics.run_files import RUN_FILE, TENSORBOARD_DIR
 from nemo_moe_metrics.sinks.base import (
     MultiSink,
     NullSink,
@@ -33,7 +33,6 @@ from nemo_moe_metrics.sinks.base import (
     validate_metrics,
 )
 from nemo_moe_metrics.sinks.jsonl import METRICS_FILE, JsonlSink
-from nemo_moe_metrics.sinks.mlflow import MLFLOW_ARTIFACTS_DIR, MLFLOW_DB
 from nemo_moe_metrics.sinks.resume import (
     ResumeError,
     ResumeState,
@@ -41,83 +40,17 @@ from nemo_moe_metrics.sinks.resume import (
     read_resume_state,
     recover_run_id,
 )
-from nemo_moe_metrics.sinks.store import STORE_FILE, ExpertLoadSink, store_path
-from nemo_moe_metrics.sinks.trackio import TRACKIO_DIR
-
-RUN_FILE = "run.json"
-TENSORBOARD_DIR = "tensorboard"
-WANDB_DIR = "wandb"
-# What a run writes into its directory (sinks and report pictures); ``overwrite`` deletes these
-# and nothing else, so an API user's own files in the same directory are left alone.
-RUN_RECORD = (
-    METRICS_FILE,
-    STORE_FILE,
-    RUN_FILE,
-    TENSORBOARD_DIR,
-    WANDB_DIR,
-    MLFLOW_DB,
-    MLFLOW_ARTIFACTS_DIR,
-    TRACKIO_DIR,
-    "expert_load_heatmap.png",
-    "expert_load_over_steps.png",
-    "routing_drift.png",
-    "max_over_ideal.png",
+from nemo_moe_metrics.sinks.run_record import (
+    RunExistsError,
+    clear_run,
+    logged_run,
+    refuse_logged_run,
 )
+from nemo_moe_metrics.sinks.store import STORE_FILE, ExpertLoadSink, store_path
 
-
-class RunExistsError(FileExistsError):
-    """``run_dir`` already holds a run that logged steps, and neither resume nor overwrite was
-    asked for (one run per directory, as ``nemo-moe-metrics run`` does)."""
-
-
-def logged_run(run_dir: Path) -> list[str]:
-    """The files of a run in ``run_dir`` that logged at least one step; empty when there is none.
-
-    ``metrics.jsonl`` decides when it exists (a run that failed before logging leaves it empty);
-    without it (JSONL off) any TensorBoard, W&B or MLflow output counts as a run.
-    """
-    run_dir = Path(run_dir)
-    # The store starts with its 8-byte magic; a step adds a record after it.
-    empty = {METRICS_FILE: 0, STORE_FILE: 8}
-    found = [
-        name
-        for name, size in empty.items()
-        if (run_dir / name).is_file() and (run_dir / name).stat().st_size > size
-    ]
-    if found or (run_dir / METRICS_FILE).is_file():
-        # An empty metrics.jsonl beside TensorBoard steps is a damaged run, not an early death.
-        if not found and _tensorboard_has_steps(run_dir / TENSORBOARD_DIR):
-            found.append(TENSORBOARD_DIR)
-        return found
-    found = [
-        name
-        for name in (TENSORBOARD_DIR, WANDB_DIR, MLFLOW_ARTIFACTS_DIR)
-        if (run_dir / name).is_dir() and any((run_dir / name).iterdir())
-    ]
-    if (run_dir / MLFLOW_DB).is_file():
-        found.append(MLFLOW_DB)
-    return found
-
-
-def _tensorboard_has_steps(log_dir: Path) -> bool:
-    from nemo_moe_metrics.sinks.tensorboard import logged_steps
-
-    return log_dir.is_dir() and bool(logged_steps(log_dir))
-
-
-def clear_run(run_dir: Path) -> list[str]:
-    """Delete what a run wrote into ``run_dir`` (:data:`RUN_RECORD`); returns the names removed."""
-    removed = []
-    for name in RUN_RECORD:
-        path = Path(run_dir) / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        elif path.exists() or path.is_symlink():
-            path.unlink()
-        else:
-            continue
-        removed.append(name)
-    return removed
+# What a run writes into its directory (sinks and report pictures, named in run_files.py);
+# ``overwrite`` deletes these and nothing else, so an API user's own files are left alone.
+RUN_RECORD = run_files.RUN_RECORD
 
 
 __all__ = [
@@ -161,7 +94,7 @@ def build_sinks(
     ``logger_cfg.table_every`` (W&B: ``wandb_table_every`` when set); scalars go every step.
     With ``logger_cfg.resume`` the run in ``run_dir`` continues (``resume_state``, read from
     ``run_dir`` when not given, says from which step): see :mod:`nemo_moe_metrics.sinks.resume`.
-    ``logger_cfg.alerts.enabled`` adds the alert monitor (:mod:`nemo_moe_metrics.moe.alerts`)
+    ``logger_cfg.alerts.enabled`` adds the alert monitor (:mod:`nemo_moe_metrics.sinks.alerts`)
     in front of the backends: every loop that logs through this sink gets ``moe/alerts``.
 
     One run per directory, as ``nemo-moe-metrics run``: when ``run_dir`` already holds a run
@@ -177,14 +110,16 @@ def build_sinks(
         raise ValueError(
             "build_sinks: LoggerConfig(resume=True) and overwrite=True exclude each other"
         )
-    old = logged_run(run_dir)
-    if old and not (resume or overwrite):
-        raise RunExistsError(
-            f"{run_dir} already holds a run ({', '.join(old)}); build_sinks would append a second "
-            "run to it. Pass LoggerConfig(resume=True) to continue it (recipes: "
-            "logger.resume=true), build_sinks(..., overwrite=True) to delete it and start "
-            "afresh, or choose another run directory"
-        )
+    refuse_logged_run(
+        run_dir,
+        resume=resume or overwrite,
+        ways="build_sinks would append a second run to it. Pass LoggerConfig(resume=True) to "
+        "continue it (recipes: logger.resume=true), build_sinks(..., overwrite=True) to delete "
+        "it and start afresh, or choose another run directory",
+    )
+    links = run_files.linked_run_files(run_dir)
+    if links:  # checked before anything is written or deleted: nothing goes through a link
+        raise RunExistsError(run_files.links_refusal(links, "choose another run directory"))
     if overwrite:
         clear_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -250,7 +185,7 @@ def _alert_monitor(logger_cfg: LoggerConfig) -> Any:
     # Rank 0 only (other ranks returned above): alerts read the logged numbers, nothing else.
     if not logger_cfg.alerts.enabled:
         return None
-    from nemo_moe_metrics.moe.alerts import AlertMonitor
+    from nemo_moe_metrics.sinks.alerts import AlertMonitor
 
     return AlertMonitor(logger_cfg.alerts)
 
@@ -354,9 +289,5 @@ def _try_add(sinks: list[Sink], name: str, make: Any) -> Any:
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    # Write-then-rename: a crash never leaves a half-written run.json behind.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, default=str)
-    os.chmod(tmp, 0o644)  # mkstemp creates 0600; run.json is meant to be shared
-    os.replace(tmp, path)
+    # Write-then-rename, fsync'd: a crash or a disk error never leaves a cut or empty run.json.
+    write_text_durably(path, json.dumps(data, indent=2, default=str))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import math
 import numbers
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -195,6 +196,16 @@ def sink_file(sink: object) -> str:
     return type(sink).__name__
 
 
+def _failed_file(err: OSError, sink: object) -> str:
+    """The file that could not be written: a copy's destination (``filename2``, e.g. W&B
+    copying a temporary file into the run directory) when it is the sink's, else ``filename``."""
+    own = sink_file(sink)
+    target = getattr(err, "filename2", None)
+    if target and os.path.abspath(str(target)).startswith(os.path.abspath(own).rstrip("/")):
+        return str(target)
+    return str(err.filename or own)
+
+
 def _fatal_write_error(sink: object, err: OSError, last_step: int | None) -> SinkWriteError:
     name = errno.errorcode.get(err.errno or 0, str(err.errno))
     what = err.strerror or str(err)
@@ -205,7 +216,7 @@ def _fatal_write_error(sink: object, err: OSError, last_step: int | None) -> Sin
     )
     return SinkWriteError(
         err.errno,
-        f"cannot write {err.filename or sink_file(sink)}: {what} ({name}); the run stops here "
+        f"cannot write {_failed_file(err, sink)}: {what} ({name}); the run stops here "
         f"and {saved}. Free space or fix the disk (or move the run directory to another "
         "disk), then continue the run with --resume (logger.resume=true)",
     )

@@ -16,10 +16,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from nemo_moe_metrics.run_files import METRICS_FILE as METRICS_FILE
 from nemo_moe_metrics.sinks.base import Metrics, finite_or_none, is_table
-
-METRICS_FILE = "metrics.jsonl"
-
 
 #: The reserved field of a line that holds the step's alert records (sinks/alerts.py).
 ALERTS_FIELD = "alerts"
@@ -39,11 +37,14 @@ class JsonlSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
         torn = (
-            self.path.exists()
+            self.path.is_file()
+            and not self.path.is_symlink()
             and self.path.stat().st_size > 0
             and not _ends_with_newline(self.path)
         )
-        self._file = self.path.open("a", encoding="utf-8")
+        # O_NOFOLLOW: a link in the run directory never sends the records elsewhere.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        self._file = os.fdopen(fd, "a", encoding="utf-8")
         # Set when a write failed part-way (disk full): the next line starts on a fresh line so
         # the torn fragment cannot swallow it.
         self._torn = False
@@ -130,14 +131,16 @@ def _tail_records(data: bytes, start: int, enough: int) -> tuple[list[tuple[int,
         lines = lines[1:]  # the first piece may be the end of a line that began earlier
     found: list[tuple[int, int]] = []
     end = start + len(data)
-    trailing = True  # unreadable lines at the very end are torn writes, cut by a resume
+    trailing = True  # unparseable lines at the very end are torn writes, cut by a resume
     for offset, raw in reversed(lines):
         if not raw.strip():
             continue
         step = line_step(raw)
         if step is None:
-            if trailing:
+            if trailing and not _is_json(raw):
                 end = offset
+            else:
+                trailing = False  # a whole line that is no record (a note): kept, never cut
             continue
         trailing = False
         found.append((offset, step))
@@ -146,9 +149,17 @@ def _tail_records(data: bytes, start: int, enough: int) -> tuple[list[tuple[int,
     return found, end
 
 
+def _is_json(raw: bytes) -> bool:
+    try:
+        json.loads(raw)
+    except ValueError:
+        return False
+    return True
+
+
 def cut_after(path: Path, offset: int) -> int:
     """Truncate ``path`` to ``offset`` bytes (durably); returns how many bytes went."""
-    with Path(path).open("r+b") as f:
+    with os.fdopen(os.open(path, os.O_RDWR | os.O_NOFOLLOW), "r+b") as f:
         size = os.fstat(f.fileno()).st_size
         if offset >= size:
             return 0

@@ -151,6 +151,7 @@ def prepare_resume(run_dir: Path, *, table_every: int = 1) -> tuple[ResumeState,
             f"{jsonl}: step(s) {resume_at}–{last} have no record in {store.name} (the run "
             f"ended between writing the two): cut, and logged again from step {resume_at}"
         )
+    _refuse_lost_totals(jsonl)  # before anything in the store is cut
     if stored:
         cut = cut_store_from(store, resume_at)
         if cut:
@@ -159,6 +160,29 @@ def prepare_resume(run_dir: Path, *, table_every: int = 1) -> tuple[ResumeState,
                 f"{jsonl.name} (the run ended between writing the two): cut, and logged again"
             )
     return read_resume_state(run_dir), notes
+
+
+#: The running totals a resumed run continues from (``train_perf/``): each must be a finite
+#: number in the last line when it is there at all (the FLOP rate may be null: no estimate).
+RUNNING_TOTALS = (mn.TOTAL_TOKENS, mn.TOTAL_SECONDS)
+
+
+def _refuse_lost_totals(jsonl: Path) -> None:
+    """A last line whose running total is null or not a number would restart it from 0."""
+    record = last_record(jsonl) or {}
+    for key in RUNNING_TOTALS:
+        value = record.get(key, 0.0)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            raise ResumeError(
+                f"--resume: the last line of {jsonl} (step {record.get('step')}) holds {key} = "
+                f"{json.dumps(value)}, not a finite number, so the running totals cannot go on "
+                "from it (they would silently restart from 0). Remove that line to continue "
+                "after the step before it, or start afresh with --overwrite"
+            )
 
 
 def _scan(store: Path, scan_store: Any) -> Any:

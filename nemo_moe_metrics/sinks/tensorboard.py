@@ -1,14 +1,20 @@
-"""TensorBoard sink: scalars only; tables never become one series per expert."""
+"""TensorBoard sink: scalars only; tables never become one series per expert.
+
+Each step's events are flushed and fsync'd before ``log`` returns, as the JSONL and the store
+do: a step logged before a crash or a disk error stays in the event file.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from nemo_moe_metrics.durable import fsync_dir, fsync_path
 from nemo_moe_metrics.sinks.base import Metrics, split_tables
 
 
 class TensorBoardSink:
-    """Write every scalar metric with ``add_scalar``; flush each step so a crash loses nothing."""
+    """Write every scalar metric with ``add_scalar``; flush and fsync each step so a crash or a
+    disk error loses nothing logged before it."""
 
     def __init__(self, log_dir: Path, *, purge_step: int | None = None) -> None:
         """``purge_step``: a resumed run's first step; events at or after it that an earlier
@@ -21,6 +27,9 @@ class TensorBoardSink:
 
         self.log_dir = Path(log_dir)
         self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
+        self._writer.flush()
+        fsync_dir(self.log_dir)  # the event file's name is on the device from the start
+        fsync_dir(self.log_dir.parent)
 
     @property
     def path(self) -> Path:
@@ -39,6 +48,8 @@ class TensorBoardSink:
         for key, value in scalars.items():
             self._writer.add_scalar(key, value, global_step=step)
         self._writer.flush()
+        if self.path != self.log_dir:
+            fsync_path(self.path)
 
     def close(self) -> None:
         """Flush and close the event file."""
