@@ -40,7 +40,7 @@ from torch import nn
 from nemo_moe_metrics import families
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.adapters import hf
-from nemo_moe_metrics.adapters.facts import ModelFacts, model_facts
+from nemo_moe_metrics.adapters.facts import ModelFacts, checked_hf_config, model_facts
 from nemo_moe_metrics.config import MetricsConfig
 from nemo_moe_metrics.flops import resolve_peak_flops, try_get_flops_estimator
 from nemo_moe_metrics.flops.megatron import is_megatron_config
@@ -154,6 +154,8 @@ class PolicyMetrics:
         if is_megatron_config(config):
             # The model decides: a hybrid model's pattern and the layers that hold routers.
             config = config_as_built(chunks, config)
+        else:  # a transformers model: another family's config is not read as if it were its own
+            config = checked_hf_config(chunks, config)
         self._transformer_config = config
         self._facts = model_facts(config)
         if self.cfg.track_moe_metrics:
@@ -189,9 +191,11 @@ class PolicyMetrics:
         if collector is not None and facts.source != "megatron":
             # Whole models on every rank: each rank generates, each joins (see generation()).
             self._families.append(families.RolloutLoad(collector, cfg.moe_per_layer_logging))
-        if facts.expert_bias:
+        sources = collector.expert_bias_sources() if collector else []
+        if facts.source == "hf":  # no config flag says it: the layers that hold a bias do
+            sources = [(layer, get) for layer, get in sources if get() is not None]
+        if facts.expert_bias or (facts.source == "hf" and sources):
             # Every rank joins the bias reduce, also a pipeline stage without MoE layers.
-            sources = collector.expert_bias_sources() if collector else []
             tracker = ExpertBiasTracker(sources)
             self._families.append(
                 families.ExpertBias(tracker, self._loads, cfg.moe_per_layer_logging)

@@ -11,6 +11,7 @@ Plain arithmetic on the recipe: nothing here imports torch.distributed or megatr
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -189,14 +190,45 @@ def _round_up(value: int, multiple: int) -> int:
     return max(multiple, -(-value // multiple) * multiple)
 
 
+def _statement_and_details(problem: str) -> tuple[str, str]:
+    """Split a problem at its first ``: `` or ``; `` outside brackets: what is wrong, then why
+    and the fix. The statement stays on one line, so it can be searched for as it is."""
+    depth = 0
+    for i, char in enumerate(problem):
+        if char in "([":
+            depth += 1
+        elif char in ")]":
+            depth -= 1
+        elif char in ":;" and depth == 0 and problem[i + 1 : i + 2] == " ":
+            return problem[: i + 1], problem[i + 2 :]
+    return problem, ""
+
+
+def layout_message(name: str, problems: list[str]) -> str:
+    """``recipe NAME cannot run:``, then each problem's statement on its own line and its
+    details wrapped below it (no line of hundreds of characters in a terminal)."""
+    lines = [f"recipe {name!r} cannot run:"]
+    bullet = "  - " if len(problems) > 1 else "  "
+    for problem in problems:
+        statement, details = _statement_and_details(problem)
+        lines.append(bullet + statement)
+        if details:
+            lines += textwrap.wrap(
+                details,
+                width=100,
+                initial_indent="    ",
+                subsequent_indent="    ",
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
+    return "\n".join(lines)
+
+
 def preflight(recipe: Recipe, nproc: int | None = None, words: RankWords | None = None) -> None:
     """Raise :class:`ConfigError` listing every problem :func:`layout_problems` finds."""
     problems = layout_problems(recipe, nproc, words)
-    if len(problems) == 1:
-        raise ConfigError(f"recipe {recipe.name!r} cannot run: {problems[0]}")
     if problems:
-        listed = "\n".join(f"  - {p}" for p in problems)
-        raise ConfigError(f"recipe {recipe.name!r} cannot run:\n{listed}")
+        raise ConfigError(layout_message(recipe.name, problems))
 
 
 def layout_summary(recipe: Recipe, nproc: int) -> str:

@@ -9,9 +9,12 @@ override that brought a problem in. The models themselves live in ``config.py``.
 from __future__ import annotations
 
 import difflib
+import re
 from typing import Any, ClassVar, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from nemo_moe_metrics.key_suggestions import nested_key_paths
 
 
 class ConfigError(ValueError):
@@ -62,6 +65,8 @@ class StrictModel(BaseModel, metaclass=_ConfigErrors):
                 raise ValueError(f"unknown key '{key}': {foreign[key]}")
             if key not in known:
                 close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+                # Not a typo here, but a key of a section below (given without its section)?
+                close = close or nested_key_paths(cls, str(key))[:1]
                 hint = f"; did you mean '{close[0]}'?" if close else ""
                 raise ValueError(
                     f"unknown key '{key}'{hint} (valid keys: {', '.join(sorted(known))})"
@@ -106,6 +111,8 @@ def recipe_error_text(
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
+        if e["loc"]:  # a suggested key of a section below: its full dotted path
+            msg = re.sub(r"did you mean '(\w+\.[\w.]+)'", rf"did you mean '{where}.\1'", msg)
         if e["type"] == "missing":
             msg = (
                 f"section or key '{where}' is missing; add it to the recipe (the example recipes "
@@ -113,9 +120,14 @@ def recipe_error_text(
             )
         culprit = None
         if (tuple(e["loc"]), e["msg"]) not in file_errors:
-            # The override that set this key, or one inside the section the problem is at.
-            culprit = by_key.get(where) or next(
-                (item for key, item in by_key.items() if key.startswith(where + ".")), None
+            # The override that set this key, or one inside the section the problem is at;
+            # an unknown key at the top level has no location: match it by its own name.
+            unknown = re.match(r"unknown key '([^']+)'", msg)
+            named = unknown and by_key.get(f"{where}." * bool(e["loc"]) + unknown.group(1))
+            culprit = (
+                named
+                or by_key.get(where)
+                or next((item for key, item in by_key.items() if key.startswith(where + ".")), None)
             )
         lines.append(f"  override '{culprit}': {msg}" if culprit else f"  {where}: {msg}")
     only_overrides = all(line.startswith("  override '") for line in lines)

@@ -104,3 +104,21 @@ def test_integration_and_frameworks_pages_match_the_files_they_name(lang):
     assert fqns == {"my_pkg.workers.MoEMetricsWorker"}, fqns  # prose and code name one path
     assert "## Hugging Face transformers" in frameworks
     assert "examples/integrate_hf_fsdp.py" in frameworks
+
+
+def test_every_page_gives_the_same_number_of_hugging_face_moe_model_types():
+    # The count the pages state is the one hf_families discovers in the installed transformers.
+    pytest.importorskip("transformers")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from hf_families import moe_families
+
+    pages = [DOCS.parent / "README.md", *sorted((DOCS / "en").glob("*.md"))]
+    pages += sorted((DOCS / "zh").glob("*.md"))
+    stated = {}
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        for n in re.findall(r"(\d+) (?:MoE )?model types|(\d+) (?:种|个)模型类型", text):
+            stated.setdefault(int("".join(n)), []).append(page.name)
+    assert set(stated) == {len(moe_families())}, stated

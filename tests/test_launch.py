@@ -33,21 +33,24 @@ def _cli(*args, env=None, timeout=240):
     )
 
 
-def _launch(tmp_path, recipe, *overrides):
+def _launch(tmp_path, recipe, *overrides, script=None):
+    """``nemo-moe-metrics run`` on 2 ranks; with ``script`` (a file in recipes/) that script."""
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
     env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
-    proc = _cli(
-        "run",
-        str(recipe),
-        "training.max_steps=2",
-        *overrides,
-        "--nproc",
-        "2",
-        "--output-dir",
-        str(tmp_path / "runs"),
-        env=env,
-    )
+    args = [str(recipe), "training.max_steps=2", *overrides, "--nproc", "2"]
+    args += ["--output-dir", str(tmp_path / "runs")]
+    if script is None:
+        proc = _cli("run", *args, env=env)
+    else:  # as docs/en/training_loops.md runs it: python recipes/local_torchrun.py RECIPE ...
+        proc = subprocess.run(
+            [sys.executable, script, *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=240,
+            cwd=ROOT,
+        )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, home
 
@@ -112,7 +115,13 @@ def test_grpo_two_torchrun_ranks_writes_every_metric_and_artifact(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_dpo_per_layer_logging_and_reference_forwards_not_counted(tmp_path):
-    _launch(tmp_path, DPO, "policy.megatron_cfg.moe_per_layer_logging=true")
+    # Through recipes/local_torchrun.py, the script docs/en/training_loops.md shows.
+    _launch(
+        tmp_path,
+        DPO,
+        "policy.megatron_cfg.moe_per_layer_logging=true",
+        script="recipes/local_torchrun.py",
+    )
     run_dir = tmp_path / "runs" / "dpo_moe_tiny"
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [0, 1]

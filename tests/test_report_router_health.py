@@ -68,3 +68,32 @@ def test_report_without_router_health_says_nothing_about_it(tmp_path):
     _write_run(tmp_path, health=False)
     assert "router health" not in render_report(tmp_path)
     assert not (tmp_path / "router_health.png").exists()
+
+
+def test_the_confidence_panel_has_a_reference_line_at_the_random_routing_level(
+    tmp_path, monkeypatch
+):
+    # The summary says "routing at random gives confidence top_k/E"; the picture draws it.
+    from matplotlib.figure import Figure
+
+    from nemo_moe_metrics.report import render_report
+
+    drawn = {}
+    save = Figure.savefig
+
+    def keep(fig, path, *args, **kwargs):
+        drawn[str(path).rsplit("/", 1)[-1]] = fig
+        return save(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    _write_run(tmp_path)
+    render_report(tmp_path)
+    confidence = drawn["router_health.png"].axes[0]
+    random_level = 2 / 8  # top-2 of 8 experts, run.json above
+    flat = [
+        line
+        for line in confidence.get_lines()
+        if set(line.get_ydata()) == {random_level} and "random routing" in line.get_label()
+    ]
+    assert len(flat) == 1, [line.get_label() for line in confidence.get_lines()]
+    assert "random routing" in [t.get_text() for t in confidence.get_legend().get_texts()][-1]

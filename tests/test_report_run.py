@@ -107,3 +107,20 @@ def test_piped_grpo_progress_line_explains_the_loss_and_is_whole(piped_run):
         bar,
     ), bar
     assert "…" not in bar
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_file_of_the_run_directory_is_in_the_docs_listing_and_readme(piped_run):
+    # visualisation.md's listing (en and zh share it) and README's sentence name every entry a
+    # real `nemo-moe-metrics run` leaves, the lock file included.
+    _, run_dir = piped_run
+    entries = {p.name + ("/" if p.is_dir() else "") for p in run_dir.iterdir()}
+    assert {".run.lock", "recipe.yaml", "launch.log", "nemo_run/"} <= entries, entries
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for lang in ("en", "zh"):
+        text = (ROOT / "docs" / lang / "visualisation.md").read_text(encoding="utf-8")
+        listing = re.search(r"```text\nrun_dir/\n(.*?)```", text, re.S).group(1)
+        listed = {w.rstrip(",") for line in listing.splitlines() for w in line.split()[:2]}
+        assert entries <= listed, (lang, entries - listed)
+    assert not [e for e in entries if f"`{e}`" not in readme], entries

@@ -8,11 +8,12 @@ picks the family. FLOPs need no facts: ``nemo_moe_metrics.flops`` takes each con
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from nemo_moe_metrics.adapters.hf_fields import config_num_experts
+from nemo_moe_metrics.adapters.hf_fields import config_num_experts, config_topk
 from nemo_moe_metrics.adapters.torchtitan import is_torchtitan_config, torchtitan_model_facts
 
 
@@ -64,3 +65,59 @@ def model_facts(config: Any) -> ModelFacts:
     bias = bool(experts and getattr(config, "moe_router_enable_expert_bias", False))
     aux = "megatron" if experts else None
     return ModelFacts(experts, int(config.num_layers), ep, aux, expert_bias=bias)
+
+
+def _own_hf_config(chunks: list[Any]) -> Any:
+    """The transformers config the model itself carries (``model.config``, also under DDP's
+    ``.module``), or None."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not chunks:
+        return None
+    for module in (chunks[0], getattr(chunks[0], "module", None)):
+        own = getattr(module, "config", None)
+        if isinstance(own, transformers.PretrainedConfig):
+            return own
+    return None
+
+
+def checked_hf_config(chunks: list[Any], config: Any) -> Any:
+    """The config ``attach`` reads for a transformers model.
+
+    ``config`` itself when it is the model's own or describes the same model type. Another
+    family's config with the same experts and experts per token is set aside for the model's own
+    config, with a warning; one that contradicts the model's (expert count, top-k) is an error.
+    """
+    own = _own_hf_config(chunks)
+    if own is None or config is own:
+        return config
+    given = config
+    if isinstance(config, Mapping) and "model_type" in config:  # a config.json dict
+        from transformers import AutoConfig
+
+        given = AutoConfig.for_model(
+            config["model_type"], **{k: v for k, v in config.items() if k != "model_type"}
+        )
+    if not isinstance(given, sys.modules["transformers"].PretrainedConfig):
+        return config  # another kind of config: model_facts says what it accepts
+    theirs, ours = given.get_text_config(), own.get_text_config()
+    said = {
+        "experts": (config_num_experts(theirs), config_num_experts(ours)),
+        "experts per token": (config_topk(theirs), config_topk(ours)),
+    }
+    wrong = [f"{what} {a} (the model: {b})" for what, (a, b) in said.items() if a != b]
+    if wrong:
+        raise ValueError(
+            f"PolicyMetrics.attach: the config ({theirs.model_type}) contradicts the model "
+            f"({ours.model_type}): {', '.join(wrong)}; pass the model's own config: "
+            "attach(model, model.config)"
+        )
+    if theirs.model_type != ours.model_type:
+        warnings.warn(
+            f"PolicyMetrics.attach: the config is a {theirs.model_type} config but the model is "
+            f"{ours.model_type}; its experts and experts per token agree, and the model's own "
+            "config (model.config) is used instead (layers, FLOPs): pass that one",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return own
+    return config

@@ -114,6 +114,7 @@ EXPERTS = RouterSpec(
     topk=_experts_topk,
     routes_fn=_experts_routes,
     health=hf_health.hf_experts_health,
+    expert_bias=hf_health.hf_expert_bias,
     padding_from_model=True,
 )
 ZERO_COMPUTATION_EXPERTS = dataclasses.replace(

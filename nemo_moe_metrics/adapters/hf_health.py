@@ -275,6 +275,26 @@ def _router_beside(experts: nn.Module, block: nn.Module | None) -> nn.Module | N
     return candidates[0] if len(candidates) == 1 else None
 
 
+def hf_expert_bias(experts: nn.Module, block: nn.Module | None) -> torch.Tensor | None:
+    """The aux-loss-free expert bias of an experts module's layer, as the model holds it now.
+
+    A tensor named like one (:data:`_BIAS_NAMES`) of the router beside the experts (ernie4_5_moe
+    keeps it in the router's ``moe_statics``), else of the MoE block itself, which passes it to
+    the router's forward (minimax_m2, afmoe, hy_v3, lfm2_moe with ``use_expert_bias``); None
+    when the layer has none. Looked up at each call: a buffer replaced after attach is read.
+    """
+    router = _router_beside(experts, block)
+    for owner, recurse in ((router, True), (block, False)):
+        if owner is None:
+            continue
+        tensors = dict(owner.named_buffers(recurse=recurse))
+        tensors |= dict(owner.named_parameters(recurse=recurse))
+        found = next((t for n, t in tensors.items() if n.rpartition(".")[2] in _BIAS_NAMES), None)
+        if found is not None:
+            return found.reshape(-1)  # ernie4_5_moe keeps it [1, E]: one value per expert
+    return None
+
+
 def hf_experts_health(experts: nn.Module, block: nn.Module | None) -> HealthSource | str:
     """A transformers experts module (``adapters.hf``): the router beside it in its MoE block.
 

@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from nemo_moe_metrics.extras import install_hint
 from nemo_moe_metrics.flops import deepseek, hf_defaults, hf_dense, hf_moe, megatron, qwen_hybrid
 from nemo_moe_metrics.flops.core import FlopsEstimator
 from nemo_moe_metrics.flops.errors import NotInTransformersError, UnknownModelTypeError
@@ -162,8 +163,15 @@ def _from_transformers_modules(
     try:
         hf_config = hf_modules.transformers_config(config)
         return hf_modules.estimator_from_config(hf_config, vocab_size=vocab_size)
-    except (NotInTransformersError, ImportError) as err:
+    except NotInTransformersError as err:
         raise _unknown(model_type) from err
+    except ImportError as err:
+        if (err.name or "").split(".")[0] != "transformers":
+            raise _unknown(model_type) from err
+        raise UnknownModelTypeError(
+            f"model_type {model_type!r} has no FLOP formula; its FLOPs are read from the "
+            f"transformers model, but transformers is not installed: {install_hint('hf')}"
+        ) from err
     except UnknownModelTypeError:
         raise
     except Exception as err:  # the config class or the model rejected the fields

@@ -275,31 +275,38 @@ class ExpertLoadCollector:
             source = self._health_sources.get(id(matched)) if self.health is not None else None
             # Read on every forward: a captured logits tensor never outlives its forward.
             decision = source.read(args, kwargs, output) if source is not None else None
-            extra = {}
-            if spec.padding_from_model:
-                extra["valid"] = self._masks[-1] if self._masks else None
-            if self._counts_now(module):
-                counted = spec.counts_fn(module, args, kwargs, output, **extra)
-                counts = per_expert(counted[0])
-                acc.add(counts, *counted[1:])
-                if self.health is not None:
-                    logits, bias, valid = decision if decision is not None else (None, None, None)
-                    if valid is None and logits is not None and extra.get("valid") is not None:
-                        valid = rows_of(
-                            extra["valid"], logits.reshape(-1, logits.shape[-1]).shape[0]
+            # No autograd graph: a measurement op on grad-requiring outputs (llama4's topk of
+            # its logits) would save tensors for backward in the first forward only, since a
+            # recomputation is not counted, and non-reentrant activation checkpointing refuses a
+            # recomputation that saves fewer tensors than the forward did.
+            with torch.no_grad():
+                extra = {}
+                if spec.padding_from_model:
+                    extra["valid"] = self._masks[-1] if self._masks else None
+                if self._counts_now(module):
+                    counted = spec.counts_fn(module, args, kwargs, output, **extra)
+                    counts = per_expert(counted[0])
+                    acc.add(counts, *counted[1:])
+                    if self.health is not None:
+                        logits, bias, valid = (
+                            decision if decision is not None else (None, None, None)
                         )
-                    self.health.observe(acc.layer_id, counts, logits, bias=bias, valid=valid)
-                if self.routing is not None and acc.layer_id in self._compared:
-                    assert spec.routes_fn is not None
-                    self.routing.observe(
-                        acc.layer_id, *spec.routes_fn(module, args, kwargs, output, **extra)
+                        if valid is None and logits is not None and extra.get("valid") is not None:
+                            valid = rows_of(
+                                extra["valid"], logits.reshape(-1, logits.shape[-1]).shape[0]
+                            )
+                        self.health.observe(acc.layer_id, counts, logits, bias=bias, valid=valid)
+                    if self.routing is not None and acc.layer_id in self._compared:
+                        assert spec.routes_fn is not None
+                        self.routing.observe(
+                            acc.layer_id, *spec.routes_fn(module, args, kwargs, output, **extra)
+                        )
+                elif self.rollout_counting and self._masks and not _in_backward():
+                    # A generation forward (prefill or decode): the rollout's load, real tokens.
+                    acc.rollout.add_(
+                        per_expert(spec.counts_fn(module, args, kwargs, output, **extra)[0])
                     )
-            elif self.rollout_counting and self._masks and not _in_backward():
-                # A generation forward (prefill or decode): the rollout's load, real tokens.
-                acc.rollout.add_(
-                    per_expert(spec.counts_fn(module, args, kwargs, output, **extra)[0])
-                )
-                self.rollout_seen = True
+                    self.rollout_seen = True
 
         return hook
 
@@ -314,7 +321,8 @@ class ExpertLoadCollector:
 
         def hook(mod: nn.Module, args: tuple, output: Any) -> None:
             if self._counts_now(mod):
-                observe(layer_id, mod, output)
+                with torch.no_grad():  # as the counts: no graph (activation checkpointing)
+                    observe(layer_id, mod, output)
 
         self._handles.append(module.register_forward_hook(hook))
 

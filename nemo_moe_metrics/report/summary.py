@@ -258,6 +258,11 @@ def render_report(
         out.append("aux losses: none (no expert received a training token)")
     elif bias:
         out.append("aux losses: none logged (the routers balance with the expert bias above)")
+    elif routed is not None:  # track_moe_metrics was on and counted tokens: no loss to log
+        out.append(
+            "aux losses: none: the model computes no router aux loss (track_moe_metrics is on; "
+            "docs/en/models.md lists the families that have one)"
+        )
     else:
         out.append("aux losses: not logged; enable " + run.hint("moe"))
     return "\n".join(out)
