@@ -2,16 +2,13 @@
 another module, no module over 600 lines, a docstring on every module.
 
 The import graph counts module-level AND function-level imports (a cycle hidden behind a
-function-level import is still a cycle). Checks that still fail while the redesign of issue 39
-lands are marked xfail (not strict) naming what remains; flip them to strict when it is done.
+function-level import is still a cycle).
 """
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
-
-import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "nemo_moe_metrics"
 MAX_LINES = 600
@@ -177,29 +174,16 @@ def test_the_checker_reads_the_whole_package():
 # --- the package -----------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 39, helper 'safety': launch <-> slurm",
-)
 def test_no_import_cycle():
     edges, _ = import_graph(PACKAGE)
     assert cycles(edges) == []
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 39, helper 'safety': slurm imports launch._read_new_lines",
-)
 def test_no_private_name_imported_from_another_module():
     _, private = import_graph(PACKAGE)
     assert private == []
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 39, others' parts: launch.py (helper 'safety'), sinks/store.py (helper "
-    "'placement')",
-)
 def test_no_module_over_600_lines():
     assert long_modules(PACKAGE) == []
 
