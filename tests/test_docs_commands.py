@@ -37,9 +37,6 @@ FENCE = re.compile(r"^```(?:bash|sh|shell|console)\n(.*?)^```", re.S | re.M)
 MARKER = re.compile(r"<!-- docs-test: (.*?) -->\n\Z")
 COVERED_BY = re.compile(r"covered by ([^;]+)")
 COVERING_FILE = re.compile(r"(?:tests/\w+\.py|\.ci/run)")
-# storage.md belongs to another change in flight; its one block starts MLflow's web server (it
-# never returns) with a placeholder run name. Its marker is to be added there.
-UNMARKED_ELSEWHERE = {("docs/en/storage.md", "mlflow ui --backend-store-uri")}
 SEPARATORS = {"&&", ";", "||", "|"}
 # Options a recipe run and its layout check share; the rest of `run`'s options place the run.
 CHECK_OPTIONS = {"--nproc"}
@@ -89,12 +86,8 @@ def _blocks(page: Path) -> list[Block]:
     return blocks
 
 
-def _is_elsewhere(block: Block) -> bool:
-    return any(block.page == p and block.text.startswith(s) for p, s in UNMARKED_ELSEWHERE)
-
-
 BLOCKS = [b for page in PAGES for b in _blocks(page)]
-VERBATIM = [b for b in BLOCKS if b.marker is None and not _is_elsewhere(b)]
+VERBATIM = [b for b in BLOCKS if b.marker is None]
 MARKED = [b for b in BLOCKS if b.marker is not None]
 
 
