@@ -61,18 +61,37 @@ def test_a_training_forward_outside_step_is_not_counted():
         assert got[key] == pytest.approx(expected[layer], rel=1e-5)
 
 
-def test_a_step_in_which_no_expert_got_a_training_token_logs_only_routed_tokens(caplog):
+class _Records(logging.Handler):
+    """The records one logger emits, read where it emits them (not through the root logger,
+    whose handlers other libraries in the same process may replace)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_step_in_which_no_expert_got_a_training_token_logs_only_routed_tokens():
     model = tiny_model("mixtral")
     metrics = PolicyMetrics(FLAGS)
     metrics.attach(model, model.config)
     empty = []
-    with caplog.at_level(logging.WARNING, logger="nemo_moe_metrics.metrics"):
+    logger, seen = logging.getLogger("nemo_moe_metrics.metrics"), _Records()
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    logger.addHandler(seen)
+    try:
         for _ in range(2):
             with metrics.step(), torch.no_grad():
                 model(input_ids=_ids(4))  # e.g. reference log-probs only
             empty.append(metrics.finish_step(num_microbatches=1))
+    finally:
+        logger.removeHandler(seen)
+        logger.setLevel(level)
     assert empty == [{mn.ROUTED_TOKENS: 0.0}] * 2  # no dead_experts 0, no aux loss 0
-    said = [r.getMessage() for r in caplog.records if "no expert received" in r.getMessage()]
+    said = [r.getMessage() for r in seen.records if "no expert received" in r.getMessage()]
     assert len(said) == 1 and mn.ROUTED_TOKENS in said[0]
     with metrics.step():
         model(input_ids=_ids(5), labels=_ids(5)).loss.backward()
