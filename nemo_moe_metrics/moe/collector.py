@@ -105,7 +105,13 @@ def real_token_mask(chunk: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor
 
 class _LayerAccumulator:
     """Device int64 routed counts [E], executed counts [E], routed tokens [] and picks of
-    zero-computation experts [] of one MoE layer."""
+    zero-computation experts [] of one MoE layer.
+
+    Each kept with as few device ops per forward as the forward needs: a token count given as
+    a host int is summed on the host until :meth:`tokens_now`; executed counts are kept apart
+    only once some forward executed other experts than it counted (padding), until then they
+    are the routed counts themselves.
+    """
 
     def __init__(
         self,
@@ -121,7 +127,9 @@ class _LayerAccumulator:
         self.zero_computation = zero_computation
         self.counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
         self.executed = torch.zeros(num_experts, dtype=torch.int64, device=device)
+        self.executed_apart = False  # False: the executed counts equal the routed counts
         self.tokens = torch.zeros((), dtype=torch.int64, device=device)
+        self.host_tokens = 0
         self.zero_picks = torch.zeros((), dtype=torch.int64, device=device)
         self.rollout = torch.zeros(num_experts, dtype=torch.int64, device=device)
 
@@ -132,15 +140,44 @@ class _LayerAccumulator:
         executed: torch.Tensor | None = None,
         zero_picks: torch.Tensor | None = None,
     ) -> None:
+        """One forward's routed counts [E] (or a [T, E] map), tokens, executed counts (None or
+        the counts tensor itself: the same) and zero-computation picks."""
+        same = executed is None or executed is counts
         counts = per_expert(counts)
         if counts.device != self.counts.device:  # the model moved after attach
             for name in ("counts", "executed", "tokens", "zero_picks", "rollout"):
                 setattr(self, name, getattr(self, name).to(counts.device))
+        if not same and not self.executed_apart:
+            self.executed.copy_(self.counts)  # every forward so far executed what it counted
+            self.executed_apart = True
         self.counts.add_(counts)
-        self.executed.add_(counts if executed is None else per_expert(executed))
-        self.tokens.add_(tokens)
+        if self.executed_apart:
+            self.executed.add_(counts if same else per_expert(executed))
+        if isinstance(tokens, int):
+            self.host_tokens += tokens
+        else:
+            self.tokens.add_(tokens)
         if zero_picks is not None:
             self.zero_picks.add_(zero_picks)
+
+    def tokens_now(self) -> torch.Tensor:
+        """The routed tokens [] so far (the host-counted ones added in: one op a step)."""
+        if self.host_tokens:
+            self.tokens.add_(self.host_tokens)
+            self.host_tokens = 0
+        return self.tokens
+
+    def executed_now(self) -> torch.Tensor:
+        """The executed counts [E] so far (the routed counts themselves until they differ)."""
+        return self.executed if self.executed_apart else self.counts
+
+    def reset(self) -> None:
+        """Zero the step's accumulators (the rollout's are kept)."""
+        self.counts.zero_()
+        self.executed_apart = False
+        self.tokens.zero_()
+        self.host_tokens = 0
+        self.zero_picks.zero_()
 
 
 class ExpertLoadCollector:
@@ -285,8 +322,8 @@ class ExpertLoadCollector:
                     extra["valid"] = self._masks[-1] if self._masks else None
                 if self._counts_now(module):
                     counted = spec.counts_fn(module, args, kwargs, output, **extra)
+                    acc.add(*counted)
                     counts = per_expert(counted[0])
-                    acc.add(counts, *counted[1:])
                     if self.health is not None:
                         logits, bias, valid = (
                             decision if decision is not None else (None, None, None)
@@ -439,11 +476,11 @@ class ExpertLoadCollector:
 
     def local_counts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This rank's device accumulators (per-layer routed counts [E] and tokens []), not copied."""
-        return [a.counts for a in self._accs], [a.tokens for a in self._accs]
+        return [a.counts for a in self._accs], [a.tokens_now() for a in self._accs]
 
     def local_executed(self) -> list[torch.Tensor]:
         """This rank's per-layer executed counts [E] (padding included), not copied."""
-        return [a.executed for a in self._accs]
+        return [a.executed_now() for a in self._accs]
 
     def local_zero_picks(self) -> list[torch.Tensor]:
         """This rank's per-layer picks of zero-computation experts [], not copied."""
@@ -462,10 +499,7 @@ class ExpertLoadCollector:
     def reset(self) -> None:
         """Zero the device accumulators (start of a new step); the rollout's are kept."""
         for a in self._accs:
-            a.counts.zero_()
-            a.executed.zero_()
-            a.tokens.zero_()
-            a.zero_picks.zero_()
+            a.reset()
         if self.routing is not None:
             self.routing.reset()
         if self.health is not None:

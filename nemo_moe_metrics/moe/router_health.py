@@ -36,7 +36,7 @@ Every accumulator lives on the router's device; nothing here reads a value on th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,26 +130,26 @@ class RouterScoring:
 
 
 def _group_drop(ranked: torch.Tensor, scoring: RouterScoring) -> torch.Tensor:
-    """``[T, groups, 1]`` bool: the groups each token does not keep, chosen as the router does."""
+    """``[..., groups, 1]`` bool: the groups each token does not keep, chosen as the router does."""
     assert scoring.num_groups is not None and scoring.group_topk is not None
-    grouped = ranked.reshape(ranked.shape[0], scoring.num_groups, -1)
+    grouped = ranked.unflatten(-1, (scoring.num_groups, -1))
     per_group = min(scoring.group_score_topk, grouped.shape[-1])
     group_scores = grouped.topk(per_group, dim=-1).values.sum(dim=-1)
     chosen = group_scores.topk(scoring.group_topk, dim=-1, sorted=False)[1]
-    drop = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, chosen, False)
+    drop = torch.ones_like(group_scores, dtype=torch.bool).scatter_(-1, chosen, False)
     return drop.unsqueeze(-1)
 
 
 def _masked(scores: torch.Tensor, drop: torch.Tensor, fill: float) -> torch.Tensor:
-    """``scores`` ``[T, E]`` with the experts of the dropped groups at ``fill``."""
-    grouped = scores.reshape(scores.shape[0], drop.shape[1], -1)
-    return grouped.masked_fill(drop, fill).reshape(scores.shape)
+    """``scores`` ``[..., E]`` with the experts of the dropped groups at ``fill``."""
+    grouped = scores.unflatten(-1, (drop.shape[-2], -1))
+    return grouped.masked_fill(drop, fill).flatten(-2)
 
 
 def _rank(
     ranked: torch.Tensor, selection: torch.Tensor, scoring: RouterScoring, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(indices [T, k] of the k best experts, best first; the selection scores as ranked)``.
+    """``(indices [..., k] of the k best experts, best first; the selection scores as ranked)``.
 
     ``ranked`` is what the router takes the top-k of (``selection``, or the logits, which order
     the experts the same way); the gap is measured on the second tensor: ``selection`` with
@@ -173,7 +173,8 @@ def _scores(
     z: torch.Tensor, scoring: RouterScoring, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(p, sum(p log p) per token, f(z) or p (the unbiased scores), s)`` of float32 logits
-    ``[T, E]``."""
+    ``[..., E]``; ``bias`` broadcasts against them (``[E]``, or ``[N, 1, E]`` for a batch of
+    forwards ``[N, T, E]``)."""
     if scoring.score_function == "softmax":
         log_p = torch.log_softmax(z, dim=-1)
         p = log_p.exp()
@@ -187,12 +188,7 @@ def _scores(
         )
         p = base / base.sum(dim=-1, keepdim=True)
         entropy = torch.special.xlogy(p, p).sum(dim=-1)
-    if bias is None:
-        selection = base
-    else:
-        bias = bias.detach().to(z.device, z.dtype)
-        bias = bias if bias.dim() == 1 else bias.reshape(-1)  # ernie4_5_moe keeps it [1, E]
-        selection = (z if scoring.bias_on_logits else base) + bias
+    selection = base if bias is None else (z if scoring.bias_on_logits else base) + bias
     return p, entropy, base, selection
 
 
@@ -208,6 +204,12 @@ def _ranked(
     return z if scoring.rank_on_logits and not biased else selection
 
 
+def _expert_bias(bias: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """One forward's expert bias as ``[E]`` on the logits' device and dtype (ernie4_5_moe keeps
+    it ``[1, E]``)."""
+    return bias.detach().reshape(-1).to(like.device, like.dtype)
+
+
 def chosen_experts(
     logits: torch.Tensor, scoring: RouterScoring, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -219,51 +221,45 @@ def chosen_experts(
     """
     with torch.no_grad():
         z = logits.detach().reshape(-1, scoring.num_experts).float()
+        bias = None if bias is None else _expert_bias(bias, z)
         _, _, base, selection = _scores(z, scoring, bias)
         ranked = _ranked(z, base, selection, scoring, bias is not None)
         return _rank(ranked, selection, scoring, scoring.topk)[0]
 
 
 def _decision_table(
-    logits: torch.Tensor,
+    z: torch.Tensor,
     scoring: RouterScoring,
     near_tie_gap: float,
     bias: torch.Tensor | None,
-    valid: torch.Tensor | None,
-    ones: Callable[[int, torch.device], torch.Tensor],
+    weight: torch.Tensor,
+    padded: bool,
 ) -> tuple[torch.Tensor, tuple[int, ...], torch.Tensor]:
-    """``(per-token table [T, n], the slot of each column, max |z|)`` of one router forward.
+    """``(per-forward sums [N, n] float64, the slot of each column, max |z| [N])`` of ``N``
+    router forwards of one scoring, their float32 logits ``z`` ``[N, T, E]``.
 
-    One pass over the logits, as few device ops as the definitions allow (each is a kernel
-    launch per layer and microbatch, and on a CPU its Python dispatch): the entropy column is
+    One pass over the batch, as few device ops as the definitions allow (each is a kernel
+    launch, and on a CPU its Python dispatch, whatever the batch holds): the entropy column is
     ``sum(p log p)`` and the logit column ``sum(z^2)``, unscaled (:func:`slot_scale` finishes
-    both); padding rows are zeroed; ``ones(T, device)`` gives the weight column when no token
-    is padding (the tracker caches it).
+    both). ``bias`` ``[N, 1, E]`` or None; ``weight`` ``[N, T]`` float32, 0 on padding rows
+    (``padded``: some row may be 0, so the other columns are weighted too).
     """
-    experts, k = scoring.num_experts, scoring.topk
-    z = logits.detach().reshape(-1, experts)  # everything below derives from z: no graph
-    z = z if z.dtype == torch.float32 else z.float()
-    tokens, device = z.shape[0], z.device
+    k = scoring.topk
     p, entropy, base, selection = _scores(z, scoring, bias)
     ranked = _ranked(z, base, selection, scoring, bias is not None)
     gap_defined = scoring.gap_defined
     order, measured = _rank(ranked, selection, scoring, k + 1 if gap_defined else k)
     if measured is p:  # one gather serves the confidence and the gap
-        picked = p.gather(1, order)
-        confidence = picked[:, :k].sum(dim=-1)
-        edge = picked[:, k - 1 :] if gap_defined else None
+        picked = p.gather(-1, order)
+        confidence = picked[..., :k].sum(dim=-1)
+        edge = picked[..., k - 1 :] if gap_defined else None
     else:
-        confidence = p.gather(1, order[:, :k]).sum(dim=-1)
-        edge = measured.gather(1, order[:, k - 1 : k + 1]) if gap_defined else None
-    weight = (
-        ones(tokens, device)
-        if valid is None
-        else valid.reshape(-1).to(device=device, dtype=torch.float32)
-    )
+        confidence = p.gather(-1, order[..., :k]).sum(dim=-1)
+        edge = measured.gather(-1, order[..., k - 1 : k + 1]) if gap_defined else None
     columns = [weight, confidence, entropy, torch.linalg.vecdot(z, z)]
     slots: tuple[int, ...] = (TOKENS, CONFIDENCE, ENTROPY, LOGIT_SQUARES)
     if edge is not None:
-        last_in, first_out = edge.unbind(1)
+        last_in, first_out = edge.unbind(-1)
         # Unbiased scores are >= 0 (p, sigmoid, sqrt-softplus): |s_k| is s_k, one op less.
         size = last_in if bias is None else last_in.abs()
         gap = (last_in - first_out) / size.clamp_min(_TINY)
@@ -272,23 +268,19 @@ def _decision_table(
     if bias is not None:
         unbiased_ranked = z if scoring.rank_on_logits else base
         unbiased = _rank(unbiased_ranked, unbiased_ranked, scoring, k)[0]
-        shared = (order[:, :k].unsqueeze(2) == unbiased.unsqueeze(1)).any(dim=2).sum(dim=1)
+        shared = (order[..., :k].unsqueeze(-1) == unbiased.unsqueeze(-2)).any(dim=-1).sum(dim=-1)
         columns += [weight, shared]  # stack promotes the int64 column
         slots += (BIASED_TOKENS, BIAS_OVERLAP)
-    table = torch.stack(columns, dim=1)
-    if valid is not None:
-        table = table * weight.unsqueeze(1)
-    if not tokens:
-        max_abs = torch.zeros((), dtype=torch.float32, device=device)
-    elif valid is None:
-        max_abs = torch.linalg.vector_norm(z, float("inf"))
-    else:
-        max_abs = (z.abs() * weight.unsqueeze(1)).amax()
-    return table, slots, max_abs
-
-
-def _new_ones(tokens: int, device: torch.device) -> torch.Tensor:
-    return torch.ones(tokens, dtype=torch.float32, device=device)
+    table = torch.stack(columns, dim=-1)
+    if padded:
+        table = table * weight.unsqueeze(-1)
+    sums = table.sum(dim=1, dtype=torch.float64)
+    if not z.shape[1]:
+        max_abs = torch.zeros(z.shape[0], dtype=torch.float32, device=z.device)
+    else:  # abs + amax: on a CPU about 10x faster than vector_norm(inf)
+        magnitude = z.abs() if not padded else z.abs() * weight.unsqueeze(-1)
+        max_abs = magnitude.amax(dim=(1, 2))
+    return sums, slots, max_abs
 
 
 def slot_scale(scoring: RouterScoring) -> list[float]:
@@ -317,17 +309,23 @@ def decision_sums(
     padding) or None. Device ops only; no value is read on the host. The entropy slot holds
     ``sum(p log p) / ln(E)`` and the overlap slot ``|S & unbiased top-k|``:
     :func:`router_health_metrics` negates the one and divides the other by ``top_k``, on the
-    host. (:class:`RouterHealthTracker` adds the same table straight into its accumulators.)
+    host. (:class:`RouterHealthTracker` runs the same arithmetic over its batched forwards.)
     """
     with torch.no_grad():
+        z = logits.detach().reshape(1, -1, scoring.num_experts).float()
+        if valid is None:
+            weight = torch.ones(z.shape[:2], dtype=torch.float32, device=z.device)
+        else:
+            weight = valid.reshape(1, -1).to(device=z.device, dtype=torch.float32)
+        bias = None if bias is None else _expert_bias(bias, z)
         table, slots, max_abs = _decision_table(
-            logits, scoring, near_tie_gap, bias, valid, _new_ones
+            z, scoring, near_tie_gap, bias, weight, valid is not None
         )
-        sums = torch.zeros(DECISION_SLOTS, dtype=torch.float64, device=table.device)
-        index = torch.tensor(slots, dtype=torch.int64, device=table.device)
-        sums.index_add_(0, index, table.sum(dim=0, dtype=torch.float64))
+        sums = torch.zeros(DECISION_SLOTS, dtype=torch.float64, device=z.device)
+        index = torch.tensor(slots, dtype=torch.int64, device=z.device)
+        sums.index_add_(0, index, table[0])
         scale = torch.tensor(slot_scale(scoring)[:DECISION_SLOTS], dtype=torch.float64)
-    return sums * scale.to(sums.device), max_abs
+    return sums * scale.to(sums.device), max_abs[0]
 
 
 def microbatch_balance(counts: torch.Tensor) -> torch.Tensor:
@@ -345,14 +343,33 @@ def forwards_balance(counts: torch.Tensor) -> torch.Tensor:
     return torch.stack([ratio, routed.to(torch.float64)], dim=1)
 
 
+#: Bytes of router logits a tracker keeps before judging them (one batched pass per flush):
+#: the whole step on small models, a few layers' forwards of a large one.
+FLUSH_BYTES = 64 << 20
+
+
+class _KeptForwards:
+    """Router forwards of one scoring and shape, kept until the tracker judges them together."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.logits: list[torch.Tensor] = []
+        self.biases: list[torch.Tensor] = []
+        self.valid: list[torch.Tensor] = []
+
+
 class RouterHealthTracker:
     """Device accumulators of one rank's router decision health for one step.
 
     ``scorings``: per hooked layer (global id), how its router decides, or None when its score
     function is unknown (then only ``max_over_ideal_microbatch`` is measured for it).
 
-    Each forward's routed counts are kept (a reference to the collector's fresh tensor, no
-    copy) until :meth:`local_stats` turns them into the microbatch balance in one pass.
+    A forward's logits (and a copy of its expert bias, which the trainer may move before the
+    step ends) are kept, not judged at once: :meth:`local_stats`, or a batch reaching
+    :data:`FLUSH_BYTES`, judges every kept forward of one scoring and shape in one pass, so a
+    step costs a few dozen device ops whatever its layers and microbatches. Each forward's
+    routed counts are kept too (a reference to the collector's fresh tensor, no copy) until
+    :meth:`local_stats` turns them into the microbatch balance in one pass.
     """
 
     def __init__(
@@ -361,11 +378,13 @@ class RouterHealthTracker:
         *,
         near_tie_gap: float,
         device: torch.device,
+        flush_bytes: int = FLUSH_BYTES,
     ) -> None:
         """See the class docstring; ``near_tie_gap``: the relative gap below which a decision
         counts as a near tie (``router_near_tie_gap``)."""
         self.layer_ids = sorted(scorings)
         self.near_tie_gap = float(near_tie_gap)
+        self.flush_bytes = flush_bytes
         self._scoring = dict(scorings)
         self._row = {layer: i for i, layer in enumerate(self.layer_ids)}
         scale = [
@@ -374,6 +393,8 @@ class RouterHealthTracker:
         ]
         self._scale = torch.tensor(scale, dtype=torch.float64).reshape(-1, SLOTS)
         self._forwards: list[list[torch.Tensor]] = [[] for _ in self.layer_ids]
+        self._pending: dict[tuple, _KeptForwards] = {}
+        self._pending_bytes = 0
         self._allocate(device)
 
     def _allocate(self, device: torch.device) -> None:
@@ -381,24 +402,34 @@ class RouterHealthTracker:
         self.sums = torch.zeros(len(self.layer_ids), SLOTS, dtype=torch.float64, device=device)
         self.max_abs = torch.zeros(len(self.layer_ids), dtype=torch.float64, device=device)
         self._scale = self._scale.to(device)
-        # Row views and slot indices made once per device: each is a dispatch saved per call.
-        self._rows = [(self.sums[i], self.max_abs[i]) for i in range(len(self.layer_ids))]
+        # Index tensors made once per device and batch layout: a host-to-device copy saved.
         self._index: dict[tuple[int, ...], torch.Tensor] = {}
-        self._ones: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._ones: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
     def scoring(self, layer_id: int) -> RouterScoring | None:
         """How the router of global layer ``layer_id`` decides; None when it is not judged."""
         return self._scoring[layer_id]
 
-    def _ones_of(self, tokens: int, device: torch.device) -> torch.Tensor:
-        ones = self._ones.get((tokens, device))
+    def _ones_of(self, forwards: int, tokens: int, device: torch.device) -> torch.Tensor:
+        """``[forwards, tokens]`` ones (the weight of unpadded forwards), kept per shape."""
+        ones = self._ones.get((forwards, tokens, device))
         if ones is None:
             if len(self._ones) > 64:  # varying lengths: keep the cache small
                 self._ones.clear()
-            ones = self._ones[(tokens, device)] = _new_ones(tokens, device)
+            ones = torch.ones(forwards, tokens, dtype=torch.float32, device=device)
+            self._ones[(forwards, tokens, device)] = ones
         return ones
 
-    # -- per router forward (hot path: device ops only) -------------------------------------
+    def _index_of(self, values: tuple[int, ...]) -> torch.Tensor:
+        """``values`` as an int64 index on the accumulators' device, kept per tuple."""
+        index = self._index.get(values)
+        if index is None:
+            if len(self._index) > 256:  # varying batch layouts: keep the cache small
+                self._index.clear()
+            index = self._index[values] = torch.tensor(values, dtype=torch.int64).to(self._device)
+        return index
+
+    # -- per router forward (hot path: no arithmetic, kept for the batched pass) ------------
     def observe(
         self,
         layer_id: int,
@@ -423,21 +454,47 @@ class RouterHealthTracker:
                 "its routing is described wrongly (adapters/hf_health.py): turn "
                 "track_router_health off for this model and report the model"
             )
-        # No no_grad block: the table derives from the detached logits and bias only.
-        table, slots, max_abs = _decision_table(
-            logits, scoring, self.near_tie_gap, bias, valid, self._ones_of
-        )
-        index = self._index.get(slots)
-        if index is None:
-            index = self._index[slots] = torch.tensor(slots, dtype=torch.int64).to(self._device)
-        sums, peak = self._rows[row]
-        added = table.sum(dim=0, dtype=torch.float64)
-        if logits.device != self._device:  # logits on another device than the counts
-            added, max_abs = added.to(self._device), max_abs.to(self._device)
-        sums.index_add_(0, index, added)
-        peak.clamp_min_(max_abs)
+        z = logits.detach().reshape(-1, scoring.num_experts)
+        key = (scoring, z.shape[0], z.dtype, z.device, bias is not None, valid is not None)
+        batch = self._pending.get(key)
+        if batch is None:
+            batch = self._pending[key] = _KeptForwards()
+        batch.rows.append(row)
+        batch.logits.append(z)
+        if bias is not None:  # a copy: megatron moves the bias after the step's last backward
+            batch.biases.append(bias.detach().clone())
+        if valid is not None:
+            batch.valid.append(valid)
+        self._pending_bytes += z.numel() * z.element_size()
+        if self._pending_bytes >= self.flush_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        """Judge every kept forward (device ops only): one pass per scoring and shape."""
+        pending, self._pending, self._pending_bytes = self._pending, {}, 0
+        for (scoring, tokens, _, device, _, padded), batch in pending.items():
+            n = len(batch.rows)
+            z = torch.stack(batch.logits) if n > 1 else batch.logits[0].unsqueeze(0)
+            z = z if z.dtype == torch.float32 else z.float()
+            bias = None
+            if batch.biases:
+                bias = torch.stack(batch.biases).reshape(n, 1, -1).to(device, torch.float32)
+            if padded:
+                weight = torch.stack(batch.valid).reshape(n, tokens)
+                weight = weight.to(device=device, dtype=torch.float32)
+            else:
+                weight = self._ones_of(n, tokens, device)
+            added, slots, max_abs = _decision_table(
+                z, scoring, self.near_tie_gap, bias, weight, padded
+            )
+            rows, cols = self._index_of(tuple(batch.rows)), self._index_of(slots)
+            if device != self._device:  # logits on another device than the counts
+                added, max_abs = added.to(self._device), max_abs.to(self._device)
+            self.sums.index_put_((rows.unsqueeze(1), cols), added, accumulate=True)
+            self.max_abs.scatter_reduce_(0, rows, max_abs.to(torch.float64), "amax")
 
     def _move(self, device: torch.device) -> None:
+        self.flush()
         sums, max_abs = self.sums.to(device), self.max_abs.to(device)
         self._allocate(device)
         self.sums.copy_(sums)
@@ -464,6 +521,7 @@ class RouterHealthTracker:
 
     def local_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``([local layers, SLOTS] sums, [local layers] max |z|)`` float64 device tensors."""
+        self.flush()
         self._fold_forwards()
         return self.sums * self._scale, self.max_abs
 
@@ -472,6 +530,7 @@ class RouterHealthTracker:
         self.sums.zero_()
         self.max_abs.zero_()
         self._forwards = [[] for _ in self.layer_ids]
+        self._pending, self._pending_bytes = {}, 0
 
 
 def _mean(values: list[float]) -> float:

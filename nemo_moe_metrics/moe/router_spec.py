@@ -103,7 +103,8 @@ def per_expert(counts: torch.Tensor) -> torch.Tensor:
     """Counts ``[E]`` (int64) from per-expert counts or a ``[T, E]`` assignment map."""
     if counts.dtype == torch.bool or counts.dim() == 2:
         counts = counts.sum(dim=0)
-    return counts.to(torch.int64)
+    # A Python check, not a .to(): the hot path's counts are int64 already (a dispatch saved).
+    return counts if counts.dtype == torch.int64 else counts.to(torch.int64)
 
 
 def logits_of(output: Any, index: int) -> torch.Tensor:

@@ -124,13 +124,14 @@ def route_checks(routes: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
 
 
 def _overlap(rollout: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``|rollout set & chosen set|`` per token (meaningful where the rollout row is a route)."""
+    """``|rollout set & chosen set|`` per token (meaningful where the rollout row is a route);
+    any leading shape (``[T, k]`` rows, or ``[N, T, k]`` for N forwards)."""
     # An out-of-range row is no route whatever its clamped ids say.
     safe = rollout.clamp(0, num_experts - 1)
     if chosen.dtype == torch.bool:
-        return chosen.gather(1, safe).sum(dim=1)
+        return chosen.gather(-1, safe).sum(dim=-1)
     # ids: membership of each rollout id among the router's ([T, k, k'], no [T, E] map)
-    return (safe.unsqueeze(2) == chosen.unsqueeze(1)).any(dim=2).sum(dim=1)
+    return (safe.unsqueeze(-1) == chosen.unsqueeze(-2)).any(dim=-1).sum(dim=-1)
 
 
 def compare(
@@ -186,12 +187,15 @@ class RoutingTracker:
             if rollout_experts
             else None
         )
-        self._index: dict[torch.device, torch.Tensor] = {}
+        self._index: dict[tuple[int, ...], torch.Tensor] = {}
         experts = set(num_experts)
         self._uniform_experts = experts.pop() if len(experts) == 1 else None
-        # The current microbatch's routes split by layer, checked: (rollout, route, bad id).
-        self._checked: tuple[tuple[torch.Tensor, ...], ...] | None = None
-        self._ones: dict[tuple[int, torch.device], torch.Tensor] = {}
+        # The current microbatch's route checks, [layers, T] each: (is a route, bad id).
+        self._checked: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._ones: dict[tuple[torch.Size, torch.device], torch.Tensor] = {}
+        # The current microbatch's forwards, by kind, until it ends: (row, chosen, executed,
+        # real tokens or None).
+        self._kept: dict[tuple, list[tuple[int, torch.Tensor, torch.Tensor, Any]]] = {}
         self._routes: torch.Tensor | None = None
         self._routes_used = False  # a host flag: a training forward saw the routes
         # Per token of the current forward: layers with a route, layers that differ.
@@ -225,16 +229,18 @@ class RoutingTracker:
             self.tokens[UNUSED_ROUTES] += 1  # a device op with a host number: no sync
 
     def fold(self) -> None:
-        """Add the finished forward's per-token flags to the step's token counts."""
+        """Compare the finished microbatch's kept forwards, then add its per-token flags to the
+        step's token counts."""
+        self._compare_kept()
         if self._routed_layers is None:
             return
         all_routed = self._routed_layers == len(self.layer_ids)
         differs = all_routed & (self._differ_layers > 0)
-        self.tokens[TOKENS_ALL_ROUTED] += all_routed.sum()
-        self.tokens[TOKENS_ANY_DIFFERS] += differs.sum()
+        flags = torch.stack([all_routed, differs]).sum(dim=1)
+        self.tokens[TOKENS_ALL_ROUTED : TOKENS_ANY_DIFFERS + 1] += flags
         self._routed_layers = self._differ_layers = None
 
-    # -- per router forward (hot path: device ops only) -------------------------------------
+    # -- per router forward (hot path: shape checks, kept for the batched pass) -------------
     def observe(
         self,
         layer_id: int,
@@ -248,16 +254,16 @@ class RoutingTracker:
         ``chosen``: a ``[T, E]`` bool map or ``[T, k]`` expert ids (compared directly);
         ``executed_map``: ``[T, E]`` bool (read under router replay only) or, where the router
         executes its own choice, the same tensor as ``chosen``. ``valid_tokens`` ``[T]`` bool
-        (False = padding the router knows of) or None.
+        (False = padding the router knows of) or None. Kept until the microbatch ends, when
+        every layer's forward is compared in one pass.
         """
         row = self._row[layer_id]
         num_tokens = chosen.shape[0]
         if self.stats.device != chosen.device:  # the model moved after attach
             self._move(chosen.device)
-        stats = self.stats[row]
         real = None if valid_tokens is None else valid_tokens.reshape(-1).bool()
         if self._routes is None:
-            stats[PAIRS] += num_tokens if real is None else real.sum()
+            self.stats[row, PAIRS] += num_tokens if real is None else real.sum()
             return
         if self._routes.shape[0] != num_tokens:
             raise RoutingShapeError(
@@ -266,74 +272,100 @@ class RoutingTracker:
                 "for exactly the microbatch's tokens (padding included, as -1)"
             )
         self._routes_used = True
-        rollout, has_route, out_of_range = self._layer_routes(layer_id)
-        experts = self._experts[layer_id]
-        overlap = _overlap(rollout, chosen, experts) * has_route
-        if real is not None:
-            has_route = has_route & real
-            overlap = overlap * real
-            out_of_range = out_of_range & real
-        differ = has_route & (overlap < self.topk)
-        # Per token [T, 5], summed once into the layer's slots (one reduction, one add).
-        pairs = self._all_tokens(num_tokens, chosen.device) if real is None else real
-        columns = torch.stack([pairs, has_route, differ, overlap, out_of_range], dim=1)
-        stats.index_add_(0, self._slot_index(chosen.device), columns.sum(dim=0))
-        if self.rollout_counts is not None:
-            # The engine's own load: rows without a full route (-1, e.g. the last generated
-            # token) and padding are left out; fixed-size scatter, no host read.
-            ids = torch.where((rollout >= 0) & (rollout < experts), rollout, 0)
-            taken = has_route.unsqueeze(1).expand_as(ids).to(torch.int64)
-            self.rollout_counts[row].scatter_add_(0, ids.reshape(-1), taken.reshape(-1))
-        if replay:
-            _, executed_overlap = compare(rollout, executed_map, experts)
-            exact = executed_overlap == self.topk
-            exact &= executed_map.sum(dim=1) == self.topk
-            stats[REPLAY_PAIRS] += has_route.sum()
-            stats[REPLAY_MISMATCH] += (has_route & ~exact).sum()
-            stats[REPLAY_FORWARDS] += 1
-        if self._routed_layers is None or self._routed_layers.shape[0] != num_tokens:
-            self.fold()
-            self._routed_layers = torch.zeros(num_tokens, dtype=torch.int64, device=chosen.device)
-            self._differ_layers = torch.zeros_like(self._routed_layers)
-        assert self._differ_layers is not None
-        self._routed_layers += has_route
-        self._differ_layers += differ
+        key = (chosen.dtype, chosen.shape[1], self._experts[layer_id], real is None, replay)
+        self._kept.setdefault(key, []).append((row, chosen, executed_map, real))
 
-    def _layer_routes(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(rollout [T, k], is a route [T], out of range [T])`` of one layer this microbatch.
+    def _compare_kept(self) -> None:
+        """Compare the kept forwards of this microbatch with its routes, one pass per kind of
+        forward (the chosen experts' form, padding known or not, replay on or off)."""
+        kept, self._kept = self._kept, {}
+        for (_, _, experts, unpadded, replay), forwards in kept.items():
+            rows = [f[0] for f in forwards]
+            index = self._index_of(tuple(rows))
+            axes = self._index_of(tuple(self._axis[self.layer_ids[r]] for r in rows))
+            rollout, has_route, out_of_range = self._routes_of(axes, experts)
+            chosen = self._stacked([f[1] for f in forwards])
+            overlap = _overlap(rollout, chosen, experts) * has_route
+            if unpadded:
+                pairs = self._all_tokens(has_route.shape, has_route.device)
+            else:
+                pairs = self._stacked([f[3] for f in forwards])
+                has_route = has_route & pairs
+                overlap = overlap * pairs
+                out_of_range = out_of_range & pairs
+            differ = has_route & (overlap < self.topk)
+            columns = [pairs, has_route, differ, overlap, out_of_range]
+            slots = (PAIRS, ROUTED, DIFFER, OVERLAP, OUT_OF_RANGE)
+            if replay:
+                executed = self._stacked([f[2] for f in forwards])
+                _, executed_overlap = compare(rollout, executed, experts)
+                exact = (executed_overlap == self.topk) & (executed.sum(dim=-1) == self.topk)
+                columns += [has_route, has_route & ~exact]
+                slots += (REPLAY_PAIRS, REPLAY_MISMATCH)
+            # Per forward and token [N, T, n], summed once into the layers' slots.
+            added = torch.stack(columns, dim=-1).sum(dim=1)
+            self.stats.index_put_((index.unsqueeze(1), self._index_of(slots)), added, True)
+            if replay:
+                self.stats[:, REPLAY_FORWARDS].index_add_(0, index, torch.ones_like(index))
+            if self.rollout_counts is not None:
+                # The engine's own load: rows without a full route (-1, e.g. the last generated
+                # token) and padding are left out; fixed-size scatter, no host read.
+                ids = torch.where((rollout >= 0) & (rollout < experts), rollout, 0)
+                ids = ids + (index * self.rollout_counts.shape[1]).reshape(-1, 1, 1)
+                taken = has_route.unsqueeze(-1).expand_as(ids).to(torch.int64)
+                self.rollout_counts.view(-1).scatter_add_(0, ids.reshape(-1), taken.reshape(-1))
+            if self._routed_layers is None:
+                self._routed_layers = has_route.sum(dim=0)
+                self._differ_layers = differ.sum(dim=0)
+            else:
+                assert self._differ_layers is not None
+                self._routed_layers += has_route.sum(dim=0)
+                self._differ_layers += differ.sum(dim=0)
 
-        Checked for every layer at the microbatch's first forward when the layers have one
-        expert count (a few calls over ``[T, layers, k]`` instead of a dozen per layer)."""
+    @staticmethod
+    def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(tensors) if len(tensors) > 1 else tensors[0].unsqueeze(0)
+
+    def _routes_of(
+        self, axes: torch.Tensor, experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(rollout [N, T, k], is a route [N, T], out of range [N, T])`` of the microbatch's
+        routes at the layer axes ``axes``; the checks run once per microbatch over every layer
+        when the layers have one expert count."""
         assert self._routes is not None
-        axis = self._axis[layer_id]
+        rollout = self._routes.index_select(1, axes).transpose(0, 1)
         if self._uniform_experts is None:
-            rollout = self._routes[:, axis]
-            return rollout, *route_checks(rollout, self._experts[layer_id])
+            return rollout, *route_checks(rollout, experts)
         if self._checked is None:
             valid, out_of_range = route_checks(self._routes, self._uniform_experts)
-            self._checked = (self._routes.unbind(1), valid.unbind(1), out_of_range.unbind(1))
-        rollouts, valid_rows, out_rows = self._checked
-        return rollouts[axis], valid_rows[axis], out_rows[axis]
+            self._checked = (valid.t(), out_of_range.t())
+        valid_rows, out_rows = self._checked
+        return rollout, valid_rows.index_select(0, axes), out_rows.index_select(0, axes)
 
-    def _slot_index(self, device: torch.device) -> torch.Tensor:
-        index = self._index.get(device)
-        if index is None:  # made once per device: a host-to-device copy
-            slots = [PAIRS, ROUTED, DIFFER, OVERLAP, OUT_OF_RANGE]
-            index = self._index[device] = torch.tensor(slots, dtype=torch.int64).to(device)
+    def _index_of(self, values: tuple[int, ...]) -> torch.Tensor:
+        """``values`` as an int64 index on the accumulators' device, kept per tuple (a
+        host-to-device copy made once per layout)."""
+        index = self._index.get(values)
+        if index is None:
+            if len(self._index) > 256:  # varying layouts: keep the cache small
+                self._index.clear()
+            index = self._index[values] = torch.tensor(values, dtype=torch.int64).to(
+                self.stats.device
+            )
         return index
 
-    def _all_tokens(self, tokens: int, device: torch.device) -> torch.Tensor:
-        """``[tokens]`` True (no padding known), kept per length: one op less per forward."""
-        ones = self._ones.get((tokens, device))
+    def _all_tokens(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """``shape`` True (no padding known), kept per shape: one op less per microbatch."""
+        ones = self._ones.get((shape, device))
         if ones is None:
             if len(self._ones) > 64:  # varying lengths: keep the cache small
                 self._ones.clear()
-            ones = self._ones[(tokens, device)] = torch.ones(
-                tokens, dtype=torch.bool, device=device
-            )
+            ones = self._ones[(shape, device)] = torch.ones(shape, dtype=torch.bool, device=device)
         return ones
 
     def _move(self, device: torch.device) -> None:
+        self._compare_kept()
+        self._index.clear()
         self.stats = self.stats.to(device)
         self.tokens = self.tokens.to(device)
         if self.rollout_counts is not None:
@@ -358,6 +390,7 @@ class RoutingTracker:
         self._routes = self._checked = None
         self._routes_used = False
         self._routed_layers = self._differ_layers = None
+        self._kept = {}
 
 
 def _put_ratio(out: dict[str, Any], key: str, num: float, den: float) -> None:
