@@ -41,6 +41,7 @@ from nemo_moe_metrics.moe.aux_loss import (
     reduce_aux_losses,
     summarize_aux_losses,
 )
+from nemo_moe_metrics.moe.router_health import FLUSH_BYTES
 from nemo_moe_metrics.moe.router_spec import logits_of
 
 #: The one loss a Hugging Face MoE model defines, under megatron's tracker name.
@@ -53,14 +54,25 @@ def layer_load_balancing_loss(router_logits: torch.Tensor, num_experts: int, top
     Device ops only: no host read, no branching on values.
     """
     logits = router_logits.detach()
-    tokens = logits.shape[0]
+    return forwards_load_balancing_loss(logits.reshape(1, *logits.shape), num_experts, top_k)[0]
+
+
+def forwards_load_balancing_loss(
+    router_logits: torch.Tensor, num_experts: int, top_k: int
+) -> torch.Tensor:
+    """:func:`layer_load_balancing_loss` of ``N`` forwards at once: ``[N, T, E]`` -> ``[N]``.
+
+    Each forward's own tokens, as the per-layer function computes them; one pass for all.
+    """
+    logits = router_logits.detach()
+    forwards, tokens = logits.shape[0], logits.shape[1]
     weights = torch.softmax(logits, dim=-1)
     _, selected = torch.topk(weights, top_k, dim=-1)
-    flat = selected.reshape(-1)
-    picks = torch.zeros(num_experts, dtype=torch.float32, device=logits.device)
-    picks.scatter_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=flat.device))
-    prob_sum = weights.float().sum(dim=0)
-    return (picks / tokens * (prob_sum / tokens)).sum() * num_experts
+    flat = selected.reshape(forwards, -1)
+    picks = torch.zeros(forwards, num_experts, dtype=torch.float32, device=logits.device)
+    picks.scatter_add_(1, flat, torch.ones(flat.shape, dtype=torch.float32, device=flat.device))
+    prob_sum = weights.float().sum(dim=1)
+    return (picks / tokens * (prob_sum / tokens)).sum(dim=-1) * num_experts
 
 
 def doge_layer_load_balancing_loss(
@@ -83,15 +95,16 @@ def doge_layer_load_balancing_loss(
     return (picks / picked.shape[0] * probs.mean(dim=0)).sum() * num_experts
 
 
-_LAYER_LOSS = {"switch": layer_load_balancing_loss, "doge": doge_layer_load_balancing_loss}
-
-
 class HFAuxLossAccumulator:
     """Per-layer sum of the load-balancing loss over a step's training forwards, on device.
 
     ``values`` is ``[len(HF_AUX_LOSS_NAMES), num_layers]`` float32 (zeros for dense layers),
     the same shape megatron's tracker gives ``aux_loss.local_aux_loss_values``; ``layers`` are
     the layers whose routers feed it (every MoE layer with router logits).
+
+    A forward's logits are kept, not reduced at once: :meth:`flush` (called by
+    :func:`enqueue_hf_aux_loss_metrics`, or when the kept logits reach ``FLUSH_BYTES``)
+    computes every kept forward of one shape in one pass.
     """
 
     def __init__(self, num_layers: int, layers: list[int], kind: str = "switch") -> None:
@@ -100,8 +113,11 @@ class HFAuxLossAccumulator:
         ``load_balancing_loss_func``) or ``"doge"``."""
         self.num_layers = num_layers
         self.layers = sorted(layers)
-        self._loss = _LAYER_LOSS[kind]
+        self.kind = kind
         self.values = torch.zeros(len(HF_AUX_LOSS_NAMES), num_layers, dtype=torch.float32)
+        self._kept: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}
+        self._kept_bytes = 0
+        self._index: dict[tuple[int, ...], torch.Tensor] = {}
 
     def observer(self, logits_at: int, num_experts: int, top_k: int):
         """A router-hook callback ``(layer_id, router, output)`` adding this forward's loss."""
@@ -112,16 +128,42 @@ class HFAuxLossAccumulator:
         return observe
 
     def add(self, layer_id: int, logits: torch.Tensor, num_experts: int, top_k: int) -> None:
-        """Add one forward's loss of ``layer_id`` from its router logits (device ops only)."""
+        """Keep one forward's router logits of ``layer_id`` for its loss (no device op but a
+        detach)."""
         if logits.numel() == 0:  # metadata, not a value: an empty microbatch adds nothing
             return
-        if self.values.device != logits.device:  # first forward, or the model moved
-            self.values = self.values.to(logits.device)
-        self.values[0, layer_id].add_(self._loss(logits, num_experts, top_k))
+        logits = logits.detach()
+        key = (tuple(logits.shape), logits.dtype, logits.device, num_experts, top_k)
+        layers, kept = self._kept.setdefault(key, ([], []))
+        layers.append(layer_id)
+        kept.append(logits)
+        self._kept_bytes += logits.numel() * logits.element_size()
+        if self._kept_bytes >= FLUSH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Add every kept forward's loss to ``values``: one pass per shape (device ops only)."""
+        kept, self._kept, self._kept_bytes = self._kept, {}, 0
+        for (_, _, device, num_experts, top_k), (layers, logits) in kept.items():
+            if self.values.device != device:  # first forward, or the model moved
+                self.values = self.values.to(device)
+                self._index.clear()
+            if self.kind == "switch":
+                losses = forwards_load_balancing_loss(torch.stack(logits), num_experts, top_k)
+            else:
+                losses = torch.stack(
+                    [doge_layer_load_balancing_loss(z, num_experts, top_k) for z in logits]
+                )
+            index = self._index.get(tuple(layers))
+            if index is None:
+                index = torch.tensor(layers, dtype=torch.int64).to(device)
+                self._index[tuple(layers)] = index
+            self.values[0].index_add_(0, index, losses.to(self.values.dtype))
 
     def reset(self) -> None:
-        """Zero the sums (start of a new step, or a step that raised)."""
+        """Zero the sums and drop kept logits (start of a new step, or a step that raised)."""
         self.values.zero_()
+        self._kept, self._kept_bytes = {}, 0
 
 
 def _hf_groups(data_group: Any) -> SimpleNamespace:
@@ -163,6 +205,7 @@ def enqueue_hf_aux_loss_metrics(
     export's one host read (:func:`~nemo_moe_metrics.host_read.read_once`).
     """
     check_num_microbatches(num_microbatches)
+    acc.flush()
     values = acc.values.clone()
     acc.reset()
     values.div_(num_microbatches)

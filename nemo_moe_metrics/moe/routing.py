@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.moe.router_health import FLUSH_BYTES
 
 #: Per-layer integer slots of :meth:`RoutingTracker.local_stats`; ``OUT_OF_RANGE``: real
 #: tokens whose rollout row holds an id outside ``[-1, num_experts)`` (an error at export).
@@ -190,17 +191,15 @@ class RoutingTracker:
         self._index: dict[tuple[int, ...], torch.Tensor] = {}
         experts = set(num_experts)
         self._uniform_experts = experts.pop() if len(experts) == 1 else None
-        # The current microbatch's route checks, [layers, T] each: (is a route, bad id).
-        self._checked: tuple[torch.Tensor, torch.Tensor] | None = None
         self._ones: dict[tuple[torch.Size, torch.device], torch.Tensor] = {}
         # The current microbatch's forwards, by kind, until it ends: (row, chosen, executed,
         # real tokens or None).
         self._kept: dict[tuple, list[tuple[int, torch.Tensor, torch.Tensor, Any]]] = {}
+        # Finished microbatches, kept for the batched comparison: (routes, their forwards).
+        self._finished: list[tuple[torch.Tensor, dict[tuple, list]]] = []
+        self._finished_bytes = 0
         self._routes: torch.Tensor | None = None
         self._routes_used = False  # a host flag: a training forward saw the routes
-        # Per token of the current forward: layers with a route, layers that differ.
-        self._routed_layers: torch.Tensor | None = None
-        self._differ_layers: torch.Tensor | None = None
 
     # -- per microbatch --------------------------------------------------------------------
     def set_routes(self, routes: torch.Tensor | None, num_sequences: int | None = None) -> None:
@@ -218,27 +217,29 @@ class RoutingTracker:
             if routes.device != self.stats.device:
                 routes = routes.to(self.stats.device, non_blocking=True)
         self._routes = routes
-        self._checked = None
         self._routes_used = False
 
     def _check_routes_used(self) -> None:
         # Counted, not raised: the export raises on every rank together (no rank left waiting
         # in a collective), from the summed count.
         if self._routes is not None and not self._routes_used:
-            self._routes = self._checked = None
+            self._routes = None
+            self._kept = {}
             self.tokens[UNUSED_ROUTES] += 1  # a device op with a host number: no sync
 
     def fold(self) -> None:
-        """Compare the finished microbatch's kept forwards, then add its per-token flags to the
-        step's token counts."""
-        self._compare_kept()
-        if self._routed_layers is None:
+        """Keep the finished microbatch's forwards (with its routes) for the batched pass;
+        compare what is kept once it holds :data:`FLUSH_BYTES`."""
+        if not self._kept:
             return
-        all_routed = self._routed_layers == len(self.layer_ids)
-        differs = all_routed & (self._differ_layers > 0)
-        flags = torch.stack([all_routed, differs]).sum(dim=1)
-        self.tokens[TOKENS_ALL_ROUTED : TOKENS_ANY_DIFFERS + 1] += flags
-        self._routed_layers = self._differ_layers = None
+        assert self._routes is not None
+        self._finished.append((self._routes, self._kept))
+        self._finished_bytes += self._routes.numel() * self._routes.element_size()
+        for forwards in self._kept.values():
+            self._finished_bytes += sum(f[1].numel() * f[1].element_size() for f in forwards)
+        self._kept = {}
+        if self._finished_bytes >= FLUSH_BYTES:
+            self._compare_finished()
 
     # -- per router forward (hot path: shape checks, kept for the batched pass) -------------
     def observe(
@@ -275,21 +276,49 @@ class RoutingTracker:
         key = (chosen.dtype, chosen.shape[1], self._experts[layer_id], real is None, replay)
         self._kept.setdefault(key, []).append((row, chosen, executed_map, real))
 
-    def _compare_kept(self) -> None:
-        """Compare the kept forwards of this microbatch with its routes, one pass per kind of
-        forward (the chosen experts' form, padding known or not, replay on or off)."""
-        kept, self._kept = self._kept, {}
+    def _compare_finished(self) -> None:
+        """Compare every kept microbatch with its routes: in one pass when they share their
+        shape and layers (the usual step), else one pass per microbatch."""
+        finished, self._finished, self._finished_bytes = self._finished, [], 0
+        layouts = {
+            (routes.shape, tuple((kind, tuple(f[0] for f in fw)) for kind, fw in kept.items()))
+            for routes, kept in finished
+        }
+        if len(finished) > 1 and len(layouts) == 1:
+            merged: dict[tuple, list] = {}
+            for _, kept in finished:
+                for kind, forwards in kept.items():
+                    merged.setdefault(kind, []).extend(forwards)
+            self._compare(torch.stack([routes for routes, _ in finished]), merged)
+            return
+        for routes, kept in finished:
+            self._compare(routes.unsqueeze(0), kept)
+
+    def _compare(self, routes: torch.Tensor, kept: dict[tuple, list]) -> None:
+        """Compare ``M`` microbatches' routes ``[M, T, layers, k]`` with their kept forwards
+        (per kind of forward, microbatch-major: ``M`` times the same layers)."""
+        microbatches = routes.shape[0]
+        checked = None
+        if self._uniform_experts is not None:  # every layer checked in one call
+            checked = route_checks(routes, self._uniform_experts)
+        routed_layers = differ_layers = None  # per microbatch and token [M, T]
         for (_, _, experts, unpadded, replay), forwards in kept.items():
-            rows = [f[0] for f in forwards]
+            rows = [f[0] for f in forwards[: len(forwards) // microbatches]]
             index = self._index_of(tuple(rows))
             axes = self._index_of(tuple(self._axis[self.layer_ids[r]] for r in rows))
-            rollout, has_route, out_of_range = self._routes_of(axes, experts)
-            chosen = self._stacked([f[1] for f in forwards])
+            # [M, N, T, k] and [M, N, T]: microbatch, layer forward, token.
+            rollout = routes.index_select(2, axes).transpose(1, 2)
+            has_route, out_of_range = (
+                route_checks(rollout, experts)
+                if checked is None
+                else (c.index_select(2, axes).transpose(1, 2) for c in checked)
+            )
+            chosen = self._stacked([f[1] for f in forwards], microbatches)
             overlap = _overlap(rollout, chosen, experts) * has_route
             if unpadded:
                 pairs = self._all_tokens(has_route.shape, has_route.device)
             else:
-                pairs = self._stacked([f[3] for f in forwards])
+                pairs = self._stacked([f[3] for f in forwards], microbatches)
                 has_route = has_route & pairs
                 overlap = overlap * pairs
                 out_of_range = out_of_range & pairs
@@ -297,50 +326,40 @@ class RoutingTracker:
             columns = [pairs, has_route, differ, overlap, out_of_range]
             slots = (PAIRS, ROUTED, DIFFER, OVERLAP, OUT_OF_RANGE)
             if replay:
-                executed = self._stacked([f[2] for f in forwards])
+                executed = self._stacked([f[2] for f in forwards], microbatches)
                 _, executed_overlap = compare(rollout, executed, experts)
                 exact = (executed_overlap == self.topk) & (executed.sum(dim=-1) == self.topk)
                 columns += [has_route, has_route & ~exact]
                 slots += (REPLAY_PAIRS, REPLAY_MISMATCH)
-            # Per forward and token [N, T, n], summed once into the layers' slots.
-            added = torch.stack(columns, dim=-1).sum(dim=1)
+            # Per microbatch, forward and token [M, N, T, n], summed once into the slots.
+            added = torch.stack(columns, dim=-1).sum(dim=(0, 2))
             self.stats.index_put_((index.unsqueeze(1), self._index_of(slots)), added, True)
             if replay:
-                self.stats[:, REPLAY_FORWARDS].index_add_(0, index, torch.ones_like(index))
+                forwards_each = torch.full_like(index, microbatches)
+                self.stats[:, REPLAY_FORWARDS].index_add_(0, index, forwards_each)
             if self.rollout_counts is not None:
                 # The engine's own load: rows without a full route (-1, e.g. the last generated
                 # token) and padding are left out; fixed-size scatter, no host read.
                 ids = torch.where((rollout >= 0) & (rollout < experts), rollout, 0)
-                ids = ids + (index * self.rollout_counts.shape[1]).reshape(-1, 1, 1)
+                ids = ids + (index * self.rollout_counts.shape[1]).reshape(1, -1, 1, 1)
                 taken = has_route.unsqueeze(-1).expand_as(ids).to(torch.int64)
                 self.rollout_counts.view(-1).scatter_add_(0, ids.reshape(-1), taken.reshape(-1))
-            if self._routed_layers is None:
-                self._routed_layers = has_route.sum(dim=0)
-                self._differ_layers = differ.sum(dim=0)
+            routed, differs = has_route.sum(dim=1), differ.sum(dim=1)
+            if routed_layers is None or differ_layers is None:
+                routed_layers, differ_layers = routed, differs
             else:
-                assert self._differ_layers is not None
-                self._routed_layers += has_route.sum(dim=0)
-                self._differ_layers += differ.sum(dim=0)
+                routed_layers, differ_layers = routed_layers + routed, differ_layers + differs
+        if routed_layers is None or differ_layers is None:
+            return
+        # Tokens routed on every layer of their forward, and of those, which differ anywhere.
+        all_routed = routed_layers == len(self.layer_ids)
+        flags = torch.stack([all_routed, all_routed & (differ_layers > 0)]).sum(dim=(1, 2))
+        self.tokens[TOKENS_ALL_ROUTED : TOKENS_ANY_DIFFERS + 1] += flags
 
     @staticmethod
-    def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack(tensors) if len(tensors) > 1 else tensors[0].unsqueeze(0)
-
-    def _routes_of(
-        self, axes: torch.Tensor, experts: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(rollout [N, T, k], is a route [N, T], out of range [N, T])`` of the microbatch's
-        routes at the layer axes ``axes``; the checks run once per microbatch over every layer
-        when the layers have one expert count."""
-        assert self._routes is not None
-        rollout = self._routes.index_select(1, axes).transpose(0, 1)
-        if self._uniform_experts is None:
-            return rollout, *route_checks(rollout, experts)
-        if self._checked is None:
-            valid, out_of_range = route_checks(self._routes, self._uniform_experts)
-            self._checked = (valid.t(), out_of_range.t())
-        valid_rows, out_rows = self._checked
-        return rollout, valid_rows.index_select(0, axes), out_rows.index_select(0, axes)
+    def _stacked(tensors: list[torch.Tensor], microbatches: int) -> torch.Tensor:
+        """``[M, N, ...]`` of ``M * N`` same-shaped tensors, microbatch-major."""
+        return torch.stack(tensors).unflatten(0, (microbatches, -1))
 
     def _index_of(self, values: tuple[int, ...]) -> torch.Tensor:
         """``values`` as an int64 index on the accumulators' device, kept per tuple (a
@@ -364,7 +383,7 @@ class RoutingTracker:
         return ones
 
     def _move(self, device: torch.device) -> None:
-        self._compare_kept()
+        self._compare_finished()  # on the old device (a model moves between steps, not inside)
         self._index.clear()
         self.stats = self.stats.to(device)
         self.tokens = self.tokens.to(device)
@@ -372,13 +391,13 @@ class RoutingTracker:
             self.rollout_counts = self.rollout_counts.to(device)
         if self._routes is not None:
             self._routes = self._routes.to(device)
-            self._checked = None
 
     # -- step boundary ---------------------------------------------------------------------
     def local_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``([local layers, LAYER_SLOTS], [GLOBAL_SLOTS])`` int64 device tensors (folded)."""
         self._check_routes_used()
         self.fold()
+        self._compare_finished()
         return self.stats, self.tokens
 
     def reset(self) -> None:
@@ -387,10 +406,9 @@ class RoutingTracker:
         self.tokens.zero_()
         if self.rollout_counts is not None:
             self.rollout_counts.zero_()
-        self._routes = self._checked = None
+        self._routes = None
         self._routes_used = False
-        self._routed_layers = self._differ_layers = None
-        self._kept = {}
+        self._kept, self._finished, self._finished_bytes = {}, [], 0
 
 
 def _put_ratio(out: dict[str, Any], key: str, num: float, den: float) -> None:
