@@ -34,13 +34,24 @@ def _example() -> Any:
     return module
 
 
+#: every flag the callback has: the benchmark's "on" trainer
+ALL_FLAGS = dict(
+    track_moe_metrics=True, moe_per_layer_logging=True, track_throughput=True,
+    track_flops=True, track_router_health=True,
+)  # fmt: skip
+
+
 def trl_bench(
-    blocks: int = 6, steps_per_block: int = 4, model: dict[str, Any] | None = None
+    blocks: int = 6,
+    steps_per_block: int = 4,
+    model: dict[str, Any] | None = None,
+    flags: dict[str, bool] | None = None,
 ) -> dict[str, Any]:
     """Time ``blocks`` alternating blocks of each trainer; returns the ratio and its details.
 
     ``model``: config fields of the benchmark model (default: a step of >= 100 ms; ``{}``: the
-    example's tiny model, to test the harness)."""
+    example's tiny model, to test the harness); ``flags``: the callback's ``MetricsConfig``
+    fields (default :data:`ALL_FLAGS`; a subset attributes the cost)."""
     import torch
     from datasets import Dataset
     from transformers import PrinterCallback, TrainerCallback
@@ -70,10 +81,7 @@ def trl_bench(
                 self.intervals.append(now - self.begins[-1])
             self.begins.append(now)
 
-    flags = MetricsConfig(
-        track_moe_metrics=True, moe_per_layer_logging=True, track_throughput=True,
-        track_flops=True, track_router_health=True,
-    )  # fmt: skip
+    config = MetricsConfig(**(ALL_FLAGS if flags is None else flags))
     clocks = {"on": StepClock(), "off": StepClock()}
     try:
         with tempfile.TemporaryDirectory(prefix="nmm_trl_bench_") as work:
@@ -81,7 +89,7 @@ def trl_bench(
             model_dir = example.save_tiny_model(Path(work) / "model", **fields)
             trainers = {}
             for name in ("on", "off"):
-                callbacks = [clocks[name]] + ([MoEMetricsCallback(flags)] if name == "on" else [])
+                callbacks = [clocks[name]] + ([MoEMetricsCallback(config)] if name == "on" else [])
                 trainer = example.build_trainer(
                     "sft", model_dir, Path(work) / name, callbacks,
                     max_steps=steps_per_block + 1, per_device_train_batch_size=4,

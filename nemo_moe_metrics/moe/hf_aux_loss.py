@@ -41,7 +41,7 @@ from nemo_moe_metrics.moe.aux_loss import (
     reduce_aux_losses,
     summarize_aux_losses,
 )
-from nemo_moe_metrics.moe.router_health import FLUSH_BYTES
+from nemo_moe_metrics.moe.router_health import FLUSH_BYTES, segment_ids
 from nemo_moe_metrics.moe.router_spec import logits_of
 
 #: The one loss a Hugging Face MoE model defines, under megatron's tracker name.
@@ -54,24 +54,33 @@ def layer_load_balancing_loss(router_logits: torch.Tensor, num_experts: int, top
     Device ops only: no host read, no branching on values.
     """
     logits = router_logits.detach()
-    return forwards_load_balancing_loss(logits.reshape(1, *logits.shape), num_experts, top_k)[0]
+    forward_of = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+    return forwards_load_balancing_loss(logits, forward_of, 1, num_experts, top_k)[0]
 
 
 def forwards_load_balancing_loss(
-    router_logits: torch.Tensor, num_experts: int, top_k: int
+    router_logits: torch.Tensor,
+    forward_of: torch.Tensor,
+    forwards: int,
+    num_experts: int,
+    top_k: int,
 ) -> torch.Tensor:
-    """:func:`layer_load_balancing_loss` of ``N`` forwards at once: ``[N, T, E]`` -> ``[N]``.
+    """:func:`layer_load_balancing_loss` of ``forwards`` forwards at once, ``[forwards]``.
 
-    Each forward's own tokens, as the per-layer function computes them; one pass for all.
+    ``router_logits`` ``[T, E]``: the forwards' tokens concatenated; ``forward_of`` ``[T]``:
+    each token's forward. Each loss is over its own forward's tokens, as the per-layer
+    function computes it; one pass for all.
     """
     logits = router_logits.detach()
-    forwards, tokens = logits.shape[0], logits.shape[1]
     weights = torch.softmax(logits, dim=-1)
     _, selected = torch.topk(weights, top_k, dim=-1)
-    flat = selected.reshape(forwards, -1)
-    picks = torch.zeros(forwards, num_experts, dtype=torch.float32, device=logits.device)
-    picks.scatter_add_(1, flat, torch.ones(flat.shape, dtype=torch.float32, device=flat.device))
-    prob_sum = weights.float().sum(dim=1)
+    slot = (forward_of.unsqueeze(1) * num_experts + selected).reshape(-1)
+    picks = torch.zeros(forwards * num_experts, dtype=torch.float32, device=logits.device)
+    picks.index_add_(0, slot, torch.ones(slot.shape, dtype=torch.float32, device=slot.device))
+    picks = picks.reshape(forwards, num_experts)
+    prob_sum = torch.zeros(forwards, num_experts, dtype=torch.float32, device=logits.device)
+    prob_sum.index_add_(0, forward_of, weights.float())
+    tokens = picks.sum(dim=1, keepdim=True) / top_k  # each token picks top_k experts: exact
     return (picks / tokens * (prob_sum / tokens)).sum(dim=-1) * num_experts
 
 
@@ -104,7 +113,7 @@ class HFAuxLossAccumulator:
 
     A forward's logits are kept, not reduced at once: :meth:`flush` (called by
     :func:`enqueue_hf_aux_loss_metrics`, or when the kept logits reach ``FLUSH_BYTES``)
-    computes every kept forward of one shape in one pass.
+    computes every kept forward in one pass, their tokens concatenated.
     """
 
     def __init__(self, num_layers: int, layers: list[int], kind: str = "switch") -> None:
@@ -133,7 +142,8 @@ class HFAuxLossAccumulator:
         if logits.numel() == 0:  # metadata, not a value: an empty microbatch adds nothing
             return
         logits = logits.detach()
-        key = (tuple(logits.shape), logits.dtype, logits.device, num_experts, top_k)
+        shape = logits.shape[1:] if self.kind == "switch" else logits.shape  # tokens may vary
+        key = (tuple(shape), logits.dtype, logits.device, num_experts, top_k)
         layers, kept = self._kept.setdefault(key, ([], []))
         layers.append(layer_id)
         kept.append(logits)
@@ -142,14 +152,17 @@ class HFAuxLossAccumulator:
             self.flush()
 
     def flush(self) -> None:
-        """Add every kept forward's loss to ``values``: one pass per shape (device ops only)."""
+        """Add every kept forward's loss to ``values``: one pass for all (device ops only)."""
         kept, self._kept, self._kept_bytes = self._kept, {}, 0
         for (_, _, device, num_experts, top_k), (layers, logits) in kept.items():
             if self.values.device != device:  # first forward, or the model moved
                 self.values = self.values.to(device)
                 self._index.clear()
             if self.kind == "switch":
-                losses = forwards_load_balancing_loss(torch.stack(logits), num_experts, top_k)
+                forward_of = segment_ids([z.shape[0] for z in logits], device)
+                losses = forwards_load_balancing_loss(
+                    torch.cat(logits), forward_of, len(logits), num_experts, top_k
+                )
             else:
                 losses = torch.stack(
                     [doge_layer_load_balancing_loss(z, num_experts, top_k) for z in logits]

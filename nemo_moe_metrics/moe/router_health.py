@@ -235,14 +235,14 @@ def _decision_table(
     weight: torch.Tensor,
     padded: bool,
 ) -> tuple[torch.Tensor, tuple[int, ...], torch.Tensor]:
-    """``(per-forward sums [N, n] float64, the slot of each column, max |z| [N])`` of ``N``
-    router forwards of one scoring, their float32 logits ``z`` ``[N, T, E]``.
+    """``(per-token table [T, n], the slot of each column, |z| max per token [T])`` of router
+    forwards of one scoring, their tokens' float32 logits ``z`` ``[T, E]`` concatenated.
 
-    One pass over the batch, as few device ops as the definitions allow (each is a kernel
-    launch, and on a CPU its Python dispatch, whatever the batch holds): the entropy column is
-    ``sum(p log p)`` and the logit column ``sum(z^2)``, unscaled (:func:`slot_scale` finishes
-    both). ``bias`` ``[N, 1, E]`` or None; ``weight`` ``[N, T]`` float32, 0 on padding rows
-    (``padded``: some row may be 0, so the other columns are weighted too).
+    One pass over every token given, as few device ops as the definitions allow (each is a
+    kernel launch, and on a CPU its Python dispatch, whatever the batch holds): the entropy
+    column is ``sum(p log p)`` and the logit column ``sum(z^2)``, unscaled (:func:`slot_scale`
+    finishes both). ``bias`` ``[E]`` or per token ``[T, E]``, or None; ``weight`` ``[T]``
+    float32, 0 on padding rows (``padded``: some row may be 0, so every column is weighted).
     """
     k = scoring.topk
     p, entropy, base, selection = _scores(z, scoring, bias)
@@ -272,15 +272,12 @@ def _decision_table(
         columns += [weight, shared]  # stack promotes the int64 column
         slots += (BIASED_TOKENS, BIAS_OVERLAP)
     table = torch.stack(columns, dim=-1)
+    # abs + amax: on a CPU about 10x faster than vector_norm(inf)
+    magnitude = z.abs().amax(dim=-1)
     if padded:
         table = table * weight.unsqueeze(-1)
-    sums = table.sum(dim=1, dtype=torch.float64)
-    if not z.shape[1]:
-        max_abs = torch.zeros(z.shape[0], dtype=torch.float32, device=z.device)
-    else:  # abs + amax: on a CPU about 10x faster than vector_norm(inf)
-        magnitude = z.abs() if not padded else z.abs() * weight.unsqueeze(-1)
-        max_abs = magnitude.amax(dim=(1, 2))
-    return sums, slots, max_abs
+        magnitude = magnitude * weight
+    return table, slots, magnitude
 
 
 def slot_scale(scoring: RouterScoring) -> list[float]:
@@ -312,20 +309,21 @@ def decision_sums(
     host. (:class:`RouterHealthTracker` runs the same arithmetic over its batched forwards.)
     """
     with torch.no_grad():
-        z = logits.detach().reshape(1, -1, scoring.num_experts).float()
+        z = logits.detach().reshape(-1, scoring.num_experts).float()
         if valid is None:
-            weight = torch.ones(z.shape[:2], dtype=torch.float32, device=z.device)
+            weight = torch.ones(z.shape[0], dtype=torch.float32, device=z.device)
         else:
-            weight = valid.reshape(1, -1).to(device=z.device, dtype=torch.float32)
+            weight = valid.reshape(-1).to(device=z.device, dtype=torch.float32)
         bias = None if bias is None else _expert_bias(bias, z)
-        table, slots, max_abs = _decision_table(
+        table, slots, magnitude = _decision_table(
             z, scoring, near_tie_gap, bias, weight, valid is not None
         )
         sums = torch.zeros(DECISION_SLOTS, dtype=torch.float64, device=z.device)
         index = torch.tensor(slots, dtype=torch.int64, device=z.device)
-        sums.index_add_(0, index, table[0])
+        sums.index_add_(0, index, table.sum(dim=0, dtype=torch.float64))
         scale = torch.tensor(slot_scale(scoring)[:DECISION_SLOTS], dtype=torch.float64)
-    return sums * scale.to(sums.device), max_abs[0]
+        max_abs = magnitude.amax() if z.shape[0] else torch.zeros((), device=z.device)
+    return sums * scale.to(sums.device), max_abs
 
 
 def microbatch_balance(counts: torch.Tensor) -> torch.Tensor:
@@ -341,6 +339,14 @@ def forwards_balance(counts: torch.Tensor) -> torch.Tensor:
     routed = total > 0
     ratio = torch.where(routed, c.amax(dim=1) * c.shape[1] / total, 0.0)
     return torch.stack([ratio, routed.to(torch.float64)], dim=1)
+
+
+def segment_ids(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``[sum(lengths)]`` int64: for each token of forwards concatenated, its forward's
+    position. Fills on the device: no host-to-device copy, whatever the lengths."""
+    return torch.cat(
+        [torch.full((n,), i, dtype=torch.int64, device=device) for i, n in enumerate(lengths)]
+    )
 
 
 #: Bytes of router logits a tracker keeps before judging them (one batched pass per flush):
@@ -366,7 +372,7 @@ class RouterHealthTracker:
 
     A forward's logits (and a copy of its expert bias, which the trainer may move before the
     step ends) are kept, not judged at once: :meth:`local_stats`, or a batch reaching
-    :data:`FLUSH_BYTES`, judges every kept forward of one scoring and shape in one pass, so a
+    :data:`FLUSH_BYTES`, judges every kept forward of one scoring in one pass, so a
     step costs a few dozen device ops whatever its layers and microbatches. Each forward's
     routed counts are kept too (a reference to the collector's fresh tensor, no copy) until
     :meth:`local_stats` turns them into the microbatch balance in one pass.
@@ -404,20 +410,20 @@ class RouterHealthTracker:
         self._scale = self._scale.to(device)
         # Index tensors made once per device and batch layout: a host-to-device copy saved.
         self._index: dict[tuple[int, ...], torch.Tensor] = {}
-        self._ones: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+        self._ones: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._layouts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def scoring(self, layer_id: int) -> RouterScoring | None:
         """How the router of global layer ``layer_id`` decides; None when it is not judged."""
         return self._scoring[layer_id]
 
-    def _ones_of(self, forwards: int, tokens: int, device: torch.device) -> torch.Tensor:
-        """``[forwards, tokens]`` ones (the weight of unpadded forwards), kept per shape."""
-        ones = self._ones.get((forwards, tokens, device))
+    def _ones_of(self, tokens: int, device: torch.device) -> torch.Tensor:
+        """``[tokens]`` ones (the weight of unpadded tokens), kept per length."""
+        ones = self._ones.get((tokens, device))
         if ones is None:
             if len(self._ones) > 64:  # varying lengths: keep the cache small
                 self._ones.clear()
-            ones = torch.ones(forwards, tokens, dtype=torch.float32, device=device)
-            self._ones[(forwards, tokens, device)] = ones
+            ones = self._ones[(tokens, device)] = torch.ones(tokens, device=device)
         return ones
 
     def _index_of(self, values: tuple[int, ...]) -> torch.Tensor:
@@ -455,7 +461,7 @@ class RouterHealthTracker:
                 "track_router_health off for this model and report the model"
             )
         z = logits.detach().reshape(-1, scoring.num_experts)
-        key = (scoring, z.shape[0], z.dtype, z.device, bias is not None, valid is not None)
+        key = (scoring, z.dtype, z.device, bias is not None, valid is not None)
         batch = self._pending.get(key)
         if batch is None:
             batch = self._pending[key] = _KeptForwards()
@@ -470,28 +476,49 @@ class RouterHealthTracker:
             self.flush()
 
     def flush(self) -> None:
-        """Judge every kept forward (device ops only): one pass per scoring and shape."""
+        """Judge every kept forward (device ops only): one pass per scoring, over the tokens of
+        all its forwards concatenated, summed into each forward's layer."""
         pending, self._pending, self._pending_bytes = self._pending, {}, 0
-        for (scoring, tokens, _, device, _, padded), batch in pending.items():
-            n = len(batch.rows)
-            z = torch.stack(batch.logits) if n > 1 else batch.logits[0].unsqueeze(0)
+        for (scoring, _, device, _, padded), batch in pending.items():
+            z = torch.cat(batch.logits) if len(batch.logits) > 1 else batch.logits[0]
             z = z if z.dtype == torch.float32 else z.float()
+            lengths = tuple(t.shape[0] for t in batch.logits)
+            forward_of, row_of = self._segments(tuple(batch.rows), lengths, device)
             bias = None
             if batch.biases:
-                bias = torch.stack(batch.biases).reshape(n, 1, -1).to(device, torch.float32)
+                biases = torch.stack(batch.biases).reshape(len(lengths), -1)
+                bias = biases.to(device, torch.float32).index_select(0, forward_of)
             if padded:
-                weight = torch.stack(batch.valid).reshape(n, tokens)
-                weight = weight.to(device=device, dtype=torch.float32)
+                weight = torch.cat(batch.valid).to(device=device, dtype=torch.float32)
             else:
-                weight = self._ones_of(n, tokens, device)
-            added, slots, max_abs = _decision_table(
+                weight = self._ones_of(z.shape[0], device)
+            table, slots, magnitude = _decision_table(
                 z, scoring, self.near_tie_gap, bias, weight, padded
             )
-            rows, cols = self._index_of(tuple(batch.rows)), self._index_of(slots)
             if device != self._device:  # logits on another device than the counts
-                added, max_abs = added.to(self._device), max_abs.to(self._device)
-            self.sums.index_put_((rows.unsqueeze(1), cols), added, accumulate=True)
-            self.max_abs.scatter_reduce_(0, rows, max_abs.to(torch.float64), "amax")
+                table, magnitude, row_of = (t.to(self._device) for t in (table, magnitude, row_of))
+            per_row = torch.zeros(
+                len(self.layer_ids), len(slots), dtype=torch.float64, device=self._device
+            )
+            per_row.index_add_(0, row_of, table.to(torch.float64))
+            self.sums.index_add_(1, self._index_of(slots), per_row)
+            self.max_abs.scatter_reduce_(0, row_of, magnitude.to(torch.float64), "amax")
+
+    def _segments(
+        self, rows: tuple[int, ...], lengths: tuple[int, ...], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per concatenated token ``[sum(lengths)]``: its forward's position, its layer row.
+        Built on the device from fills, kept per layout (varying lengths cost a fill per
+        forward, never a host-to-device copy)."""
+        key = (rows, lengths, device)
+        found = self._layouts.get(key)
+        if found is None:
+            if len(self._layouts) > 64:  # varying lengths: keep the cache small
+                self._layouts.clear()
+            forward_of = segment_ids(lengths, device)
+            row_of = self._index_of(rows).to(device).index_select(0, forward_of)
+            found = self._layouts[key] = (forward_of, row_of)
+        return found
 
     def _move(self, device: torch.device) -> None:
         self.flush()
