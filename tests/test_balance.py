@@ -180,3 +180,30 @@ def test_without_executed_counts_padding_fraction_is_zero():
 def test_routed_above_executed_is_an_error():
     with pytest.raises(ValueError, match="exceed executed counts"):
         padding_fraction(np.array([5, 5]), np.array([1, 1]))
+
+
+def test_every_layer_at_once_equals_layer_statistics_layer_by_layer():
+    # expert_load_metrics computes all layers in one numpy pass when they share their experts;
+    # each layer's keys must be layer_statistics' own, empty layers and zero picks included.
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        layers, experts = int(rng.integers(1, 6)), int(rng.choice([1, 2, 4, 8, 16]))
+        counts = rng.integers(0, 50, size=(layers, experts)) * (rng.random((layers, experts)) > 0.3)
+        if trial % 7 == 0:
+            counts[0] = 0  # an empty layer beside routed ones
+        counts[-1, 0] += 1  # a step that routed something (else only moe/routed_tokens)
+        executed = counts + rng.integers(0, 5, size=(layers, experts))
+        topk = int(rng.integers(1, experts + 1))
+        tokens = counts.sum(1) // topk + rng.integers(0, 5, size=layers)
+        zero = rng.integers(0, 3, size=layers) if trial % 3 == 0 else None
+        ep = int(rng.choice([d for d in (1, 2, 4) if experts % d == 0]))
+        loads = ExpertLoads(list(range(layers)), counts, tokens, topk, executed=executed,
+                            zero_picks=zero)  # fmt: skip
+        got = expert_load_metrics(loads, per_layer=True, table=False, ep_size=ep)
+        for i in range(layers):
+            expected = layer_statistics(
+                counts[i], int(tokens[i]), topk, ep, executed=executed[i],
+                zero_picks=None if zero is None else int(zero[i]),
+            )  # fmt: skip
+            for name, value in expected.items():
+                assert got[mn.layer_stat_key(i, name)] == pytest.approx(value, rel=1e-12, abs=1e-15)

@@ -28,7 +28,7 @@ from torch import nn
 
 from nemo_moe_metrics.adapters.hf_fields import config_topk, experts_num, hf_model_type
 from nemo_moe_metrics.moe.router_health import SCORE_FUNCTIONS, RouterScoring
-from nemo_moe_metrics.moe.router_spec import HealthSource, logits_of
+from nemo_moe_metrics.moe.router_spec import HealthSource, in_backward, logits_of
 
 
 @dataclass(frozen=True)
@@ -319,6 +319,10 @@ def hf_experts_health(experts: nn.Module, block: nn.Module | None) -> HealthSour
     handles = []
 
     def keep(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        # A checkpointed recomputation may stop before the experts run and read the capture:
+        # kept, its logits (and their graph) would live until the next forward.
+        if in_backward():
+            return
         if routing.logits_module is None:
             captured["logits"] = logits_of(output, routing.logits_at)
         captured["bias"] = bias_of(args, kwargs)
@@ -327,7 +331,8 @@ def hf_experts_health(experts: nn.Module, block: nn.Module | None) -> HealthSour
     if routing.logits_module is not None:
 
         def keep_logits(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            captured["logits"] = output
+            if not in_backward():
+                captured["logits"] = output
 
         handles.append(
             router.get_submodule(routing.logits_module).register_forward_hook(keep_logits)

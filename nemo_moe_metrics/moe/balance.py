@@ -268,21 +268,9 @@ def expert_load_metrics(
             return {mn.ROUTED_TOKENS: routed, mn.ZERO_EXPERT_FRACTION: zero / picks}
         return {mn.ROUTED_TOKENS: routed}
     out: dict[str, float | ExpertTable] = {mn.ROUTED_TOKENS: routed}
-    stats = []
-    for i, layer in enumerate(loads.layer_ids):
-        c = counts[i, : loads.experts_of(i)]
-        x = executed[i, : loads.experts_of(i)]
-        layer_zero = None if loads.zero_picks is None else loads.zero_picks_of(i)
-        s = layer_statistics(
-            c,
-            int(loads.routed_tokens[i]),
-            loads.topk_of(i),
-            ep_size,
-            executed=x,
-            zero_picks=layer_zero,
-        )
-        stats.append((c.sum() > 0, s))
-        if per_layer:
+    stats = _every_layer_statistics(loads, counts, executed, ep_size)
+    if per_layer:
+        for layer, (_, s) in zip(loads.layer_ids, stats, strict=True):
             for name, value in s.items():
                 out[mn.layer_stat_key(layer, name)] = value
     active = [s for ok, s in stats if ok]
@@ -304,3 +292,78 @@ def expert_load_metrics(
         widths = [loads.experts_of(i) for i in range(n)]
         out[mn.EXPERT_LOADS] = ExpertTable(loads.layer_ids, counts, widths)
     return out
+
+
+def _every_layer_statistics(
+    loads: ExpertLoads, counts: np.ndarray, executed: np.ndarray, ep_size: int
+) -> list[tuple[bool, dict[str, float]]]:
+    """Per layer: ``(routed any token, layer_statistics(...))``; when every layer has the same
+    experts, the same statistics computed for all layers at once (a numpy pass per statistic,
+    not one per layer and statistic)."""
+    n = len(loads.layer_ids)
+    widths = {loads.experts_of(i) for i in range(n)}
+    if len(widths) != 1 or widths.pop() != counts.shape[1] or np.any(counts < 0):
+        return [_one_layer_statistics(loads, counts, executed, ep_size, i) for i in range(n)]
+    c, x = counts.astype(np.float64), np.asarray(executed, dtype=np.float64)
+    experts = c.shape[1]
+    tokens = np.array([int(t) for t in loads.routed_tokens], dtype=np.float64)
+    topks = np.array([loads.topk_of(i) for i in range(n)], dtype=np.float64)
+    zero = np.array([loads.zero_picks_of(i) for i in range(n)], dtype=np.float64)
+    total, work = c.sum(axis=1), x.sum(axis=1)
+    if ep_size < 1 or experts % ep_size or np.any(tokens < 0) or np.any(topks < 1):
+        return [_one_layer_statistics(loads, counts, executed, ep_size, i) for i in range(n)]
+    if np.any(x < 0) or np.any(total > work) or np.any(zero < 0):
+        return [_one_layer_statistics(loads, counts, executed, ep_size, i) for i in range(n)]
+    routed = total > 0
+    per_total = np.divide(experts, total, out=np.zeros(n), where=routed)
+    mean = total / experts
+    share = np.divide(c, total[:, None], out=np.zeros_like(c), where=routed[:, None])
+    plogp = np.multiply(
+        share, np.log(share, out=np.zeros_like(c), where=c > 0), out=np.zeros_like(c), where=c > 0
+    )
+    entropy = (
+        np.where(routed, -np.sum(plogp, axis=1, where=c > 0) / math.log(experts), 0.0)
+        if experts > 1
+        else routed.astype(np.float64)
+    )
+    rank_loads = x.reshape(n, ep_size, -1).sum(axis=2)
+    rank_total = rank_loads.sum(axis=1)
+    wanted = tokens * topks - zero
+    picks = tokens * topks
+    columns = {
+        "max_over_ideal": c.max(axis=1) * per_total,
+        "min_over_ideal": c.min(axis=1) * per_total,
+        "coefficient_of_variation": np.divide(c.std(axis=1), mean, out=np.zeros(n), where=mean > 0),
+        "normalized_entropy": entropy,
+        "zero_token_experts": np.where(routed, (c == 0).sum(axis=1), 0).astype(np.float64),
+        "ep_imbalance": np.divide(
+            rank_loads.max(axis=1) * ep_size, rank_total, out=np.zeros(n), where=rank_total > 0
+        ),
+        "dropped_fraction": np.where(
+            wanted > 0, 1.0 - np.divide(total, wanted, where=wanted > 0, out=np.zeros(n)), 0.0
+        ),
+        "padding_fraction": np.where(
+            work > 0, 1.0 - np.divide(total, work, where=work > 0, out=np.zeros(n)), 0.0
+        ),
+    }
+    if loads.zero_picks is not None:
+        columns[mn.ZERO_EXPERT_STAT] = np.divide(zero, picks, out=np.zeros(n), where=picks > 0)
+    return [
+        (bool(routed[i]), {name: float(values[i]) for name, values in columns.items()})
+        for i in range(n)
+    ]
+
+
+def _one_layer_statistics(
+    loads: ExpertLoads, counts: np.ndarray, executed: np.ndarray, ep_size: int, i: int
+) -> tuple[bool, dict[str, float]]:
+    c = counts[i, : loads.experts_of(i)]
+    stats = layer_statistics(
+        c,
+        int(loads.routed_tokens[i]),
+        loads.topk_of(i),
+        ep_size,
+        executed=executed[i, : loads.experts_of(i)],
+        zero_picks=None if loads.zero_picks is None else loads.zero_picks_of(i),
+    )
+    return c.sum() > 0, stats

@@ -45,6 +45,7 @@ from nemo_moe_metrics.moe.reduction import ExpertLoadReducer
 from nemo_moe_metrics.moe.router_health import RouterHealthTracker
 from nemo_moe_metrics.moe.router_spec import (
     RouterSpec,
+    in_backward,
     layer_id_from_name,
     mtp_index,
     per_expert,
@@ -55,14 +56,6 @@ from nemo_moe_metrics.moe.routing import RoutingTracker
 
 if TYPE_CHECKING:
     from nemo_moe_metrics.moe.balance import ExpertLoads
-
-
-def _in_backward() -> bool:
-    # Inside autograd's backward (where checkpointing replays forwards) the engine has a graph
-    # task. Compiled graphs never replay Python hooks, and dynamo cannot trace this call.
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._current_graph_task_id() != -1
 
 
 _FORWARD_PARAMS: dict[type, list[str]] = {}
@@ -292,7 +285,7 @@ class ExpertLoadCollector:
 
     # -- hooks (hot path: Python flags and device ops only) --------------------------------
     def _enter(self, chunk: nn.Module, args: tuple, kwargs: dict) -> None:
-        training = chunk.training and torch.is_grad_enabled() and not _in_backward()
+        training = chunk.training and torch.is_grad_enabled() and not in_backward()
         self._entered.append(training)
         if training:
             self._active_depth += 1
@@ -305,7 +298,7 @@ class ExpertLoadCollector:
             self._masks.pop()
 
     def _counts_now(self, module: nn.Module) -> bool:
-        return self.counting and self._active_depth > 0 and module.training and not _in_backward()
+        return self.counting and self._active_depth > 0 and module.training and not in_backward()
 
     def _router_hook(self, acc: _LayerAccumulator, spec: RouterSpec, matched: nn.Module):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -338,7 +331,7 @@ class ExpertLoadCollector:
                         self.routing.observe(
                             acc.layer_id, *spec.routes_fn(module, args, kwargs, output, **extra)
                         )
-                elif self.rollout_counting and self._masks and not _in_backward():
+                elif self.rollout_counting and self._masks and not in_backward():
                     # A generation forward (prefill or decode): the rollout's load, real tokens.
                     acc.rollout.add_(
                         per_expert(spec.counts_fn(module, args, kwargs, output, **extra)[0])

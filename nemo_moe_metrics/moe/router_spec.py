@@ -90,6 +90,16 @@ def count_experts(
     return counts.scatter_add_(0, flat, ones)
 
 
+def in_backward() -> bool:
+    """Whether autograd's backward is running (where activation checkpointing replays forwards:
+    nothing there is counted or captured)."""
+    # The engine has a graph task inside backward. Compiled graphs never replay Python hooks,
+    # and dynamo cannot trace this call.
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
 def rows_of(valid: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     """``valid`` when it describes ``rows`` token rows (a shape check, no sync), else None.
 
