@@ -26,7 +26,8 @@ dropping the executed experts can differ; ``moe/routing_replay_mismatch`` and
   ``router_near_tie_gap`` threshold;
 - ``router_logit_max_abs`` (max of ``|z|``) and ``router_logit_rms`` (``sqrt(mean z^2)``);
 - ``expert_bias_topk_overlap`` (routers with an expert bias): mean of
-  ``|S & topk(scores without the bias)| / top_k``;
+  ``|S & topk(scores without the bias)| / top_k`` (experts tied at the k-th unbiased score
+  all count as in that top-k);
 - ``max_over_ideal_microbatch``: mean over router forwards (microbatches, ranks) of each
   forward's own ``max(c) * E / sum(c)`` over its routed counts ``c``.
 
@@ -267,8 +268,14 @@ def _decision_table(
         slots += (GAP, NEAR_TIE, GAP_TOKENS)
     if bias is not None:
         unbiased_ranked = z if scoring.rank_on_logits else base
-        unbiased = _rank(unbiased_ranked, unbiased_ranked, scoring, k)[0]
-        shared = (order[..., :k].unsqueeze(-1) == unbiased.unsqueeze(-2)).any(dim=-1).sum(dim=-1)
+        if scoring.grouped:  # the unbiased choice picks its own groups first
+            unbiased = _rank(unbiased_ranked, unbiased_ranked, scoring, k)[0]
+            shared = (order[..., :k].unsqueeze(-1) == unbiased.unsqueeze(-2)).any(-1).sum(-1)
+        else:  # a chosen expert is in the unbiased top-k when fewer than k score above it
+            # (a [T, k, E] compare: on a CPU several times cheaper than a second topk)
+            at_chosen = unbiased_ranked.gather(-1, order[..., :k])
+            above = (unbiased_ranked.unsqueeze(-2) > at_chosen.unsqueeze(-1)).sum(dim=-1)
+            shared = (above < k).sum(dim=-1)
         columns += [weight, shared]  # stack promotes the int64 column
         slots += (BIASED_TOKENS, BIAS_OVERLAP)
     table = torch.stack(columns, dim=-1)
