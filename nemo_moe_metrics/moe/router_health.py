@@ -408,6 +408,7 @@ class RouterHealthTracker:
         self._forwards: list[list[torch.Tensor]] = [[] for _ in self.layer_ids]
         self._pending: dict[tuple, _KeptForwards] = {}
         self._pending_bytes = 0
+        self._biases: dict[int, tuple[torch.Tensor, tuple[int, int], torch.Tensor]] = {}
         self._allocate(device)
 
     def _allocate(self, device: torch.device) -> None:
@@ -474,13 +475,27 @@ class RouterHealthTracker:
             batch = self._pending[key] = _KeptForwards()
         batch.rows.append(row)
         batch.logits.append(z)
-        if bias is not None:  # a copy: megatron moves the bias after the step's last backward
-            batch.biases.append(bias.detach().clone())
+        if bias is not None:
+            batch.biases.append(self._bias_copy(row, bias))
         if valid is not None:
             batch.valid.append(valid)
         self._pending_bytes += z.numel() * z.element_size()
         if self._pending_bytes >= self.flush_bytes:
             self.flush()
+
+    def _bias_copy(self, row: int, bias: torch.Tensor) -> torch.Tensor:
+        """A copy of the expert bias as this forward saw it (megatron moves the bias after the
+        step's last backward, before the flush), one per layer while the bias is unchanged:
+        its version counter, a host int, says when it was written."""
+        # Keyed by address and version: a view read anew each forward is the same bias; the
+        # tensor is held, so no other tensor can take its address meanwhile.
+        stamp = (bias.data_ptr(), bias._version)
+        kept = self._biases.get(row)
+        if kept is not None and kept[1] == stamp:
+            return kept[2]
+        copy = bias.detach().clone()
+        self._biases[row] = (bias, stamp, copy)
+        return copy
 
     def flush(self) -> None:
         """Judge every kept forward (device ops only): one pass per scoring, over the tokens of
