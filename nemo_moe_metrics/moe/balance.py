@@ -220,9 +220,10 @@ def max_over_ideal_spread(
         return {}
     values = np.array([r for r, _ in ratios], dtype=np.float64)
     worst = max(ratios, key=lambda pair: (pair[0], -pair[1]))[1]
+    p50, p90 = np.percentile(values, [50, 90])  # one call: each costs ~0.1 ms of set-up
     return {
-        mn.MAX_OVER_IDEAL_P50: float(np.percentile(values, 50)),
-        mn.MAX_OVER_IDEAL_P90: float(np.percentile(values, 90)),
+        mn.MAX_OVER_IDEAL_P50: float(p50),
+        mn.MAX_OVER_IDEAL_P90: float(p90),
         mn.WORST_LAYER: float(worst),
     }
 
