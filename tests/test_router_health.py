@@ -427,7 +427,7 @@ def test_a_transformers_router_whose_routing_is_not_described_is_not_judged():
 
 
 def test_logits_wider_than_the_described_classes_are_refused_with_the_layer():
-    from nemo_moe_metrics.moe.router_health import RouterHealthTracker
+    from nemo_moe_metrics.moe.health_tracker import RouterHealthTracker
 
     tracker = RouterHealthTracker(
         {5: RouterScoring("softmax", 8, 2)}, near_tie_gap=NEAR_TIE_GAP, device=torch.device("cpu")
@@ -441,7 +441,8 @@ def test_kept_forwards_are_judged_with_the_bias_each_forward_saw():
     # The tracker judges a step's forwards together at its end, after megatron has moved the
     # expert bias in place: each forward must be judged with the bias it was routed with, and
     # forwards of different lengths and layers summed into their own layer's row.
-    from nemo_moe_metrics.moe.router_health import SLOTS, RouterHealthTracker
+    from nemo_moe_metrics.moe.health_tracker import RouterHealthTracker
+    from nemo_moe_metrics.moe.router_health import SLOTS
 
     scoring = RouterScoring("sigmoid", 8, 2)
     tracker = RouterHealthTracker(

@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from nemo_moe_metrics.moe.health_tracker import RouterHealthTracker
 from nemo_moe_metrics.moe.reduction import ExpertLoadReducer
-from nemo_moe_metrics.moe.router_health import RouterHealthTracker
 from nemo_moe_metrics.moe.router_spec import (
     RouterSpec,
     in_backward,

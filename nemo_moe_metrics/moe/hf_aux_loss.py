@@ -41,7 +41,7 @@ from nemo_moe_metrics.moe.aux_loss import (
     reduce_aux_losses,
     summarize_aux_losses,
 )
-from nemo_moe_metrics.moe.router_health import FLUSH_BYTES, segment_ids
+from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, segment_ids
 from nemo_moe_metrics.moe.router_spec import logits_of
 
 #: The one loss a Hugging Face MoE model defines, under megatron's tracker name.

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.moe.router_health import FLUSH_BYTES
+from nemo_moe_metrics.moe.deferred import FLUSH_BYTES
 
 #: Per-layer integer slots of :meth:`RoutingTracker.local_stats`; ``OUT_OF_RANGE``: real
 #: tokens whose rollout row holds an id outside ``[-1, num_experts)`` (an error at export).

@@ -1,0 +1,244 @@
+"""The device accumulators of router decision health: one rank, one step.
+
+The router hooks (``moe.collector``) call :meth:`RouterHealthTracker.observe` with a router
+forward's own logits; the tracker keeps them and judges every kept forward of a scoring in one
+pass (``router_health.decision_table`` over their tokens concatenated) at the step's end or
+when they reach ``deferred.FLUSH_BYTES``; the reduction (``moe.reduction``) sums
+:meth:`RouterHealthTracker.local_stats` over ranks inside the export's one host read. Nothing
+here reads a value on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, segment_ids
+from nemo_moe_metrics.moe.router_health import (
+    MICRO_RATIO,
+    SLOTS,
+    RouterScoring,
+    decision_table,
+    forwards_balance,
+    slot_scale,
+)
+
+
+class _KeptForwards:
+    """Router forwards of one scoring and shape, kept until the tracker judges them together."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.logits: list[torch.Tensor] = []
+        self.biases: list[torch.Tensor] = []
+        self.valid: list[torch.Tensor] = []
+
+
+class RouterHealthTracker:
+    """Device accumulators of one rank's router decision health for one step.
+
+    ``scorings``: per hooked layer (global id), how its router decides, or None when its score
+    function is unknown (then only ``max_over_ideal_microbatch`` is measured for it).
+
+    A forward's logits (and a copy of its expert bias, which the trainer may move before the
+    step ends) are kept, not judged at once: :meth:`local_stats`, or a batch reaching
+    :data:`FLUSH_BYTES`, judges every kept forward of one scoring in one pass, so a
+    step costs a few dozen device ops whatever its layers and microbatches. Each forward's
+    routed counts are kept too (a reference to the collector's fresh tensor, no copy) until
+    :meth:`local_stats` turns them into the microbatch balance in one pass.
+    """
+
+    def __init__(
+        self,
+        scorings: dict[int, RouterScoring | None],
+        *,
+        near_tie_gap: float,
+        device: torch.device,
+        flush_bytes: int = FLUSH_BYTES,
+    ) -> None:
+        """See the class docstring; ``near_tie_gap``: the relative gap below which a decision
+        counts as a near tie (``router_near_tie_gap``)."""
+        self.layer_ids = sorted(scorings)
+        self.near_tie_gap = float(near_tie_gap)
+        self.flush_bytes = flush_bytes
+        self._scoring = dict(scorings)
+        self._row = {layer: i for i, layer in enumerate(self.layer_ids)}
+        scale = [
+            slot_scale(s) if s is not None else [1.0] * SLOTS
+            for s in (self._scoring[layer] for layer in self.layer_ids)
+        ]
+        self._scale = torch.tensor(scale, dtype=torch.float64).reshape(-1, SLOTS)
+        self._forwards: list[list[torch.Tensor]] = [[] for _ in self.layer_ids]
+        self._pending: dict[tuple, _KeptForwards] = {}
+        self._pending_bytes = 0
+        self._biases: dict[int, tuple[torch.Tensor, tuple[int, int], torch.Tensor]] = {}
+        self._allocate(device)
+
+    def _allocate(self, device: torch.device) -> None:
+        self._device = torch.device(device)
+        self.sums = torch.zeros(len(self.layer_ids), SLOTS, dtype=torch.float64, device=device)
+        self.max_abs = torch.zeros(len(self.layer_ids), dtype=torch.float64, device=device)
+        self._scale = self._scale.to(device)
+        # Index tensors made once per device and batch layout: a host-to-device copy saved.
+        self._index: dict[tuple[int, ...], torch.Tensor] = {}
+        self._ones: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._layouts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def scoring(self, layer_id: int) -> RouterScoring | None:
+        """How the router of global layer ``layer_id`` decides; None when it is not judged."""
+        return self._scoring[layer_id]
+
+    def _ones_of(self, tokens: int, device: torch.device) -> torch.Tensor:
+        """``[tokens]`` ones (the weight of unpadded tokens), kept per length."""
+        ones = self._ones.get((tokens, device))
+        if ones is None:
+            if len(self._ones) > 64:  # varying lengths: keep the cache small
+                self._ones.clear()
+            ones = self._ones[(tokens, device)] = torch.ones(tokens, device=device)
+        return ones
+
+    def _index_of(self, values: tuple[int, ...]) -> torch.Tensor:
+        """``values`` as an int64 index on the accumulators' device, kept per tuple."""
+        index = self._index.get(values)
+        if index is None:
+            if len(self._index) > 256:  # varying batch layouts: keep the cache small
+                self._index.clear()
+            index = self._index[values] = torch.tensor(values, dtype=torch.int64).to(self._device)
+        return index
+
+    # -- per router forward (hot path: no arithmetic, kept for the batched pass) ------------
+    def observe(
+        self,
+        layer_id: int,
+        counts: torch.Tensor,
+        logits: torch.Tensor | None = None,
+        *,
+        bias: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+    ) -> None:
+        """One counted router forward: its routed counts ``[E]`` and, where known, its logits."""
+        row = self._row[layer_id]
+        if counts.device != self._device:  # the model moved after attach
+            self._move(counts.device)
+        self._forwards[row].append(counts)
+        scoring = self._scoring[layer_id]
+        if scoring is None or logits is None:
+            return
+        if logits.shape[-1] != scoring.num_experts:  # a shape: no sync
+            raise ValueError(
+                f"router health, MoE layer {layer_id}: the router's logits have "
+                f"{logits.shape[-1]} columns but its scoring ranks {scoring.num_experts} classes; "
+                "its routing is described wrongly (adapters/hf_health.py): turn "
+                "track_router_health off for this model and report the model"
+            )
+        z = logits.detach().reshape(-1, scoring.num_experts)
+        key = (scoring, z.dtype, z.device, bias is not None, valid is not None)
+        batch = self._pending.get(key)
+        if batch is None:
+            batch = self._pending[key] = _KeptForwards()
+        batch.rows.append(row)
+        batch.logits.append(z)
+        if bias is not None:
+            batch.biases.append(self._bias_copy(row, bias))
+        if valid is not None:
+            batch.valid.append(valid)
+        self._pending_bytes += z.numel() * z.element_size()
+        if self._pending_bytes >= self.flush_bytes:
+            self.flush()
+
+    def _bias_copy(self, row: int, bias: torch.Tensor) -> torch.Tensor:
+        """A copy of the expert bias as this forward saw it (megatron moves the bias after the
+        step's last backward, before the flush), one per layer while the bias is unchanged:
+        its version counter, a host int, says when it was written."""
+        # Keyed by address and version: a view read anew each forward is the same bias; the
+        # tensor is held, so no other tensor can take its address meanwhile.
+        stamp = (bias.data_ptr(), bias._version)
+        kept = self._biases.get(row)
+        if kept is not None and kept[1] == stamp:
+            return kept[2]
+        copy = bias.detach().clone()
+        self._biases[row] = (bias, stamp, copy)
+        return copy
+
+    def flush(self) -> None:
+        """Judge every kept forward (device ops only): one pass per scoring, over the tokens of
+        all its forwards concatenated, summed into each forward's layer."""
+        pending, self._pending, self._pending_bytes = self._pending, {}, 0
+        for (scoring, _, device, _, padded), batch in pending.items():
+            z = torch.cat(batch.logits) if len(batch.logits) > 1 else batch.logits[0]
+            z = z if z.dtype == torch.float32 else z.float()
+            lengths = tuple(t.shape[0] for t in batch.logits)
+            forward_of, row_of = self._segments(tuple(batch.rows), lengths, device)
+            bias = None
+            if batch.biases:
+                biases = torch.stack(batch.biases).reshape(len(lengths), -1)
+                bias = biases.to(device, torch.float32).index_select(0, forward_of)
+            if padded:
+                weight = torch.cat(batch.valid).to(device=device, dtype=torch.float32)
+            else:
+                weight = self._ones_of(z.shape[0], device)
+            table, slots, magnitude = decision_table(
+                z, scoring, self.near_tie_gap, bias, weight, padded
+            )
+            if device != self._device:  # logits on another device than the counts
+                table, magnitude, row_of = (t.to(self._device) for t in (table, magnitude, row_of))
+            per_row = torch.zeros(
+                len(self.layer_ids), len(slots), dtype=torch.float64, device=self._device
+            )
+            per_row.index_add_(0, row_of, table.to(torch.float64))
+            self.sums.index_add_(1, self._index_of(slots), per_row)
+            self.max_abs.scatter_reduce_(0, row_of, magnitude.to(torch.float64), "amax")
+
+    def _segments(
+        self, rows: tuple[int, ...], lengths: tuple[int, ...], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per concatenated token ``[sum(lengths)]``: its forward's position, its layer row.
+        Built on the device from fills, kept per layout (varying lengths cost a fill per
+        forward, never a host-to-device copy)."""
+        key = (rows, lengths, device)
+        found = self._layouts.get(key)
+        if found is None:
+            if len(self._layouts) > 64:  # varying lengths: keep the cache small
+                self._layouts.clear()
+            forward_of = segment_ids(lengths, device)
+            row_of = self._index_of(rows).to(device).index_select(0, forward_of)
+            found = self._layouts[key] = (forward_of, row_of)
+        return found
+
+    def _move(self, device: torch.device) -> None:
+        self.flush()
+        sums, max_abs = self.sums.to(device), self.max_abs.to(device)
+        self._allocate(device)
+        self.sums.copy_(sums)
+        self.max_abs.copy_(max_abs)
+
+    # -- step boundary ---------------------------------------------------------------------
+    def _fold_forwards(self) -> None:
+        """Add the kept forwards' microbatch balance to the sums: one pass when every layer
+        saw the same number of forwards with the same experts (the usual step)."""
+        kept = self._forwards
+        if not any(kept):
+            return
+        self._forwards = [[] for _ in self.layer_ids]
+        shapes = {(len(f), f[0].shape, f[0].device) if f else None for f in kept}
+        if len(shapes) == 1:
+            forwards = torch.stack([c for f in kept for c in f]).to(self.sums.device)
+            per_layer = forwards_balance(forwards).reshape(len(kept), -1, 2).sum(dim=1)
+            self.sums[:, MICRO_RATIO:].add_(per_layer)
+            return
+        for row, f in enumerate(kept):
+            if f:
+                stacked = torch.stack([c.to(self.sums.device) for c in f])
+                self.sums[row, MICRO_RATIO:].add_(forwards_balance(stacked).sum(dim=0))
+
+    def local_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([local layers, SLOTS] sums, [local layers] max |z|)`` float64 device tensors."""
+        self.flush()
+        self._fold_forwards()
+        return self.sums * self._scale, self.max_abs
+
+    def reset(self) -> None:
+        """Zero the step's accumulators (start of a new step)."""
+        self.sums.zero_()
+        self.max_abs.zero_()
+        self._forwards = [[] for _ in self.layer_ids]
+        self._pending, self._pending_bytes = {}, 0
