@@ -396,11 +396,11 @@ class StepBench:
         variant = self.variants["on"]
         hooks, microbatch = [0.0], [0.0]
         self.hooks.enable(True)
-        restore, wrapped = _wrap_package_hooks(self.model, hooks)
+        restore, wrapped = wrap_package_hooks(self.model, hooks)
         if self.cfg.on in ("all", "moe") and not wrapped:
             restore()
             raise RuntimeError("benchmark: no nemo_moe_metrics hooks on the on-model to time")
-        variant.metrics.microbatch = _timed(variant.metrics.microbatch, microbatch)
+        variant.metrics.microbatch = timed_call(variant.metrics.microbatch, microbatch)
         out: dict[str, list[float]] = {"hooks_s": [], "microbatch_s": [], "finish_s": []}
         try:
             for _ in range(steps):
@@ -460,7 +460,7 @@ class StepBench:
                 undo.append(lambda t=tracker: delattr(t, "observe"))
         hooks, throughput_hooks = [0.0], spent.get("Throughput", [0.0])
         self.hooks.enable(True)
-        restore, _ = _wrap_package_hooks(self.model, hooks, throughput_hooks, time.process_time)
+        restore, _ = wrap_package_hooks(self.model, hooks, throughput_hooks, time.process_time)
         out: dict[str, list[float]] = {name: [] for name in spent}
         try:
             for _ in range(steps):
@@ -512,9 +512,11 @@ class StepBench:
         self.variants.clear()
 
 
-def _timed(
+def timed_call(
     fn: Callable, acc: list[float], clock: Callable[[], float] = time.perf_counter
 ) -> Callable:
+    """``fn`` that adds the ``clock`` time of each call to ``acc[0]``."""
+
     def timed(*args: Any, **kwargs: Any) -> Any:
         t0 = clock()
         try:
@@ -526,10 +528,10 @@ def _timed(
 
 
 def _cpu_timed(fn: Callable, acc: list[float]) -> Callable:
-    return _timed(fn, acc, time.process_time)
+    return timed_call(fn, acc, time.process_time)
 
 
-def _wrap_package_hooks(
+def wrap_package_hooks(
     model: nn.Module,
     acc: list[float],
     throughput_acc: list[float] | None = None,
@@ -549,7 +551,7 @@ def _wrap_package_hooks(
                     into = acc
                     if throughput_acc is not None and owner.startswith("Throughput."):
                         into = throughput_acc
-                    hooks[hook_id] = _timed(fn, into, clock)
+                    hooks[hook_id] = timed_call(fn, into, clock)
 
     def restore() -> None:
         for hooks, hook_id, fn in replaced:

@@ -54,7 +54,8 @@ Measures (JSON keys, targets):
   store (write and fsync call); W&B has its own key (``benchmarks/table_bench.py``).
 - ``trl_callback_overhead_ratio`` (<= 1.02): a TRL ``SFTTrainer`` step with
   ``MoEMetricsCallback`` and every flag on over the same step without it, a model whose step
-  takes at least 100 ms on one CPU thread, an export every step (``benchmarks/trl_bench.py``);
+  takes at least 100 ms on one CPU thread, an export every step (``benchmarks/trl_bench.py``;
+  ``details.trl.callback_cpu_ms_per_step``: the callback's own CPU time, events and hooks);
   absent when TRL is not installed.
 - ``attach_seconds_94_layers`` (<= 1): ``PolicyMetrics.attach`` with every MoE flag, FLOPs and
   router health on a 94-layer x 128-expert transformers model without a registered FLOP formula
@@ -524,6 +525,13 @@ def _format(result: dict[str, Any]) -> str:
                 f"{d['route_bytes_94x8x32k']:,} bytes ({d['route_memory_mib']:.0f} MiB, int64)"
             )
         lines.append(line)
+    trl = result["details"].get("trl")
+    if isinstance(trl, dict):
+        lines.append(
+            f"  trl: off {trl['step_ms_off_median']:.0f} ms, on {trl['step_ms_on_median']:.0f} ms "
+            f"over {trl['steps']} steps; the callback's own code {trl['callback_cpu_ms_per_step']:.1f}"
+            f" ms CPU a step (ratio {trl['callback_cpu_ratio']:.4f})"
+        )
     sites = result["details"]["host_reads"]["export_sites_on"]
     lines.append("  host reads added per step: " + (json.dumps(sites) if sites else "none"))
     failed = [k for k, ok in result["checks"].items() if not ok]

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import timed_call, wrap_package_hooks
+
 _EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "integrate_trl.py"
 #: the benchmark model: a step of >= 100 ms on one CPU thread
 _MODEL = dict(
@@ -81,7 +83,25 @@ def trl_bench(
                 self.intervals.append(now - self.begins[-1])
             self.begins.append(now)
 
+    class OwnTime(TrainerCallback):
+        """The callback's own CPU time: its events but the train's first and last (attach,
+        detach), and the package's forward hooks on the model (wrapped while it trains)."""
+
+        def __init__(self) -> None:
+            self.spent, self.steps = [0.0], 0
+            self._restore: Any = None
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self._restore, _ = wrap_package_hooks(model, self.spent, clock=time.process_time)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps += 1
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self._restore()
+
     config = MetricsConfig(**(ALL_FLAGS if flags is None else flags))
+    own = OwnTime()
     clocks = {"on": StepClock(), "off": StepClock()}
     try:
         with tempfile.TemporaryDirectory(prefix="nmm_trl_bench_") as work:
@@ -89,7 +109,13 @@ def trl_bench(
             model_dir = example.save_tiny_model(Path(work) / "model", **fields)
             trainers = {}
             for name in ("on", "off"):
-                callbacks = [clocks[name]] + ([MoEMetricsCallback(config)] if name == "on" else [])
+                callbacks: list[Any] = [clocks[name]]
+                if name == "on":  # OwnTime after the callback: it wraps the hooks attached
+                    callback = MoEMetricsCallback(config)
+                    for event in ("on_step_begin", "on_step_end", "on_substep_end", "on_log"):
+                        setattr(callback, event, timed_call(getattr(callback, event), own.spent,
+                                                        time.process_time))  # fmt: skip
+                    callbacks += [callback, own]
                 trainer = example.build_trainer(
                     "sft", model_dir, Path(work) / name, callbacks,
                     max_steps=steps_per_block + 1, per_device_train_batch_size=4,
@@ -110,8 +136,12 @@ def trl_bench(
         torch.set_num_threads(threads)
     on, off = clocks["on"].intervals, clocks["off"].intervals
     ratio = statistics.median(on) / statistics.median(off)
+    own_ms = 1e3 * own.spent[0] / max(own.steps, 1)
     return {
         "trl_callback_overhead_ratio": ratio,
+        # the callback's own CPU time per step (events and hooks), and 1 + it / the off step
+        "callback_cpu_ms_per_step": own_ms,
+        "callback_cpu_ratio": 1.0 + own_ms / (1e3 * statistics.median(off)),
         "step_ms_on_median": 1e3 * statistics.median(on),
         "step_ms_off_median": 1e3 * statistics.median(off),
         "steps": len(on),

@@ -149,6 +149,9 @@ def test_smoke_run_gives_each_metric_familys_own_cpu_time(smoke):
     assert sum(families.values()) > 0
     assert result["table_step_host_ms_94x256"] > 0
     assert result["checks"]["table_step_rows_94x256"]
+    trl = result["details"]["trl"]
+    if isinstance(trl, dict):  # TRL installed (always on CI): the callback's own time, timed
+        assert trl["callback_cpu_ms_per_step"] > 0 and trl["callback_cpu_ratio"] > 1
 
 
 def test_smoke_run_counts_host_reads_as_integers(smoke):
