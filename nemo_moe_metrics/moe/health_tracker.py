@@ -24,7 +24,7 @@ from nemo_moe_metrics.moe.router_health import (
 
 
 class _KeptForwards:
-    """Router forwards of one scoring and shape, kept until the tracker judges them together."""
+    """Router forwards of one scoring, kept until the tracker judges them together."""
 
     def __init__(self) -> None:
         self.rows: list[int] = []
@@ -68,8 +68,8 @@ class RouterHealthTracker:
         ]
         self._scale = torch.tensor(scale, dtype=torch.float64).reshape(-1, SLOTS)
         self._forwards: list[list[torch.Tensor]] = [[] for _ in self.layer_ids]
-        self._pending: dict[tuple, _KeptForwards] = {}
-        self._pending_bytes = 0
+        self._kept: dict[tuple, _KeptForwards] = {}
+        self._kept_bytes = 0
         self._biases: dict[int, tuple[torch.Tensor, tuple[int, int], torch.Tensor]] = {}
         self._allocate(device)
 
@@ -132,17 +132,17 @@ class RouterHealthTracker:
             )
         z = logits.detach().reshape(-1, scoring.num_experts)
         key = (scoring, z.dtype, z.device, bias is not None, valid is not None)
-        batch = self._pending.get(key)
+        batch = self._kept.get(key)
         if batch is None:
-            batch = self._pending[key] = _KeptForwards()
+            batch = self._kept[key] = _KeptForwards()
         batch.rows.append(row)
         batch.logits.append(z)
         if bias is not None:
             batch.biases.append(self._bias_copy(row, bias))
         if valid is not None:
             batch.valid.append(valid)
-        self._pending_bytes += z.numel() * z.element_size()
-        if self._pending_bytes >= self.flush_bytes:
+        self._kept_bytes += z.numel() * z.element_size()
+        if self._kept_bytes >= self.flush_bytes:
             self.flush()
 
     def _bias_copy(self, row: int, bias: torch.Tensor) -> torch.Tensor:
@@ -162,8 +162,8 @@ class RouterHealthTracker:
     def flush(self) -> None:
         """Judge every kept forward (device ops only): one pass per scoring, over the tokens of
         all its forwards concatenated, summed into each forward's layer."""
-        pending, self._pending, self._pending_bytes = self._pending, {}, 0
-        for (scoring, _, device, _, padded), batch in pending.items():
+        kept, self._kept, self._kept_bytes = self._kept, {}, 0
+        for (scoring, _, device, _, padded), batch in kept.items():
             z = torch.cat(batch.logits) if len(batch.logits) > 1 else batch.logits[0]
             z = z if z.dtype == torch.float32 else z.float()
             lengths = tuple(t.shape[0] for t in batch.logits)
@@ -192,8 +192,8 @@ class RouterHealthTracker:
         self, rows: tuple[int, ...], lengths: tuple[int, ...], device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per concatenated token ``[sum(lengths)]``: its forward's position, its layer row.
-        Built on the device from fills, kept per layout (varying lengths cost a fill per
-        forward, never a host-to-device copy)."""
+        Built on the device from fills, kept per layout: new lengths cost a fill per forward, and
+        only a new set of layers a host-to-device copy (of its row index, once)."""
         key = (rows, lengths, device)
         found = self._layouts.get(key)
         if found is None:
@@ -241,4 +241,4 @@ class RouterHealthTracker:
         self.sums.zero_()
         self.max_abs.zero_()
         self._forwards = [[] for _ in self.layer_ids]
-        self._pending, self._pending_bytes = {}, 0
+        self._kept, self._kept_bytes = {}, 0

@@ -155,6 +155,10 @@ class RoutingTracker:
     ``layer_ids``: this rank's hooked MoE layers (global ids, ascending); ``moe_layers``: every
     MoE layer of the model in model order (global ids), whose position is the layer axis of
     the rollout routes.
+
+    A forward's choice is kept, not compared at once: a finished microbatch's forwards wait with
+    its routes, and :meth:`local_stats` (or ``deferred.FLUSH_BYTES`` of them) compares them in
+    one pass, every microbatch of the same shape and layers together.
     """
 
     def __init__(
