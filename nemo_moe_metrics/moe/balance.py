@@ -311,9 +311,9 @@ def _every_layer_statistics(
     topks = np.array([loads.topk_of(i) for i in range(n)], dtype=np.float64)
     zero = np.array([loads.zero_picks_of(i) for i in range(n)], dtype=np.float64)
     total, work = c.sum(axis=1), x.sum(axis=1)
-    if ep_size < 1 or experts % ep_size or np.any(tokens < 0) or np.any(topks < 1):
-        return [_one_layer_statistics(loads, counts, executed, ep_size, i) for i in range(n)]
-    if np.any(x < 0) or np.any(total > work) or np.any(zero < 0):
+    invalid = ep_size < 1 or experts % ep_size or np.any(tokens < 0) or np.any(topks < 1)
+    if invalid or np.any(x < 0) or np.any(total > work) or np.any(zero < 0):
+        # layer_statistics raises, naming the layer's problem and its fix
         return [_one_layer_statistics(loads, counts, executed, ep_size, i) for i in range(n)]
     routed = total > 0
     per_total = np.divide(experts, total, out=np.zeros(n), where=routed)

@@ -9,7 +9,7 @@ launches, the count of ops is the cost at small sizes). Pure tensor arithmetic.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -24,3 +24,41 @@ def segment_ids(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.cat(
         [torch.full((n,), i, dtype=torch.int64, device=device) for i, n in enumerate(lengths)]
     )
+
+
+class ConstantTensors:
+    """Small constant tensors a batched pass uses again each step, kept per value and device.
+
+    ``index(values, device)``: an int64 index (a host-to-device copy once per tuple of values);
+    ``ones(shape, dtype, device)``: ones (a fill once per shape). Varying layouts (lengths that
+    change every step) clear the cache past a few dozen entries instead of growing it.
+    """
+
+    LIMIT = 256
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple, torch.Tensor] = {}
+
+    def _get(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        found = self._kept.get(key)
+        if found is None:
+            if len(self._kept) >= self.LIMIT:
+                self._kept.clear()
+            found = self._kept[key] = make()
+        return found
+
+    def index(self, values: Sequence[int], device: torch.device) -> torch.Tensor:
+        """``values`` as an int64 tensor on ``device``."""
+        values = tuple(values)
+        return self._get(
+            ("index", values, device),
+            lambda: torch.tensor(values, dtype=torch.int64).to(device),
+        )
+
+    def ones(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A ``shape`` tensor of ones."""
+        shape = tuple(shape)
+        return self._get(
+            ("ones", shape, dtype, device),
+            lambda: torch.ones(shape, dtype=dtype, device=device),
+        )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, segment_ids
+from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors, segment_ids
 from nemo_moe_metrics.moe.router_health import (
     MICRO_RATIO,
     SLOTS,
@@ -53,13 +53,11 @@ class RouterHealthTracker:
         *,
         near_tie_gap: float,
         device: torch.device,
-        flush_bytes: int = FLUSH_BYTES,
     ) -> None:
         """See the class docstring; ``near_tie_gap``: the relative gap below which a decision
         counts as a near tie (``router_near_tie_gap``)."""
         self.layer_ids = sorted(scorings)
         self.near_tie_gap = float(near_tie_gap)
-        self.flush_bytes = flush_bytes
         self._scoring = dict(scorings)
         self._row = {layer: i for i, layer in enumerate(self.layer_ids)}
         scale = [
@@ -78,32 +76,12 @@ class RouterHealthTracker:
         self.sums = torch.zeros(len(self.layer_ids), SLOTS, dtype=torch.float64, device=device)
         self.max_abs = torch.zeros(len(self.layer_ids), dtype=torch.float64, device=device)
         self._scale = self._scale.to(device)
-        # Index tensors made once per device and batch layout: a host-to-device copy saved.
-        self._index: dict[tuple[int, ...], torch.Tensor] = {}
-        self._ones: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._constants = ConstantTensors()
         self._layouts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def scoring(self, layer_id: int) -> RouterScoring | None:
         """How the router of global layer ``layer_id`` decides; None when it is not judged."""
         return self._scoring[layer_id]
-
-    def _ones_of(self, tokens: int, device: torch.device) -> torch.Tensor:
-        """``[tokens]`` ones (the weight of unpadded tokens), kept per length."""
-        ones = self._ones.get((tokens, device))
-        if ones is None:
-            if len(self._ones) > 64:  # varying lengths: keep the cache small
-                self._ones.clear()
-            ones = self._ones[(tokens, device)] = torch.ones(tokens, device=device)
-        return ones
-
-    def _index_of(self, values: tuple[int, ...]) -> torch.Tensor:
-        """``values`` as an int64 index on the accumulators' device, kept per tuple."""
-        index = self._index.get(values)
-        if index is None:
-            if len(self._index) > 256:  # varying batch layouts: keep the cache small
-                self._index.clear()
-            index = self._index[values] = torch.tensor(values, dtype=torch.int64).to(self._device)
-        return index
 
     # -- per router forward (hot path: no arithmetic, kept for the batched pass) ------------
     def observe(
@@ -142,7 +120,7 @@ class RouterHealthTracker:
         if valid is not None:
             batch.valid.append(valid)
         self._kept_bytes += z.numel() * z.element_size()
-        if self._kept_bytes >= self.flush_bytes:
+        if self._kept_bytes >= FLUSH_BYTES:
             self.flush()
 
     def _bias_copy(self, row: int, bias: torch.Tensor) -> torch.Tensor:
@@ -175,7 +153,7 @@ class RouterHealthTracker:
             if padded:
                 weight = torch.cat(batch.valid).to(device=device, dtype=torch.float32)
             else:
-                weight = self._ones_of(z.shape[0], device)
+                weight = self._constants.ones((z.shape[0],), torch.float32, device)
             table, slots, magnitude = decision_table(
                 z, scoring, self.near_tie_gap, bias, weight, padded
             )
@@ -185,7 +163,7 @@ class RouterHealthTracker:
                 len(self.layer_ids), len(slots), dtype=torch.float64, device=self._device
             )
             per_row.index_add_(0, row_of, table.to(torch.float64))
-            self.sums.index_add_(1, self._index_of(slots), per_row)
+            self.sums.index_add_(1, self._constants.index(slots, self._device), per_row)
             self.max_abs.scatter_reduce_(0, row_of, magnitude.to(torch.float64), "amax")
 
     def _segments(
@@ -200,7 +178,7 @@ class RouterHealthTracker:
             if len(self._layouts) > 64:  # varying lengths: keep the cache small
                 self._layouts.clear()
             forward_of = segment_ids(lengths, device)
-            row_of = self._index_of(rows).to(device).index_select(0, forward_of)
+            row_of = self._constants.index(rows, device).index_select(0, forward_of)
             found = self._layouts[key] = (forward_of, row_of)
         return found
 

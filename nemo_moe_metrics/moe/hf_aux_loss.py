@@ -41,7 +41,7 @@ from nemo_moe_metrics.moe.aux_loss import (
     reduce_aux_losses,
     summarize_aux_losses,
 )
-from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, segment_ids
+from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors, segment_ids
 from nemo_moe_metrics.moe.router_spec import logits_of
 
 #: The one loss a Hugging Face MoE model defines, under megatron's tracker name.
@@ -126,7 +126,7 @@ class HFAuxLossAccumulator:
         self.values = torch.zeros(len(HF_AUX_LOSS_NAMES), num_layers, dtype=torch.float32)
         self._kept: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}
         self._kept_bytes = 0
-        self._index: dict[tuple[int, ...], torch.Tensor] = {}
+        self._constants = ConstantTensors()
 
     def observer(self, logits_at: int, num_experts: int, top_k: int):
         """A router-hook callback ``(layer_id, router, output)`` adding this forward's loss."""
@@ -157,7 +157,6 @@ class HFAuxLossAccumulator:
         for (_, _, device, num_experts, top_k), (layers, logits) in kept.items():
             if self.values.device != device:  # first forward, or the model moved
                 self.values = self.values.to(device)
-                self._index.clear()
             if self.kind == "switch":
                 forward_of = segment_ids([z.shape[0] for z in logits], device)
                 losses = forwards_load_balancing_loss(
@@ -167,10 +166,7 @@ class HFAuxLossAccumulator:
                 losses = torch.stack(
                     [doge_layer_load_balancing_loss(z, num_experts, top_k) for z in logits]
                 )
-            index = self._index.get(tuple(layers))
-            if index is None:
-                index = torch.tensor(layers, dtype=torch.int64).to(device)
-                self._index[tuple(layers)] = index
+            index = self._constants.index(layers, device)
             self.values[0].index_add_(0, index, losses.to(self.values.dtype))
 
     def reset(self) -> None:

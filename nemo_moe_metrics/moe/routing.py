@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.moe.deferred import FLUSH_BYTES
+from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors
 
 #: Per-layer integer slots of :meth:`RoutingTracker.local_stats`; ``OUT_OF_RANGE``: real
 #: tokens whose rollout row holds an id outside ``[-1, num_experts)`` (an error at export).
@@ -192,10 +192,9 @@ class RoutingTracker:
             if rollout_experts
             else None
         )
-        self._index: dict[tuple[int, ...], torch.Tensor] = {}
+        self._constants = ConstantTensors()
         experts = set(num_experts)
         self._uniform_experts = experts.pop() if len(experts) == 1 else None
-        self._ones: dict[tuple[torch.Size, torch.device], torch.Tensor] = {}
         # The current microbatch's forwards, by kind, until it ends: (row, chosen, executed,
         # real tokens or None).
         self._kept: dict[tuple, list[tuple[int, torch.Tensor, torch.Tensor, Any]]] = {}
@@ -308,8 +307,9 @@ class RoutingTracker:
         routed_layers = differ_layers = None  # per microbatch and token [M, T]
         for (_, _, experts, unpadded, replay), forwards in kept.items():
             rows = [f[0] for f in forwards[: len(forwards) // microbatches]]
-            index = self._index_of(tuple(rows))
-            axes = self._index_of(tuple(self._axis[self.layer_ids[r]] for r in rows))
+            device = self.stats.device
+            index = self._constants.index(rows, device)
+            axes = self._constants.index([self._axis[self.layer_ids[r]] for r in rows], device)
             # [M, N, T, k] and [M, N, T]: microbatch, layer forward, token.
             rollout = routes.index_select(2, axes).transpose(1, 2)
             has_route, out_of_range = (
@@ -320,7 +320,7 @@ class RoutingTracker:
             chosen = self._stacked([f[1] for f in forwards], microbatches)
             overlap = _overlap(rollout, chosen, experts) * has_route
             if unpadded:
-                pairs = self._all_tokens(has_route.shape, has_route.device)
+                pairs = self._constants.ones(has_route.shape, torch.bool, device)
             else:
                 pairs = self._stacked([f[3] for f in forwards], microbatches)
                 has_route = has_route & pairs
@@ -337,7 +337,9 @@ class RoutingTracker:
                 slots += (REPLAY_PAIRS, REPLAY_MISMATCH)
             # Per microbatch, forward and token [M, N, T, n], summed once into the slots.
             added = torch.stack(columns, dim=-1).sum(dim=(0, 2))
-            self.stats.index_put_((index.unsqueeze(1), self._index_of(slots)), added, True)
+            self.stats.index_put_(
+                (index.unsqueeze(1), self._constants.index(slots, device)), added, True
+            )
             if replay:
                 forwards_each = torch.full_like(index, microbatches)
                 self.stats[:, REPLAY_FORWARDS].index_add_(0, index, forwards_each)
@@ -365,30 +367,8 @@ class RoutingTracker:
         """``[M, N, ...]`` of ``M * N`` same-shaped tensors, microbatch-major."""
         return torch.stack(tensors).unflatten(0, (microbatches, -1))
 
-    def _index_of(self, values: tuple[int, ...]) -> torch.Tensor:
-        """``values`` as an int64 index on the accumulators' device, kept per tuple (a
-        host-to-device copy made once per layout)."""
-        index = self._index.get(values)
-        if index is None:
-            if len(self._index) > 256:  # varying layouts: keep the cache small
-                self._index.clear()
-            index = self._index[values] = torch.tensor(values, dtype=torch.int64).to(
-                self.stats.device
-            )
-        return index
-
-    def _all_tokens(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        """``shape`` True (no padding known), kept per shape: one op less per microbatch."""
-        ones = self._ones.get((shape, device))
-        if ones is None:
-            if len(self._ones) > 64:  # varying lengths: keep the cache small
-                self._ones.clear()
-            ones = self._ones[(shape, device)] = torch.ones(shape, dtype=torch.bool, device=device)
-        return ones
-
     def _move(self, device: torch.device) -> None:
         self._compare_finished()  # on the old device (a model moves between steps, not inside)
-        self._index.clear()
         self.stats = self.stats.to(device)
         self.tokens = self.tokens.to(device)
         if self.rollout_counts is not None:
