@@ -1,4 +1,4 @@
-"""Router forwards kept for one batched pass: the byte budget, and segment ids.
+"""Router forwards kept for one batched pass: the byte budget, segment ids, and a softmax.
 
 The per-forward hooks (router health, routing consistency, the Hugging Face load-balancing
 loss) keep what a forward produced and do their arithmetic once for many forwards: at the
@@ -62,3 +62,21 @@ class ConstantTensors:
             ("ones", shape, dtype, device),
             lambda: torch.ones(shape, dtype=dtype, device=device),
         )
+
+
+#: Rows at most this wide take the softmax of their transpose on a CPU (see :func:`softmax`).
+NARROW_ROWS = 16
+
+
+def softmax(z: torch.Tensor, *, log: bool = False) -> torch.Tensor:
+    """``softmax(z, -1)`` (``log``: ``log_softmax``) of ``[T, E]`` rows.
+
+    On a CPU, rows of at most :data:`NARROW_ROWS` go through the transposed ``[E, T]`` layout:
+    torch's last-dimension kernel vectorises within a row, so at 8 experts it spends most of
+    its time on per-row set-up (about 7x slower than the other kernel, which vectorises across
+    rows). The values agree with the direct call to a float's last bits.
+    """
+    fn = torch.log_softmax if log else torch.softmax
+    if z.device.type != "cpu" or z.dim() != 2 or z.shape[-1] > NARROW_ROWS:
+        return fn(z, dim=-1)
+    return fn(z.t(), dim=0).t()

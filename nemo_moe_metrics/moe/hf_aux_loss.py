@@ -41,7 +41,7 @@ from nemo_moe_metrics.moe.aux_loss import (
     reduce_aux_losses,
     summarize_aux_losses,
 )
-from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors, segment_ids
+from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors, segment_ids, softmax
 from nemo_moe_metrics.moe.router_spec import logits_of
 
 #: The one loss a Hugging Face MoE model defines, under megatron's tracker name.
@@ -72,7 +72,7 @@ def forwards_load_balancing_loss(
     function computes it; one pass for all.
     """
     logits = router_logits.detach()
-    weights = torch.softmax(logits, dim=-1)
+    weights = softmax(logits)
     _, selected = torch.topk(weights, top_k, dim=-1)
     slot = (forward_of.unsqueeze(1) * num_experts + selected).reshape(-1)
     picks = torch.zeros(forwards * num_experts, dtype=torch.float32, device=logits.device)
