@@ -97,8 +97,10 @@ def real_token_mask(chunk: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor
 
 
 class _LayerAccumulator:
-    """Device int64 routed counts [E], executed counts [E], routed tokens [] and picks of
-    zero-computation experts [] of one MoE layer.
+    """Routed counts [E], executed counts [E], routed tokens [] and picks of zero-computation
+    experts [] of one MoE layer: int64 views into its device's shared buffer (see
+    :meth:`ExpertLoadCollector.local_payload`), so a step's reset and export are one device op
+    each whatever the layers.
 
     Each kept with as few device ops per forward as the forward needs: a token count given as
     a host int is summed on the host until :meth:`tokens_now`; executed counts are kept apart
@@ -118,13 +120,11 @@ class _LayerAccumulator:
         self.num_experts = num_experts
         self.topk = topk
         self.zero_computation = zero_computation
-        self.counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-        self.executed = torch.zeros(num_experts, dtype=torch.int64, device=device)
+        self.device = device
         self.executed_apart = False  # False: the executed counts equal the routed counts
-        self.tokens = torch.zeros((), dtype=torch.int64, device=device)
         self.host_tokens = 0
-        self.zero_picks = torch.zeros((), dtype=torch.int64, device=device)
-        self.rollout = torch.zeros(num_experts, dtype=torch.int64, device=device)
+        # Views, bound by the collector (_LayerBuffers)
+        self.counts = self.executed = self.tokens = self.zero_picks = self.rollout = None
 
     def add(
         self,
@@ -137,9 +137,6 @@ class _LayerAccumulator:
         the counts tensor itself: the same) and zero-computation picks."""
         same = executed is None or executed is counts
         counts = per_expert(counts)
-        if counts.device != self.counts.device:  # the model moved after attach
-            for name in ("counts", "executed", "tokens", "zero_picks", "rollout"):
-                setattr(self, name, getattr(self, name).to(counts.device))
         if not same and not self.executed_apart:
             self.executed.copy_(self.counts)  # every forward so far executed what it counted
             self.executed_apart = True
@@ -160,17 +157,56 @@ class _LayerAccumulator:
             self.host_tokens = 0
         return self.tokens
 
-    def executed_now(self) -> torch.Tensor:
-        """The executed counts [E] so far (the routed counts themselves until they differ)."""
-        return self.executed if self.executed_apart else self.counts
+
+class _LayerBuffers:
+    """The accumulators of the layers on one device, as two int64 buffers: ``state``, the
+    export's layout (every layer's routed counts, then executed counts, tokens and
+    zero-computation picks, in layer order), and the rollout's counts."""
+
+    def __init__(self, accs: list[_LayerAccumulator], device: torch.device) -> None:
+        self.accs = accs
+        self.experts = sum(a.num_experts for a in accs)
+        n, layers = self.experts, len(accs)
+        self.state = torch.zeros(2 * n + 2 * layers, dtype=torch.int64, device=device)
+        self.rollout = torch.zeros(n, dtype=torch.int64, device=device)
+        start = 0
+        for i, acc in enumerate(accs):
+            end = start + acc.num_experts
+            acc.device = torch.device(device)
+            acc.counts, acc.executed = self.state[start:end], self.state[n + start : n + end]
+            acc.tokens, acc.zero_picks = self.state[2 * n + i], self.state[2 * n + layers + i]
+            acc.rollout = self.rollout[start:end]
+            start = end
+
+    def payload(self) -> torch.Tensor:
+        """``state`` with every layer's tokens and executed counts brought up to date."""
+        n = self.experts
+        hosts = [acc.host_tokens for acc in self.accs]
+        if any(hosts):
+            self.state[2 * n : 2 * n + len(hosts)].add_(_host_ints(hosts, self.state.device))
+            for acc in self.accs:
+                acc.host_tokens = 0
+        apart = [acc.executed_apart for acc in self.accs]
+        if not any(apart):  # every layer executed what it counted
+            self.state[n : 2 * n].copy_(self.state[:n])
+        else:
+            for acc in self.accs:
+                if not acc.executed_apart:
+                    acc.executed.copy_(acc.counts)
+        return self.state
 
     def reset(self) -> None:
         """Zero the step's accumulators (the rollout's are kept)."""
-        self.counts.zero_()
-        self.executed_apart = False
-        self.tokens.zero_()
-        self.host_tokens = 0
-        self.zero_picks.zero_()
+        self.state.zero_()
+        for acc in self.accs:
+            acc.executed_apart = False
+            acc.host_tokens = 0
+
+
+def _host_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host ints as an int64 tensor on ``device`` without a blocking copy."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 class ExpertLoadCollector:
@@ -239,6 +275,7 @@ class ExpertLoadCollector:
             self._handles.append(chunk.register_forward_pre_hook(self._enter, with_kwargs=True))
             self._handles.append(chunk.register_forward_hook(self._leave, always_call=True))
         self._accs.sort(key=lambda a: a.layer_id)
+        self._buffers = self._allocate()
         #: some counted layer routes every token: then no step routes fewer than its real tokens
         self.routes_every_token = any(not spec.token_subset for _, _, spec in routers)
 
@@ -254,6 +291,33 @@ class ExpertLoadCollector:
                 "num_layers=<decoder layers> so it is counted as layer num_layers + j"
             )
         return self._num_layers + mtp
+
+    def _allocate(self) -> list[_LayerBuffers]:
+        """One pair of buffers per device the layers' routers live on (one, nearly always)."""
+        by_device: dict[torch.device, list[_LayerAccumulator]] = {}
+        for acc in self._accs:
+            by_device.setdefault(acc.device, []).append(acc)
+        return [_LayerBuffers(accs, device) for device, accs in by_device.items()]
+
+    def _move(self, acc: _LayerAccumulator, device: torch.device) -> None:
+        """A layer's router moved after attach (the model was moved): its accumulators follow,
+        values kept."""
+        kept = [
+            (a, a.counts.to(device), a.executed.to(device), a.tokens.to(device),
+             a.zero_picks.to(device), a.rollout.to(device))
+            for a in self._accs
+            if a is acc or a.device == acc.device
+        ]  # fmt: skip
+        for a, *_ in kept:
+            a.device = device
+        self._buffers = self._allocate()
+        for a, counts, executed, tokens, zero_picks, rollout in kept:
+            for view, value in zip(
+                (a.counts, a.executed, a.tokens, a.zero_picks, a.rollout),
+                (counts, executed, tokens, zero_picks, rollout),
+                strict=True,
+            ):
+                view.copy_(value)
 
     @classmethod
     def attach(
@@ -315,8 +379,10 @@ class ExpertLoadCollector:
                     extra["valid"] = self._masks[-1] if self._masks else None
                 if self._counts_now(module):
                     counted = spec.counts_fn(module, args, kwargs, output, **extra)
-                    acc.add(*counted)
                     counts = per_expert(counted[0])
+                    if counts.device != acc.device:  # the model moved after attach
+                        self._move(acc, counts.device)
+                    acc.add(*counted)
                     if self.health is not None:
                         logits, bias, valid = (
                             decision if decision is not None else (None, None, None)
@@ -333,9 +399,10 @@ class ExpertLoadCollector:
                         )
                 elif self.rollout_counting and self._masks and not in_backward():
                     # A generation forward (prefill or decode): the rollout's load, real tokens.
-                    acc.rollout.add_(
-                        per_expert(spec.counts_fn(module, args, kwargs, output, **extra)[0])
-                    )
+                    counts = per_expert(spec.counts_fn(module, args, kwargs, output, **extra)[0])
+                    if counts.device != acc.device:
+                        self._move(acc, counts.device)
+                    acc.rollout.add_(counts)
                     self.rollout_seen = True
 
         return hook
@@ -471,28 +538,37 @@ class ExpertLoadCollector:
         """This rank's device accumulators (per-layer routed counts [E] and tokens []), not copied."""
         return [a.counts for a in self._accs], [a.tokens_now() for a in self._accs]
 
-    def local_executed(self) -> list[torch.Tensor]:
-        """This rank's per-layer executed counts [E] (padding included), not copied."""
-        return [a.executed_now() for a in self._accs]
-
-    def local_zero_picks(self) -> list[torch.Tensor]:
-        """This rank's per-layer picks of zero-computation experts [], not copied."""
-        return [a.zero_picks for a in self._accs]
-
     def local_rollout(self) -> list[torch.Tensor]:
         """This rank's per-layer rollout (generation) counts [E], real tokens, not copied."""
         return [a.rollout for a in self._accs]
 
+    def local_payload(self, device: torch.device) -> torch.Tensor:
+        """This rank's accumulators as one int64 vector on ``device``: every layer's routed
+        counts, then executed counts, routed tokens and zero-computation picks, in
+        ``layer_ids`` order (``moe.reduction``'s layout). A view of the buffer itself, not a
+        copy, when it is on ``device`` already."""
+        if len(self._buffers) == 1:
+            return self._buffers[0].payload().to(device)
+        for buffers in self._buffers:
+            buffers.payload()
+        parts = [
+            *(a.counts for a in self._accs),
+            *(a.executed for a in self._accs),
+            *(a.tokens.reshape(1) for a in self._accs),
+            *(a.zero_picks.reshape(1) for a in self._accs),
+        ]
+        return torch.cat([p.to(device) for p in parts])
+
     def reset_rollout(self) -> None:
         """Zero the rollout accumulators (after their export)."""
-        for a in self._accs:
-            a.rollout.zero_()
+        for buffers in self._buffers:
+            buffers.rollout.zero_()
         self.rollout_seen = False
 
     def reset(self) -> None:
         """Zero the device accumulators (start of a new step); the rollout's are kept."""
-        for a in self._accs:
-            a.reset()
+        for buffers in self._buffers:
+            buffers.reset()
         if self.routing is not None:
             self.routing.reset()
         if self.health is not None:

@@ -237,15 +237,7 @@ class ExpertLoadReducer:
         payload = torch.zeros(self._size, dtype=torch.int64, device=device)
         changed = sig != self._signature
         if collector is not None and contribute and not changed and self._index.numel():
-            counts, tokens = collector.local_counts()
-            flat = torch.cat(
-                [
-                    *(c.to(device) for c in counts),
-                    *(c.to(device) for c in collector.local_executed()),
-                    *(t.reshape(1).to(device) for t in tokens),
-                    *(z.reshape(1).to(device) for z in collector.local_zero_picks()),
-                ]
-            )
+            flat = collector.local_payload(device)
             if device not in self._index_on:
                 self._index_on[device] = self._index.to(device)
             payload.index_copy_(0, self._index_on[device], flat)
