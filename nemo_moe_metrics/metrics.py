@@ -361,8 +361,10 @@ class PolicyMetrics:
         chose for this microbatch's tokens, ``[tokens, moe_layers, top_k]`` in the model's token
         order (packed sequences concatenated) or padded ``[batch, seq, moe_layers, top_k]``;
         ``-1`` where no route was captured. Shapes are checked here (a mismatch raises before
-        any collective); no value is read on the host. Call it inside ``with metrics.step():``,
-        before the microbatch's forward.
+        any collective); no value is read on the host. The routes are read, not copied, by the
+        step's comparison at :meth:`finish_step`: leave them unchanged until then (an in-place
+        write is an error there). Call it inside ``with metrics.step():``, before the
+        microbatch's forward.
         """
         self._require_attach("microbatch")
         if not self._in_step:

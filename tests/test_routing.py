@@ -17,8 +17,9 @@ from nemo_moe_metrics.config import AlertsConfig, LoggerConfig, MetricsConfig
 from nemo_moe_metrics.moe.routing import (
     RoutingShapeError,
     RoutingTracker,
+    check_routes,
+    in_router_order,
     indices_to_map,
-    normalize_routes,
     route_memory_bytes,
     routing_metrics,
 )
@@ -139,11 +140,32 @@ def test_routes_given_after_the_forward_are_refused():
 
 def test_padded_routes_become_the_routers_token_order():
     b, s = 2, 3
-    routes = torch.arange(b * s * 2 * 2).reshape(b, s, 2, 2)
-    seq_major = normalize_routes(routes, num_moe_layers=2, topk=2, sequence_major=True)
-    batch_major = normalize_routes(routes, num_moe_layers=2, topk=2, sequence_major=False)
-    assert torch.equal(seq_major[1], routes[1, 0])  # [s*b]: token (s=0, b=1) second
-    assert torch.equal(batch_major[1], routes[0, 1])
+    routes = torch.arange(b * s * 2 * 2, dtype=torch.int32).reshape(b, s, 2, 2)
+    stacked = torch.stack([routes, routes + 100])  # two microbatches
+    seq_major = in_router_order(stacked, sequence_major=True)
+    batch_major = in_router_order(stacked, sequence_major=False)
+    assert seq_major.shape == (2, b * s, 2, 2) and seq_major.dtype == torch.int64
+    assert torch.equal(seq_major[0, 1], routes[1, 0].long())  # [s*b]: token (s=0, b=1) second
+    assert torch.equal(batch_major[1, 1], routes[0, 1].long() + 100)
+
+
+def test_routes_written_in_place_before_the_step_ends_are_an_error():
+    # Routes are read by the step's batched pass, not copied by microbatch(): a buffer reused
+    # for the next microbatch would be compared with the wrong forward, so it is refused.
+    t = _tracker(layers=(0,))
+    routes = torch.tensor([[[0, 1]], [[2, 3]]])
+    m = indices_to_map(routes[:, 0], E)
+    t.set_routes(routes)
+    t.observe(0, m, m, None, replay=False)
+    routes.copy_(torch.tensor([[[4, 5]], [[6, 7]]]))  # the next microbatch's routes, same buffer
+    t.set_routes(routes)
+    t.observe(0, indices_to_map(routes[:, 0], E), m, None, replay=False)
+    with pytest.raises(RoutingShapeError, match=r"written in place.*\(1 microbatch"):
+        _metrics(t)
+    t.reset()  # a fresh tensor per microbatch is compared as given
+    t.set_routes(routes.clone())
+    t.observe(0, indices_to_map(routes[:, 0], E), m, None, replay=False)
+    assert _metrics(t)[mn.ROUTING_DISAGREEMENT] == 0.0
 
 
 @pytest.mark.parametrize(
@@ -152,9 +174,7 @@ def test_padded_routes_become_the_routers_token_order():
 )
 def test_shape_mismatch_names_both_shapes(shape, needle):
     with pytest.raises(RoutingShapeError) as err:
-        normalize_routes(
-            torch.zeros(shape, dtype=torch.long), num_moe_layers=2, topk=2, sequence_major=True
-        )
+        check_routes(torch.zeros(shape, dtype=torch.long), num_moe_layers=2, topk=2)
     assert needle in str(err.value) and "[tokens, 2, 2]" in str(err.value)
 
 

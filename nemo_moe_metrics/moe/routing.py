@@ -44,30 +44,29 @@ PAIRS, ROUTED, DIFFER, OVERLAP, REPLAY_PAIRS, REPLAY_MISMATCH, REPLAY_FORWARDS, 
 )
 LAYER_SLOTS = 8
 #: Step-wide slots after the per-layer block: tokens routed on every layer, of which differ,
-#: and routes given to ``microbatch()`` that no training forward used (an error at export).
-TOKENS_ALL_ROUTED, TOKENS_ANY_DIFFERS, UNUSED_ROUTES = range(3)
-GLOBAL_SLOTS = 3
+#: routes given to ``microbatch()`` that no training forward used, and routes written in place
+#: before the step compared them (both errors at export).
+TOKENS_ALL_ROUTED, TOKENS_ANY_DIFFERS, UNUSED_ROUTES, MODIFIED_ROUTES = range(4)
+GLOBAL_SLOTS = 4
 
 
 class RoutingShapeError(ValueError):
     """``rollout_routes`` does not fit the microbatch or the model."""
 
 
-def normalize_routes(
-    routes: torch.Tensor,
+def check_routes(
+    routes: Any,
     *,
     num_moe_layers: int,
     topk: int,
-    sequence_major: bool,
     num_sequences: int | None = None,
 ) -> torch.Tensor:
-    """``[tokens, moe_layers, top_k]`` int64 in the router's token order, checked on shapes only.
+    """``routes`` as a tensor, its shape and dtype checked; no device op, no value read.
 
     Accepts packed ``[tokens, moe_layers, top_k]`` (the microbatch's tokens in model order,
-    packed sequences concatenated) or padded ``[batch, seq, moe_layers, top_k]``. Padded input
-    becomes the router's order: sequence-major ``[seq * batch]`` for megatron-core routers,
-    batch-major ``[batch * seq]`` for Hugging Face routers. Raises :class:`RoutingShapeError`
-    naming both shapes; reads no value (no host sync).
+    packed sequences concatenated) or padded ``[batch, seq, moe_layers, top_k]`` integer ids
+    (:func:`in_router_order` puts either in the router's token order). Raises
+    :class:`RoutingShapeError` naming both shapes.
     """
     if not isinstance(routes, torch.Tensor):
         routes = torch.as_tensor(routes)
@@ -86,15 +85,29 @@ def normalize_routes(
         )
     if routes.dtype.is_floating_point or routes.dtype == torch.bool:
         raise RoutingShapeError(f"rollout_routes must hold integer expert ids, got {routes.dtype}")
-    if routes.dim() == 4:
-        b = shape[0]
-        if num_sequences is not None and b != num_sequences:
-            raise RoutingShapeError(
-                f"rollout_routes has shape {shape} ({b} sequences) but seq_lens has "
-                f"{num_sequences} sequences; pass one row of routes per sequence"
-            )
-        routes = routes.transpose(0, 1) if sequence_major else routes
-        routes = routes.reshape(-1, num_moe_layers, topk)
+    if routes.dim() == 4 and num_sequences is not None and shape[0] != num_sequences:
+        raise RoutingShapeError(
+            f"rollout_routes has shape {shape} ({shape[0]} sequences) but seq_lens has "
+            f"{num_sequences} sequences; pass one row of routes per sequence"
+        )
+    return routes
+
+
+def route_tokens(routes: torch.Tensor) -> int:
+    """The tokens a checked ``routes`` tensor (:func:`check_routes`) holds routes for."""
+    return routes.shape[0] if routes.dim() == 3 else routes.shape[0] * routes.shape[1]
+
+
+def in_router_order(routes: torch.Tensor, *, sequence_major: bool) -> torch.Tensor:
+    """``[M, tokens, moe_layers, top_k]`` int64 in the router's token order, of ``M``
+    microbatches' checked routes stacked (``[M, tokens, ...]`` or ``[M, batch, seq, ...]``).
+
+    Padded routes become sequence-major ``[seq * batch]`` for megatron-core routers and
+    batch-major ``[batch * seq]`` for Hugging Face routers.
+    """
+    if routes.dim() == 5:
+        routes = routes.transpose(1, 2) if sequence_major else routes
+        routes = routes.reshape(routes.shape[0], -1, *routes.shape[-2:])
     return routes.to(torch.int64)
 
 
@@ -198,10 +211,12 @@ class RoutingTracker:
         # The current microbatch's forwards, by kind, until it ends: (row, chosen, executed,
         # real tokens or None).
         self._kept: dict[tuple, list[tuple[int, torch.Tensor, torch.Tensor, Any]]] = {}
-        # Finished microbatches, kept for the batched comparison: (routes, their forwards).
-        self._finished: list[tuple[torch.Tensor, dict[tuple, list]]] = []
+        # Finished microbatches, kept for the batched comparison: (routes, their version
+        # counter when given, their forwards).
+        self._finished: list[tuple[torch.Tensor, int, dict[tuple, list]]] = []
         self._finished_bytes = 0
         self._routes: torch.Tensor | None = None
+        self._route_version = 0  # the routes' version counter when given (a host int)
         self._routes_used = False  # a host flag: a training forward saw the routes
 
     # -- per microbatch --------------------------------------------------------------------
@@ -210,15 +225,17 @@ class RoutingTracker:
         self._check_routes_used()
         self.fold()
         if routes is not None:
-            routes = normalize_routes(
+            # Checked now, put in the router's order (a copy) by the batched pass: the routes
+            # must not be written before then, which their version counter (a host int) tells.
+            routes = check_routes(
                 routes,
                 num_moe_layers=len(self.moe_layers),
                 topk=self.topk,
-                sequence_major=self.sequence_major,
                 num_sequences=num_sequences,
             )
             if routes.device != self.stats.device:
                 routes = routes.to(self.stats.device, non_blocking=True)
+            self._route_version = routes._version
         self._routes = routes
         self._routes_used = False
 
@@ -236,7 +253,7 @@ class RoutingTracker:
         if not self._kept:
             return
         assert self._routes is not None
-        self._finished.append((self._routes, self._kept))
+        self._finished.append((self._routes, self._route_version, self._kept))
         self._finished_bytes += self._routes.numel() * self._routes.element_size()
         for forwards in self._kept.values():
             self._finished_bytes += sum(f[1].numel() * f[1].element_size() for f in forwards)
@@ -269,11 +286,12 @@ class RoutingTracker:
         if self._routes is None:
             self.stats[row, PAIRS] += num_tokens if real is None else real.sum()
             return
-        if self._routes.shape[0] != num_tokens:
+        if route_tokens(self._routes) != num_tokens:
             raise RoutingShapeError(
-                f"rollout_routes has shape {tuple(self._routes.shape)} ({self._routes.shape[0]} "
-                f"tokens) but MoE layer {layer_id}'s router saw {num_tokens} tokens; pass routes "
-                "for exactly the microbatch's tokens (padding included, as -1)"
+                f"rollout_routes has shape {tuple(self._routes.shape)} ("
+                f"{route_tokens(self._routes)} tokens) but MoE layer {layer_id}'s router saw "
+                f"{num_tokens} tokens; pass routes for exactly the microbatch's tokens (padding "
+                "included, as -1)"
             )
         self._routes_used = True
         key = (chosen.dtype, chosen.shape[1], self._experts[layer_id], real is None, replay)
@@ -282,20 +300,28 @@ class RoutingTracker:
     def _compare_finished(self) -> None:
         """Compare every kept microbatch with its routes: in one pass when they share their
         shape and layers (the usual step), else one pass per microbatch."""
-        finished, self._finished, self._finished_bytes = self._finished, [], 0
+        microbatches, self._finished, self._finished_bytes = self._finished, [], 0
+        finished = []
+        for routes, version, kept in microbatches:
+            if routes._version != version:  # counted: the export raises on every rank
+                self.tokens[MODIFIED_ROUTES] += 1
+            else:
+                finished.append((routes, kept))
         layouts = {
             (routes.shape, tuple((kind, tuple(f[0] for f in fw)) for kind, fw in kept.items()))
             for routes, kept in finished
         }
+        order = self.sequence_major
         if len(finished) > 1 and len(layouts) == 1:
             merged: dict[tuple, list] = {}
             for _, kept in finished:
                 for kind, forwards in kept.items():
                     merged.setdefault(kind, []).extend(forwards)
-            self._compare(torch.stack([routes for routes, _ in finished]), merged)
+            stacked = torch.stack([routes for routes, _ in finished])
+            self._compare(in_router_order(stacked, sequence_major=order), merged)
             return
         for routes, kept in finished:
-            self._compare(routes.unsqueeze(0), kept)
+            self._compare(in_router_order(routes.unsqueeze(0), sequence_major=order), kept)
 
     def _compare(self, routes: torch.Tensor, kept: dict[tuple, list]) -> None:
         """Compare ``M`` microbatches' routes ``[M, T, layers, k]`` with their kept forwards
@@ -375,6 +401,7 @@ class RoutingTracker:
             self.rollout_counts = self.rollout_counts.to(device)
         if self._routes is not None:
             self._routes = self._routes.to(device)
+            self._route_version = self._routes._version
 
     # -- step boundary ---------------------------------------------------------------------
     def local_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,6 +452,13 @@ def routing_metrics(
             "the next one or finish_step. Pass a microbatch's routes to microbatch() before its "
             "forward, inside `with metrics.step():`; routes given after the forward would be "
             "compared with the next microbatch's tokens"
+        )
+    if tokens[MODIFIED_ROUTES]:
+        raise RoutingShapeError(
+            f"rollout_routes passed to microbatch() were written in place before the step "
+            f"compared them ({int(tokens[MODIFIED_ROUTES])} microbatch(es), all ranks): they are "
+            "read at finish_step, not copied. Pass a tensor that stays as it is until the step "
+            "ends (e.g. a slice of the rollout batch, or routes.clone() of a reused buffer)"
         )
     if total[OUT_OF_RANGE]:
         bad = [
