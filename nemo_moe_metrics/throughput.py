@@ -378,10 +378,10 @@ class StepMeter:
                 # max(t) and max(-t) give max and -min in one collective.
                 tokens = sums[0].to(self._collective_device(self._cp_group))
                 spread = torch.stack([tokens, -tokens])
-            dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self._data_group)
-            dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=self._timing_group)
+            _all_reduce(summed, dist.ReduceOp.SUM, self._data_group)
+            _all_reduce(maxed, dist.ReduceOp.MAX, self._timing_group)
             if spread is not None:
-                dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self._cp_group)
+                _all_reduce(spread, dist.ReduceOp.MAX, self._cp_group)
                 tensors.append(spread)
         tensors.append(check)
 
@@ -538,6 +538,12 @@ class _InputPositions:
     def add(self, other: _InputPositions) -> None:
         self.known += other.known
         self.unknown += other.unknown
+
+
+def _all_reduce(tensor: torch.Tensor, op: Any, group: Any) -> None:
+    """``all_reduce`` over ``group``; a group of one rank (a single-GPU run) has nothing to do."""
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
 
 
 def _has_sums(estimator: Any) -> bool:

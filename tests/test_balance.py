@@ -15,6 +15,7 @@ from nemo_moe_metrics.moe.balance import (
     ep_imbalance,
     expert_load_metrics,
     layer_statistics,
+    linear_percentile,
     load_percent,
     max_over_ideal,
     min_over_ideal,
@@ -207,3 +208,15 @@ def test_every_layer_at_once_equals_layer_statistics_layer_by_layer():
             )  # fmt: skip
             for name, value in expected.items():
                 assert got[mn.layer_stat_key(i, name)] == pytest.approx(value, rel=1e-12, abs=1e-15)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(st.floats(0.0, 64.0), st.sampled_from([1.0, 1.25, 2.0])), min_size=1, max_size=120
+    ),
+    st.sampled_from([0.0, 10.0, 50.0, 90.0, 99.0, 100.0]),
+)
+def test_linear_percentile_is_numpys_to_the_bit(values, percent):
+    want = float(np.percentile(np.array(values, dtype=np.float64), percent))
+    assert linear_percentile(sorted(values), percent) == want

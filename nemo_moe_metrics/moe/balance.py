@@ -8,6 +8,7 @@ statistic (there is nothing to judge), never NaN.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -207,6 +208,20 @@ def layer_statistics(
     return stats
 
 
+def linear_percentile(ordered: Sequence[float], percent: float) -> float:
+    """``np.percentile(ordered, percent)`` (numpy's default, linear) of finite values sorted
+    ascending: numpy's own index arithmetic and interpolation, so the same float, without its
+    ~0.1 ms of set-up a call."""
+    n = len(ordered)
+    q = percent / 100
+    virtual = (n - 1) * q  # numpy's virtual index for its linear method
+    if virtual >= n - 1:
+        return float(ordered[-1])
+    below = math.floor(virtual)
+    a, b, t = float(ordered[below]), float(ordered[below + 1]), virtual - below
+    return b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t
+
+
 def max_over_ideal_spread(
     layer_ids: list[int], stats: list[tuple[bool, dict[str, float]]]
 ) -> dict[str, float]:
@@ -218,9 +233,9 @@ def max_over_ideal_spread(
     ]
     if not ratios:
         return {}
-    values = np.array([r for r, _ in ratios], dtype=np.float64)
+    ordered = sorted(float(r) for r, _ in ratios)
     worst = max(ratios, key=lambda pair: (pair[0], -pair[1]))[1]
-    p50, p90 = np.percentile(values, [50, 90])  # one call: each costs ~0.1 ms of set-up
+    p50, p90 = linear_percentile(ordered, 50), linear_percentile(ordered, 90)
     return {
         mn.MAX_OVER_IDEAL_P50: float(p50),
         mn.MAX_OVER_IDEAL_P90: float(p90),
