@@ -20,7 +20,9 @@ from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.moe.router_health import (
     RouterScoring,
     chosen_experts,
+    chosen_ids,
     decision_sums,
+    decision_table,
     router_health_metrics,
 )
 
@@ -467,3 +469,25 @@ def test_kept_forwards_are_judged_with_the_bias_each_forward_saw():
     # float32 per token (a batch may round the last bit differently), float64 sums
     torch.testing.assert_close(sums[:, :decision], expected[:, :decision], rtol=1e-6, atol=1e-9)
     torch.testing.assert_close(max_abs, peaks)
+
+
+@pytest.mark.parametrize(
+    "score,biased", [("sigmoid", True), ("softmax", False), ("sqrtsoftplus", True)]
+)
+def test_the_routers_own_map_judges_as_ranking_the_scores_does(score, biased):
+    # Megatron's routing map (HealthSource.chosen) replaces the pass's own top-k: the same
+    # table, padded rows included; its expert ids (the accelerator path) are the top-k's.
+    gen = torch.Generator().manual_seed(3)
+    scoring = RouterScoring(score, 16, 3, rank_on_logits=score == "softmax")
+    z = torch.randn(500, 16, generator=gen)
+    bias = (torch.randn(16, generator=gen) * 0.3).expand(500, 16) if biased else None
+    weight = (torch.rand(500, generator=gen) > 0.25).float()
+    top = chosen_experts(z, scoring, None if bias is None else bias[0])
+    chosen = torch.zeros(500, 16, dtype=torch.bool).scatter_(1, top, True)
+    ranked, slots, magnitude = decision_table(z, scoring, NEAR_TIE_GAP, bias, weight, True)
+    mapped, slots_map, magnitude_map = decision_table(
+        z, scoring, NEAR_TIE_GAP, bias, weight, True, chosen=chosen
+    )
+    assert slots_map == slots and torch.equal(magnitude_map, magnitude)
+    torch.testing.assert_close(mapped, ranked, rtol=1e-6, atol=1e-6)
+    assert torch.equal(chosen_ids(chosen, 3), top.sort(dim=-1).values)

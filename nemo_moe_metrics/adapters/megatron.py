@@ -89,7 +89,20 @@ def health(router: nn.Module, parent: nn.Module | None) -> HealthSource | str:
         bias = getattr(router, "expert_bias", None) if biased else None
         return compat.pop_router_logits(router), bias, _padding_valid(args, kwargs)
 
-    return HealthSource(scoring, read, lambda: compat.release_router_logits(router))
+    # The routing map is the top-k of exactly the scores judged (padding rows included),
+    # unless capacity dropping removed picks or replay chose; group-limited routing is judged
+    # on group-masked scores, which the map alone does not give.
+    exact_map = getattr(cfg, "moe_expert_capacity_factor", None) is None and not scoring.grouped
+
+    def chosen(args: tuple, kwargs: dict, output: Any):
+        return None if compat.router_replay_active(router) else output[1]
+
+    return HealthSource(
+        scoring,
+        read,
+        lambda: compat.release_router_logits(router),
+        chosen=chosen if exact_map else None,
+    )
 
 
 SPEC = RouterSpec(

@@ -302,22 +302,15 @@ class ExpertLoadCollector:
     def _move(self, acc: _LayerAccumulator, device: torch.device) -> None:
         """A layer's router moved after attach (the model was moved): its accumulators follow,
         values kept."""
-        kept = [
-            (a, a.counts.to(device), a.executed.to(device), a.tokens.to(device),
-             a.zero_picks.to(device), a.rollout.to(device))
-            for a in self._accs
-            if a is acc or a.device == acc.device
-        ]  # fmt: skip
-        for a, *_ in kept:
+        names = ("counts", "executed", "tokens", "zero_picks", "rollout")
+        moved = [a for a in self._accs if a is acc or a.device == acc.device]
+        kept = [[getattr(a, name).to(device) for name in names] for a in moved]
+        for a in moved:
             a.device = device
         self._buffers = self._allocate()
-        for a, counts, executed, tokens, zero_picks, rollout in kept:
-            for view, value in zip(
-                (a.counts, a.executed, a.tokens, a.zero_picks, a.rollout),
-                (counts, executed, tokens, zero_picks, rollout),
-                strict=True,
-            ):
-                view.copy_(value)
+        for a, values in zip(moved, kept, strict=True):
+            for name, value in zip(names, values, strict=True):
+                getattr(a, name).copy_(value)
 
     @classmethod
     def attach(
@@ -391,7 +384,14 @@ class ExpertLoadCollector:
                             valid = rows_of(
                                 extra["valid"], logits.reshape(-1, logits.shape[-1]).shape[0]
                             )
-                        self.health.observe(acc.layer_id, counts, logits, bias=bias, valid=valid)
+                        chosen = (
+                            source.chosen(args, kwargs, output)
+                            if source is not None and source.chosen is not None
+                            else None
+                        )
+                        self.health.observe(
+                            acc.layer_id, counts, logits, bias=bias, valid=valid, chosen=chosen
+                        )
                     if self.routing is not None and acc.layer_id in self._compared:
                         assert spec.routes_fn is not None
                         self.routing.observe(

@@ -31,6 +31,7 @@ class _KeptForwards:
         self.logits: list[torch.Tensor] = []
         self.biases: list[torch.Tensor] = []
         self.valid: list[torch.Tensor] = []
+        self.chosen: list[torch.Tensor] = []
 
 
 class RouterHealthTracker:
@@ -92,8 +93,10 @@ class RouterHealthTracker:
         *,
         bias: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
+        chosen: torch.Tensor | None = None,
     ) -> None:
-        """One counted router forward: its routed counts ``[E]`` and, where known, its logits."""
+        """One counted router forward: its routed counts ``[E]`` and, where known, its logits
+        (and its own top-k as a ``[T, E]`` bool map, ``HealthSource.chosen``)."""
         row = self._row[layer_id]
         if counts.device != self._device:  # the model moved after attach
             self._move(counts.device)
@@ -109,7 +112,7 @@ class RouterHealthTracker:
                 "track_router_health off for this model and report the model"
             )
         z = logits.detach().reshape(-1, scoring.num_experts)
-        key = (scoring, z.dtype, z.device, bias is not None, valid is not None)
+        key = (scoring, z.dtype, z.device, bias is not None, valid is not None, chosen is not None)
         batch = self._kept.get(key)
         if batch is None:
             batch = self._kept[key] = _KeptForwards()
@@ -119,6 +122,9 @@ class RouterHealthTracker:
             batch.biases.append(self._bias_copy(row, bias))
         if valid is not None:
             batch.valid.append(valid)
+        if chosen is not None:
+            batch.chosen.append(chosen.reshape(-1, scoring.num_experts))
+            self._kept_bytes += chosen.numel()
         self._kept_bytes += z.numel() * z.element_size()
         if self._kept_bytes >= FLUSH_BYTES:
             self.flush()
@@ -141,7 +147,7 @@ class RouterHealthTracker:
         """Judge every kept forward (device ops only): one pass per scoring, over the tokens of
         all its forwards concatenated, summed into each forward's layer."""
         kept, self._kept, self._kept_bytes = self._kept, {}, 0
-        for (scoring, _, device, _, padded), batch in kept.items():
+        for (scoring, _, device, _, padded, _), batch in kept.items():
             z = torch.cat(batch.logits) if len(batch.logits) > 1 else batch.logits[0]
             z = z if z.dtype == torch.float32 else z.float()
             lengths = tuple(t.shape[0] for t in batch.logits)
@@ -154,8 +160,11 @@ class RouterHealthTracker:
                 weight = torch.cat(batch.valid).to(device=device, dtype=torch.float32)
             else:
                 weight = self._constants.ones((z.shape[0],), torch.float32, device)
+            chosen = None
+            if batch.chosen:
+                chosen = torch.cat(batch.chosen) if len(batch.chosen) > 1 else batch.chosen[0]
             table, slots, magnitude = decision_table(
-                z, scoring, self.near_tie_gap, bias, weight, padded
+                z, scoring, self.near_tie_gap, bias, weight, padded, chosen=chosen
             )
             if device != self._device:  # logits on another device than the counts
                 table, magnitude, row_of = (t.to(self._device) for t in (table, magnitude, row_of))

@@ -239,6 +239,7 @@ def decision_table(
     bias: torch.Tensor | None,
     weight: torch.Tensor,
     padded: bool,
+    chosen: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple[int, ...], torch.Tensor]:
     """``(per-token table [T, n], the slot of each column, |z| max per token [T])`` of router
     forwards of one scoring, their tokens' float32 logits ``z`` ``[T, E]`` concatenated.
@@ -248,23 +249,37 @@ def decision_table(
     column is ``sum(p log p)`` and the logit column ``sum(z^2)``, unscaled (:func:`slot_scale`
     finishes both). ``bias`` ``[E]`` or per token ``[T, E]``, or None; ``weight`` ``[T]``
     float32, 0 on padding rows (``padded``: some row may be 0, so every column is weighted).
+    ``chosen``: the routers' own top-k as a ``[T, E]`` bool map (ungrouped scorings), which
+    replaces ranking the scores here (a top-k over ``E`` is the costliest op of the pass).
     """
     k = scoring.topk
     p, entropy, base, selection = _scores(z, scoring, bias)
-    ranked = _ranked(z, base, selection, scoring, bias is not None)
     gap_defined = scoring.gap_defined
-    order, measured = _rank(ranked, selection, scoring, k + 1 if gap_defined else k)
-    if measured is p:  # one gather serves the confidence and the gap
-        picked = p.gather(-1, order)
-        confidence = picked[..., :k].sum(dim=-1)
-        edge = picked[..., k - 1 :] if gap_defined else None
+    if chosen is not None and not scoring.grouped:
+        confidence = torch.where(chosen, p, 0.0).sum(dim=-1)
+        edge = None
+        if gap_defined:  # s_k, the lowest chosen score; s_k+1, the highest other one
+            edge = (
+                torch.where(chosen, selection, math.inf).amin(dim=-1),
+                torch.where(chosen, -math.inf, selection).amax(dim=-1),
+            )
+        order = None
     else:
-        confidence = p.gather(-1, order[..., :k]).sum(dim=-1)
-        edge = measured.gather(-1, order[..., k - 1 : k + 1]) if gap_defined else None
+        ranked = _ranked(z, base, selection, scoring, bias is not None)
+        order, measured = _rank(ranked, selection, scoring, k + 1 if gap_defined else k)
+        if measured is p:  # one gather serves the confidence and the gap
+            picked = p.gather(-1, order)
+            confidence = picked[..., :k].sum(dim=-1)
+            edge = picked[..., k - 1 :].unbind(-1) if gap_defined else None
+        else:
+            confidence = p.gather(-1, order[..., :k]).sum(dim=-1)
+            edge = (
+                measured.gather(-1, order[..., k - 1 : k + 1]).unbind(-1) if gap_defined else None
+            )
     columns = [weight, confidence, entropy, torch.linalg.vecdot(z, z)]
     slots: tuple[int, ...] = (TOKENS, CONFIDENCE, ENTROPY, LOGIT_SQUARES)
     if edge is not None:
-        last_in, first_out = edge.unbind(-1)
+        last_in, first_out = edge
         # Unbiased scores are >= 0 (p, sigmoid, sqrt-softplus): |s_k| is s_k, one op less.
         size = last_in if bias is None else last_in.abs()
         gap = (last_in - first_out) / size.clamp_min(_TINY)
@@ -272,12 +287,13 @@ def decision_table(
         slots += (GAP, NEAR_TIE, GAP_TOKENS)
     if bias is not None:
         unbiased_ranked = z if scoring.rank_on_logits else base
-        if scoring.grouped:  # the unbiased choice picks its own groups first
+        if order is not None and scoring.grouped:  # the unbiased choice picks its groups first
             unbiased = _rank(unbiased_ranked, unbiased_ranked, scoring, k)[0]
             shared = (order[..., :k].unsqueeze(-1) == unbiased.unsqueeze(-2)).any(-1).sum(-1)
         else:  # a chosen expert is in the unbiased top-k when fewer than k score above it
             # (a [T, k, E] compare: on a CPU several times cheaper than a second topk)
-            at_chosen = unbiased_ranked.gather(-1, order[..., :k])
+            ids = order[..., :k] if order is not None else chosen_ids(chosen, k)
+            at_chosen = unbiased_ranked.gather(-1, ids)
             above = (unbiased_ranked.unsqueeze(-2) > at_chosen.unsqueeze(-1)).sum(dim=-1)
             shared = (above < k).sum(dim=-1)
         columns += [weight, shared]  # stack promotes the int64 column
@@ -289,6 +305,18 @@ def decision_table(
         table = table * weight.unsqueeze(-1)
         magnitude = magnitude * weight
     return table, slots, magnitude
+
+
+def chosen_ids(chosen: torch.Tensor, k: int) -> torch.Tensor:
+    """``[T, k]`` expert ids of a ``[T, E]`` bool map with ``k`` experts per row, ascending.
+
+    Each expert's slot is its rank among the chosen (or, after them, among the others): a
+    permutation of ``[0, E)`` per row, so one scatter without colliding writes.
+    """
+    rank = chosen.cumsum(dim=-1)
+    experts = torch.arange(chosen.shape[-1], device=chosen.device)
+    slot = torch.where(chosen, rank - 1, (experts + k) - rank)
+    return torch.empty_like(rank).scatter_(-1, slot, experts.expand_as(rank))[..., :k]
 
 
 def slot_scale(scoring: RouterScoring) -> list[float]:

@@ -34,11 +34,17 @@ HealthReader = Callable[[tuple, dict, Any], tuple[Any, Any, Any]]
 
 @dataclass(frozen=True)
 class HealthSource:
-    """How to judge one router: its scoring, a per-forward reader, and how to undo captures."""
+    """How to judge one router: its scoring, a per-forward reader, and how to undo captures.
+
+    ``chosen(args, kwargs, output)``, where the router returns it: the router's own decision
+    as a ``[T, E]`` bool map when it is exactly the top-k of the scoring's selection scores in
+    that forward (else None), so the judging needs no top-k of its own.
+    """
 
     scoring: RouterScoring
     read: HealthReader
     release: Callable[[], None] | None = None
+    chosen: Callable[[tuple, dict, Any], torch.Tensor | None] | None = None
 
 
 @dataclass(frozen=True)
