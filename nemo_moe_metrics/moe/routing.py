@@ -290,8 +290,8 @@ class RoutingTracker:
             raise RoutingShapeError(
                 f"rollout_routes has shape {tuple(self._routes.shape)} ("
                 f"{route_tokens(self._routes)} tokens) but MoE layer {layer_id}'s router saw "
-                f"{num_tokens} tokens; pass routes for exactly the microbatch's tokens (padding "
-                "included, as -1)"
+                f"{num_tokens} tokens; pass routes for exactly the microbatch's tokens "
+                "(padding included, as -1)"
             )
         self._routes_used = True
         key = (chosen.dtype, chosen.shape[1], self._experts[layer_id], real is None, replay)
