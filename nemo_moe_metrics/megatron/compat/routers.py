@@ -193,7 +193,9 @@ def capture_router_logits(router: Any) -> None:
 
     def gating(input: Any) -> Any:
         logits = original(input)
-        setattr(router, _LOGITS, logits)
+        # The instance dict, not setattr: nn.Module.__setattr__ checks parameters and buffers
+        # first (a few us a forward); this name is neither.
+        router.__dict__[_LOGITS] = logits
         return logits
 
     setattr(router, _GATING, original)
@@ -202,10 +204,7 @@ def capture_router_logits(router: Any) -> None:
 
 def pop_router_logits(router: Any) -> torch.Tensor | None:
     """The logits ``[s, b, E]`` of the router's last forward (once), or None."""
-    logits = getattr(router, _LOGITS, None)
-    if logits is not None:
-        setattr(router, _LOGITS, None)
-    return logits
+    return router.__dict__.pop(_LOGITS, None)
 
 
 def release_router_logits(router: Any) -> None:
@@ -214,4 +213,4 @@ def release_router_logits(router: Any) -> None:
         return
     router.__dict__.pop("gating", None)
     setattr(router, _GATING, None)
-    setattr(router, _LOGITS, None)
+    router.__dict__.pop(_LOGITS, None)
