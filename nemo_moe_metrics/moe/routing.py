@@ -308,7 +308,11 @@ class RoutingTracker:
             else:
                 finished.append((routes, kept))
         layouts = {
-            (routes.shape, tuple((kind, tuple(f[0] for f in fw)) for kind, fw in kept.items()))
+            (
+                routes.shape,
+                routes.dtype,
+                tuple((k, tuple(f[0] for f in fw)) for k, fw in kept.items()),
+            )
             for routes, kept in finished
         }
         order = self.sequence_major
