@@ -66,6 +66,15 @@ def collective_device(group: Any = None, preferred: torch.device | None = None) 
     return torch.device("cpu")
 
 
+def host_values(
+    values: float | list[float], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Host numbers as a ``dtype`` tensor on ``device`` without a blocking copy (pinned, then
+    ``non_blocking``): the way back to the device, which no export may wait on."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
 def done(result: T) -> Pending[T]:
     """A family with nothing to read this step (e.g. no tracked loss): its result as is."""
     return Pending((), lambda _: result)

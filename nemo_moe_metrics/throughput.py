@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.host_read import Pending, collective_device, read_once
+from nemo_moe_metrics.host_read import Pending, collective_device, host_values, read_once
 
 # lengths_from_*: public here too (docs/en/throughput.md, docs/en/integration.md).
 from nemo_moe_metrics.sequence_lengths import (
@@ -355,7 +355,9 @@ class StepMeter:
         else:
             sums, check = self._host_flops(parts, errors)
         # [... sums, input positions, microbatches whose input was not seen]: summed together.
-        sums = torch.cat([sums, _host_vector([inputs.known, inputs.unknown], sums.device)])
+        sums = torch.cat(
+            [sums, host_values([inputs.known, inputs.unknown], torch.float64, sums.device)]
+        )
         seconds_box: list[float] = []
         if not self._timer.uses_events:
             seconds_box.append(math.fsum(self._timer.collect()))
@@ -366,7 +368,7 @@ class StepMeter:
         summed = sums.to(sum_device)
         bad = ((check[0] + check[2]) > 0).to(torch.float64) + float(bool(errors))
         if seconds_box:  # the wall clock: host seconds, known now
-            secs = _host_scalar(seconds_box[0], bad.device)
+            secs = host_values(seconds_box[0], torch.float64, bad.device)
         else:  # device events: known after the wait; MAXed by _max_seconds
             secs = torch.zeros((), dtype=torch.float64, device=bad.device)
         maxed = torch.stack([secs, bad]).to(max_device)
@@ -548,19 +550,6 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: Any) -> None:
 
 def _has_sums(estimator: Any) -> bool:
     return hasattr(estimator, "from_sums") and hasattr(estimator, "attention_windows")
-
-
-def _host_scalar(value: float, device: torch.device) -> torch.Tensor:
-    """A float64 0-d tensor on ``device`` without a blocking host-to-device copy."""
-    return _host_vector(value, device)
-
-
-def _host_vector(values: float | list[float], device: torch.device) -> torch.Tensor:
-    """Host numbers as a float64 tensor on ``device`` without a blocking copy."""
-    t = torch.tensor(values, dtype=torch.float64)
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 __all__ = [

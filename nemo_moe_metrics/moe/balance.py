@@ -237,8 +237,8 @@ def max_over_ideal_spread(
     worst = max(ratios, key=lambda pair: (pair[0], -pair[1]))[1]
     p50, p90 = linear_percentile(ordered, 50), linear_percentile(ordered, 90)
     return {
-        mn.MAX_OVER_IDEAL_P50: float(p50),
-        mn.MAX_OVER_IDEAL_P90: float(p90),
+        mn.MAX_OVER_IDEAL_P50: p50,
+        mn.MAX_OVER_IDEAL_P90: p90,
         mn.WORST_LAYER: float(worst),
     }
 

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from nemo_moe_metrics.host_read import host_values
 from nemo_moe_metrics.moe.health_tracker import RouterHealthTracker
 from nemo_moe_metrics.moe.reduction import ExpertLoadReducer
 from nemo_moe_metrics.moe.router_spec import (
@@ -183,7 +184,9 @@ class _LayerBuffers:
         n = self.experts
         hosts = [acc.host_tokens for acc in self.accs]
         if any(hosts):
-            self.state[2 * n : 2 * n + len(hosts)].add_(_host_ints(hosts, self.state.device))
+            self.state[2 * n : 2 * n + len(hosts)].add_(
+                host_values(hosts, torch.int64, self.state.device)
+            )
             for acc in self.accs:
                 acc.host_tokens = 0
         apart = [acc.executed_apart for acc in self.accs]
@@ -201,12 +204,6 @@ class _LayerBuffers:
         for acc in self.accs:
             acc.executed_apart = False
             acc.host_tokens = 0
-
-
-def _host_ints(values: list[int], device: torch.device) -> torch.Tensor:
-    """Host ints as an int64 tensor on ``device`` without a blocking copy."""
-    t = torch.tensor(values, dtype=torch.int64)
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 class ExpertLoadCollector:

@@ -30,8 +30,9 @@ class ConstantTensors:
     """Small constant tensors a batched pass uses again each step, kept per value and device.
 
     ``index(values, device)``: an int64 index (a host-to-device copy once per tuple of values);
-    ``ones(shape, dtype, device)``: ones (a fill once per shape). Varying layouts (lengths that
-    change every step) clear the cache past a few dozen entries instead of growing it.
+    ``ones(shape, dtype, device)``: ones (a fill once per shape); ``segments(lengths, device)``:
+    :func:`segment_ids` (a fill per forward once per tuple of lengths). Varying layouts (lengths
+    that change every step) clear the cache past :attr:`LIMIT` entries instead of growing it.
     """
 
     LIMIT = 256
@@ -54,6 +55,11 @@ class ConstantTensors:
             ("index", values, device),
             lambda: torch.tensor(values, dtype=torch.int64).to(device),
         )
+
+    def segments(self, lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+        """:func:`segment_ids` of ``lengths``."""
+        lengths = tuple(lengths)
+        return self._get(("segments", lengths, device), lambda: segment_ids(lengths, device))
 
     def ones(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A ``shape`` tensor of ones."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors, segment_ids
+from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors
 from nemo_moe_metrics.moe.router_health import (
     MICRO_RATIO,
     SLOTS,
@@ -78,7 +78,6 @@ class RouterHealthTracker:
         self.max_abs = torch.zeros(len(self.layer_ids), dtype=torch.float64, device=device)
         self._scale = self._scale.to(device)
         self._constants = ConstantTensors()
-        self._layouts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def scoring(self, layer_id: int) -> RouterScoring | None:
         """How the router of global layer ``layer_id`` decides; None when it is not judged."""
@@ -150,8 +149,9 @@ class RouterHealthTracker:
         for (scoring, _, device, _, padded, _), batch in kept.items():
             z = torch.cat(batch.logits) if len(batch.logits) > 1 else batch.logits[0]
             z = z if z.dtype == torch.float32 else z.float()
-            lengths = tuple(t.shape[0] for t in batch.logits)
-            forward_of, row_of = self._segments(tuple(batch.rows), lengths, device)
+            lengths = [t.shape[0] for t in batch.logits]
+            forward_of = self._constants.segments(lengths, device)
+            row_of = self._constants.index(batch.rows, device).index_select(0, forward_of)
             bias = None
             if batch.biases:
                 biases = torch.stack(batch.biases).reshape(len(lengths), -1)
@@ -174,22 +174,6 @@ class RouterHealthTracker:
             per_row.index_add_(0, row_of, table.to(torch.float64))
             self.sums.index_add_(1, self._constants.index(slots, self._device), per_row)
             self.max_abs.scatter_reduce_(0, row_of, magnitude.to(torch.float64), "amax")
-
-    def _segments(
-        self, rows: tuple[int, ...], lengths: tuple[int, ...], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per concatenated token ``[sum(lengths)]``: its forward's position, its layer row.
-        Built on the device from fills, kept per layout: new lengths cost a fill per forward, and
-        only a new set of layers a host-to-device copy (of its row index, once)."""
-        key = (rows, lengths, device)
-        found = self._layouts.get(key)
-        if found is None:
-            if len(self._layouts) > 64:  # varying lengths: keep the cache small
-                self._layouts.clear()
-            forward_of = segment_ids(lengths, device)
-            row_of = self._constants.index(rows, device).index_select(0, forward_of)
-            found = self._layouts[key] = (forward_of, row_of)
-        return found
 
     def _move(self, device: torch.device) -> None:
         self.flush()

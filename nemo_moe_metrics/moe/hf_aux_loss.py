@@ -41,7 +41,7 @@ from nemo_moe_metrics.moe.aux_loss import (
     reduce_aux_losses,
     summarize_aux_losses,
 )
-from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors, segment_ids, softmax
+from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors, softmax
 from nemo_moe_metrics.moe.router_spec import logits_of
 
 #: The one loss a Hugging Face MoE model defines, under megatron's tracker name.
@@ -158,7 +158,7 @@ class HFAuxLossAccumulator:
             if self.values.device != device:  # first forward, or the model moved
                 self.values = self.values.to(device)
             if self.kind == "switch":
-                forward_of = segment_ids([z.shape[0] for z in logits], device)
+                forward_of = self._constants.segments([z.shape[0] for z in logits], device)
                 losses = forwards_load_balancing_loss(
                     torch.cat(logits), forward_of, len(logits), num_experts, top_k
                 )
