@@ -122,7 +122,7 @@ class RouterHealthTracker:
         if valid is not None:
             batch.valid.append(valid)
         if chosen is not None:
-            batch.chosen.append(chosen.reshape(-1, scoring.num_experts))
+            batch.chosen.append(chosen)
             self._kept_bytes += chosen.numel()
         self._kept_bytes += z.numel() * z.element_size()
         if self._kept_bytes >= FLUSH_BYTES:
