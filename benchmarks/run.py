@@ -54,8 +54,10 @@ Measures (JSON keys, targets):
   store (write and fsync call); W&B has its own key (``benchmarks/table_bench.py``).
 - ``trl_callback_overhead_ratio`` (<= 1.02): a TRL ``SFTTrainer`` step with
   ``MoEMetricsCallback`` and every flag on over the same step without it, a model whose step
-  takes at least 100 ms on one CPU thread, an export every step (``benchmarks/trl_bench.py``;
-  ``details.trl.callback_cpu_ms_per_step``: the callback's own CPU time, events and hooks);
+  takes at least 100 ms on one CPU thread, at TRL's default ``logging_steps`` (10: an export
+  every 10th step; ``benchmarks/trl_bench.py``; ``details.trl.callback_cpu_ms_per_step``: the
+  callback's own CPU time, events and hooks; ``details.trl.log_step_ratio``: a step that
+  exports, with over without, the cost of every step at ``logging_steps=1``);
   absent when TRL is not installed.
 - ``attach_seconds_94_layers`` (<= 1): ``PolicyMetrics.attach`` with every MoE flag, FLOPs and
   router health on a 94-layer x 128-expert transformers model without a registered FLOP formula
@@ -182,7 +184,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         routing_pairs=40,
         health_pairs=40,
         attach_layers=94,
-        trl=dict(blocks=10, steps_per_block=5),
+        trl=dict(blocks=8, windows_per_block=2),
     ),
     "quick": dict(
         bench=BenchConfig(warmup_pairs=1, pairs=40, export_repeats=30),
@@ -194,7 +196,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         routing_pairs=20,
         health_pairs=20,
         attach_layers=94,
-        trl=dict(blocks=6, steps_per_block=4),
+        trl=dict(blocks=4, windows_per_block=2),
     ),
     # Tiny model and few repeats: exercises every path in seconds; the numbers mean little.
     "smoke": dict(
@@ -222,7 +224,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         routing_pairs=2,
         health_pairs=2,
         attach_layers=8,
-        trl=dict(blocks=2, steps_per_block=2, model={}),
+        trl=dict(blocks=2, windows_per_block=1, model={}, logging_steps=2),
     ),
 }
 
@@ -529,8 +531,11 @@ def _format(result: dict[str, Any]) -> str:
     if isinstance(trl, dict):
         lines.append(
             f"  trl: off {trl['step_ms_off_median']:.0f} ms, on {trl['step_ms_on_median']:.0f} ms "
-            f"over {trl['steps']} steps; the callback's own code {trl['callback_cpu_ms_per_step']:.1f}"
-            f" ms CPU a step (ratio {trl['callback_cpu_ratio']:.4f})"
+            f"a step over {trl['steps']} steps, logging_steps={trl['logging_steps']}; the "
+            f"callback's own code {trl['callback_cpu_ms_per_step']:.1f} ms CPU a step (ratio "
+            f"{trl['callback_cpu_ratio']:.4f}); a logging step {trl['log_step_ratio']:.4f} "
+            f"({trl['log_step_ms_on_median']:.0f} / {trl['log_step_ms_off_median']:.0f} ms, "
+            "what logging_steps=1 costs)"
         )
     sites = result["details"]["host_reads"]["export_sites_on"]
     lines.append("  host reads added per step: " + (json.dumps(sites) if sites else "none"))

@@ -78,6 +78,11 @@ def _experts_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any, v
     return masked_counts(index.reshape(index.shape[0], -1), int(module.num_experts), valid)
 
 
+def _experts_picks(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+    index, _ = _routing_args(args, kwargs)
+    return index.reshape(index.shape[0], -1)
+
+
 def _zero_computation_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any, valid=None):
     # A pick of a zero-computation expert arrives remapped to a real id with weight exactly 0
     # (longcat_flash, zaya): the real experts' load is the picks with a non-zero weight.
@@ -110,6 +115,7 @@ def _experts_topk(module: nn.Module) -> int:
 
 EXPERTS = RouterSpec(
     counts_fn=_experts_counts,
+    picks_fn=_experts_picks,
     num_experts=experts_num,
     topk=_experts_topk,
     routes_fn=_experts_routes,
@@ -118,17 +124,11 @@ EXPERTS = RouterSpec(
     padding_from_model=True,
 )
 ZERO_COMPUTATION_EXPERTS = dataclasses.replace(
-    EXPERTS, counts_fn=_zero_computation_counts, zero_computation=True
+    EXPERTS, counts_fn=_zero_computation_counts, picks_fn=None, zero_computation=True
 )
 
 
 # -- named adapters ----------------------------------------------------------------------------
-def _dbrx_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any, valid=None):
-    # hooked: DbrxFFN.experts, called as experts(hidden, top_k_index, top_k_weights)
-    index, _ = _routing_args(args, kwargs)
-    return masked_counts(index.reshape(index.shape[0], -1), int(module.num_experts), valid)
-
-
 def _logits_topk_counts(logits_at: int) -> Callable:
     # llama4 (Llama4Router -> (scores, logits)) and jetmoe (gating -> (..., logits)): both pick
     # topk(logits, k) and route exactly those experts; recomputing the topk is a device op.
@@ -173,7 +173,8 @@ def _text_experts(block: nn.Module) -> nn.Module:
 
 _NAMED: dict[str, RouterSpec] = {
     "transformers.models.dbrx.modeling_dbrx.DbrxFFN": RouterSpec(
-        counts_fn=_dbrx_counts,
+        counts_fn=_experts_counts,  # hooked: DbrxFFN.experts, the shared experts interface
+        picks_fn=_experts_picks,
         num_experts=lambda m: int(m.experts.num_experts),
         topk=lambda m: int(m.top_k),
         routes_fn=_experts_routes,
@@ -202,6 +203,7 @@ _NAMED: dict[str, RouterSpec] = {
     "transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe.Ernie4_5_VLMoeMoeBlock": (
         RouterSpec(
             counts_fn=_experts_counts,
+            picks_fn=_experts_picks,
             num_experts=lambda m: experts_num(m.text_moe.experts),
             topk=lambda m: int(m.text_moe.top_k),
             routes_fn=_experts_routes,

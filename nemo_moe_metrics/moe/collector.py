@@ -41,8 +41,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from nemo_moe_metrics.host_read import host_values
+from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors
 from nemo_moe_metrics.moe.health_tracker import RouterHealthTracker
+from nemo_moe_metrics.moe.layer_counts import (
+    KeptPicks,
+    LayerAccumulator,
+    LayerBuffers,
+    forward_counts,
+)
 from nemo_moe_metrics.moe.reduction import ExpertLoadReducer
 from nemo_moe_metrics.moe.router_spec import (
     RouterSpec,
@@ -97,115 +103,6 @@ def real_token_mask(chunk: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor
     return mask[:, mask.shape[1] - width :].reshape(-1).bool()
 
 
-class _LayerAccumulator:
-    """Routed counts [E], executed counts [E], routed tokens [] and picks of zero-computation
-    experts [] of one MoE layer: int64 views into its device's shared buffer (see
-    :meth:`ExpertLoadCollector.local_payload`), so a step's reset and export are one device op
-    each whatever the layers.
-
-    Each kept with as few device ops per forward as the forward needs: a token count given as
-    a host int is summed on the host until :meth:`tokens_now`; executed counts are kept apart
-    only once some forward executed other experts than it counted (padding), until then they
-    are the routed counts themselves.
-    """
-
-    def __init__(
-        self,
-        layer_id: int,
-        num_experts: int,
-        topk: int,
-        device: torch.device,
-        zero_computation: bool = False,
-    ):
-        self.layer_id = layer_id
-        self.num_experts = num_experts
-        self.topk = topk
-        self.zero_computation = zero_computation
-        self.device = device
-        self.executed_apart = False  # False: the executed counts equal the routed counts
-        self.host_tokens = 0
-        # Views, bound by the collector (_LayerBuffers)
-        self.counts = self.executed = self.tokens = self.zero_picks = self.rollout = None
-
-    def add(
-        self,
-        counts: torch.Tensor,
-        tokens: torch.Tensor | int,
-        executed: torch.Tensor | None = None,
-        zero_picks: torch.Tensor | None = None,
-    ) -> None:
-        """One forward's routed counts [E] (or a [T, E] map), tokens, executed counts (None or
-        the counts tensor itself: the same) and zero-computation picks."""
-        same = executed is None or executed is counts
-        counts = per_expert(counts)
-        if not same and not self.executed_apart:
-            self.executed.copy_(self.counts)  # every forward so far executed what it counted
-            self.executed_apart = True
-        self.counts.add_(counts)
-        if self.executed_apart:
-            self.executed.add_(counts if same else per_expert(executed))
-        if isinstance(tokens, int):
-            self.host_tokens += tokens
-        else:
-            self.tokens.add_(tokens)
-        if zero_picks is not None:
-            self.zero_picks.add_(zero_picks)
-
-    def tokens_now(self) -> torch.Tensor:
-        """The routed tokens [] so far (the host-counted ones added in: one op a step)."""
-        if self.host_tokens:
-            self.tokens.add_(self.host_tokens)
-            self.host_tokens = 0
-        return self.tokens
-
-
-class _LayerBuffers:
-    """The accumulators of the layers on one device, as two int64 buffers: ``state``, the
-    export's layout (every layer's routed counts, then executed counts, tokens and
-    zero-computation picks, in layer order), and the rollout's counts."""
-
-    def __init__(self, accs: list[_LayerAccumulator], device: torch.device) -> None:
-        self.accs = accs
-        self.experts = sum(a.num_experts for a in accs)
-        n, layers = self.experts, len(accs)
-        self.state = torch.zeros(2 * n + 2 * layers, dtype=torch.int64, device=device)
-        self.rollout = torch.zeros(n, dtype=torch.int64, device=device)
-        start = 0
-        for i, acc in enumerate(accs):
-            end = start + acc.num_experts
-            acc.device = torch.device(device)
-            acc.counts, acc.executed = self.state[start:end], self.state[n + start : n + end]
-            acc.tokens, acc.zero_picks = self.state[2 * n + i], self.state[2 * n + layers + i]
-            acc.rollout = self.rollout[start:end]
-            start = end
-
-    def payload(self) -> torch.Tensor:
-        """``state`` with every layer's tokens and executed counts brought up to date."""
-        n = self.experts
-        hosts = [acc.host_tokens for acc in self.accs]
-        if any(hosts):
-            self.state[2 * n : 2 * n + len(hosts)].add_(
-                host_values(hosts, torch.int64, self.state.device)
-            )
-            for acc in self.accs:
-                acc.host_tokens = 0
-        apart = [acc.executed_apart for acc in self.accs]
-        if not any(apart):  # every layer executed what it counted
-            self.state[n : 2 * n].copy_(self.state[:n])
-        else:
-            for acc in self.accs:
-                if not acc.executed_apart:
-                    acc.executed.copy_(acc.counts)
-        return self.state
-
-    def reset(self) -> None:
-        """Zero the step's accumulators (the rollout's are kept)."""
-        self.state.zero_()
-        for acc in self.accs:
-            acc.executed_apart = False
-            acc.host_tokens = 0
-
-
 class ExpertLoadCollector:
     """Per-layer expert assignment counts of the training forwards of one step, on device."""
 
@@ -230,7 +127,7 @@ class ExpertLoadCollector:
         self._entered: list[bool] = []
         self._masks: list[torch.Tensor | None] = []  # real-token mask per open chunk forward
         self._handles: list[Any] = []
-        self._accs: list[_LayerAccumulator] = []
+        self._accs: list[LayerAccumulator] = []
         self._reducers: dict[Any, Any] = {}
         self.sequence_parallel = False
         self.routing: RoutingTracker | None = None  # once enable_routing() ran
@@ -257,7 +154,7 @@ class ExpertLoadCollector:
             hooked = spec.hooked(module) if spec.hooked else module
             param = next(module.parameters(), None)
             device = param.device if param is not None else torch.device("cpu")
-            acc = _LayerAccumulator(layer, experts, topk, device, spec.zero_computation)
+            acc = LayerAccumulator(layer, experts, topk, device, spec.zero_computation)
             self._accs.append(acc)
             if spec.expert_bias is not None:
                 get, parent = spec.expert_bias, self._parents.get(id(module))
@@ -273,6 +170,8 @@ class ExpertLoadCollector:
             self._handles.append(chunk.register_forward_hook(self._leave, always_call=True))
         self._accs.sort(key=lambda a: a.layer_id)
         self._buffers = self._allocate()
+        self._kept = KeptPicks()
+        self._constants = ConstantTensors()
         #: some counted layer routes every token: then no step routes fewer than its real tokens
         self.routes_every_token = any(not spec.token_subset for _, _, spec in routers)
 
@@ -289,16 +188,17 @@ class ExpertLoadCollector:
             )
         return self._num_layers + mtp
 
-    def _allocate(self) -> list[_LayerBuffers]:
+    def _allocate(self) -> list[LayerBuffers]:
         """One pair of buffers per device the layers' routers live on (one, nearly always)."""
-        by_device: dict[torch.device, list[_LayerAccumulator]] = {}
+        by_device: dict[torch.device, list[LayerAccumulator]] = {}
         for acc in self._accs:
             by_device.setdefault(acc.device, []).append(acc)
-        return [_LayerBuffers(accs, device) for device, accs in by_device.items()]
+        return [LayerBuffers(accs, device) for device, accs in by_device.items()]
 
-    def _move(self, acc: _LayerAccumulator, device: torch.device) -> None:
+    def _move(self, acc: LayerAccumulator, device: torch.device) -> None:
         """A layer's router moved after attach (the model was moved): its accumulators follow,
         values kept."""
+        self.count_kept()
         names = ("counts", "executed", "tokens", "zero_picks", "rollout")
         moved = [a for a in self._accs if a is acc or a.device == acc.device]
         kept = [[getattr(a, name).to(device) for name in names] for a in moved]
@@ -354,7 +254,7 @@ class ExpertLoadCollector:
     def _counts_now(self, module: nn.Module) -> bool:
         return self.counting and self._active_depth > 0 and module.training and not in_backward()
 
-    def _router_hook(self, acc: _LayerAccumulator, spec: RouterSpec, matched: nn.Module):
+    def _router_hook(self, acc: LayerAccumulator, spec: RouterSpec, matched: nn.Module):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             source = self._health_sources.get(id(matched)) if self.health is not None else None
             # Read on every forward: a captured logits tensor never outlives its forward.
@@ -368,11 +268,20 @@ class ExpertLoadCollector:
                 if spec.padding_from_model:
                     extra["valid"] = self._masks[-1] if self._masks else None
                 if self._counts_now(module):
-                    counted = spec.counts_fn(module, args, kwargs, output, **extra)
-                    counts = per_expert(counted[0])
-                    if counts.device != acc.device:  # the model moved after attach
-                        self._move(acc, counts.device)
-                    acc.add(*counted)
+                    if spec.picks_fn is not None:  # kept, counted with the step's others
+                        counts = None
+                        ids = spec.picks_fn(module, args, kwargs, output)
+                        if ids.device != acc.device:  # the model moved after attach
+                            self._move(acc, ids.device)
+                        self._kept.keep(acc, ids, rows_of(extra.get("valid"), ids.shape[0]))
+                        if self._kept.bytes >= FLUSH_BYTES:
+                            self.count_kept()
+                    else:
+                        counted = spec.counts_fn(module, args, kwargs, output, **extra)
+                        counts = per_expert(counted[0])
+                        if counts.device != acc.device:  # the model moved after attach
+                            self._move(acc, counts.device)
+                        acc.add(*counted)
                     if self.health is not None:
                         logits, bias, valid = (
                             decision if decision is not None else (None, None, None)
@@ -494,7 +403,10 @@ class ExpertLoadCollector:
                 stacklevel=3,
             )
         self.health = RouterHealthTracker(
-            scorings, near_tie_gap=near_tie_gap, device=self._accs[0].counts.device
+            scorings,
+            near_tie_gap=near_tie_gap,
+            device=self._accs[0].counts.device,
+            before_stats=self.count_kept,
         )
         return self.health
 
@@ -531,8 +443,20 @@ class ExpertLoadCollector:
         """Per hooked layer: whether its router can pick zero-computation experts."""
         return [a.zero_computation for a in self._accs]
 
+    def count_kept(self) -> None:
+        """Count the kept picks into the accumulators (and the forwards' counts into router
+        health's microbatch balance): device ops only, a few per batch of forwards."""
+        for batch in self._kept.take():
+            routed, executed, tokens = forward_counts(batch, self._constants)
+            device = batch.owners[0].device
+            buffers = next(b for b in self._buffers if b.state.device == device)
+            buffers.add_forwards(batch.owners, routed, executed, tokens)
+            if self.health is not None:
+                self.health.observe_forwards([acc.layer_id for acc in batch.owners], routed)
+
     def local_counts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This rank's device accumulators (per-layer routed counts [E] and tokens []), not copied."""
+        self.count_kept()
         return [a.counts for a in self._accs], [a.tokens_now() for a in self._accs]
 
     def local_rollout(self) -> list[torch.Tensor]:
@@ -544,6 +468,7 @@ class ExpertLoadCollector:
         counts, then executed counts, routed tokens and zero-computation picks, in
         ``layer_ids`` order (``moe.reduction``'s layout). A view of the buffer itself, not a
         copy, when it is on ``device`` already."""
+        self.count_kept()
         if len(self._buffers) == 1:
             return self._buffers[0].payload().to(device)
         for buffers in self._buffers:
@@ -564,6 +489,7 @@ class ExpertLoadCollector:
 
     def reset(self) -> None:
         """Zero the device accumulators (start of a new step); the rollout's are kept."""
+        self._kept.take()
         for buffers in self._buffers:
             buffers.reset()
         if self.routing is not None:

@@ -31,7 +31,8 @@ class ConstantTensors:
 
     ``index(values, device)``: an int64 index (a host-to-device copy once per tuple of values);
     ``ones(shape, dtype, device)``: ones (a fill once per shape); ``segments(lengths, device)``:
-    :func:`segment_ids` (a fill per forward once per tuple of lengths). Varying layouts (lengths
+    :func:`segment_ids` (a fill per forward once per tuple of lengths); ``segment_starts`` and
+    ``blocks``: places in a ``[forwards, width]`` buffer. Varying layouts (lengths
     that change every step) clear the cache past :attr:`LIMIT` entries instead of growing it.
     """
 
@@ -60,6 +61,29 @@ class ConstantTensors:
         """:func:`segment_ids` of ``lengths``."""
         lengths = tuple(lengths)
         return self._get(("segments", lengths, device), lambda: segment_ids(lengths, device))
+
+    def segment_starts(
+        self, lengths: Sequence[int], width: int, device: torch.device
+    ) -> torch.Tensor:
+        """:func:`segment_ids` of ``lengths`` times ``width``: each token's forward's first
+        place in a ``[forwards, width]`` buffer, flattened."""
+        lengths = tuple(lengths)
+        return self._get(
+            ("segment_starts", lengths, width, device),
+            lambda: self.segments(lengths, device) * width,
+        )
+
+    def blocks(self, starts: Sequence[int], width: int, device: torch.device) -> torch.Tensor:
+        """``[len(starts) * width]`` int64: ``start, start + 1, ..., start + width - 1`` for
+        each start, concatenated (the places of ``[F, width]`` rows in a flat buffer)."""
+        starts = tuple(starts)
+        return self._get(
+            ("blocks", starts, width, device),
+            lambda: (
+                self.index(starts, device).unsqueeze(1)
+                + torch.arange(width, dtype=torch.int64, device=device)
+            ).reshape(-1),
+        )
 
     def ones(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A ``shape`` tensor of ones."""

@@ -10,6 +10,8 @@ here reads a value on the host.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors
@@ -54,9 +56,11 @@ class RouterHealthTracker:
         *,
         near_tie_gap: float,
         device: torch.device,
+        before_stats: Callable[[], None] | None = None,
     ) -> None:
         """See the class docstring; ``near_tie_gap``: the relative gap below which a decision
-        counts as a near tie (``router_near_tie_gap``)."""
+        counts as a near tie (``router_near_tie_gap``); ``before_stats``: called first by
+        :meth:`local_stats` (the collector hands its kept forwards' counts over there)."""
         self.layer_ids = sorted(scorings)
         self.near_tie_gap = float(near_tie_gap)
         self._scoring = dict(scorings)
@@ -67,6 +71,8 @@ class RouterHealthTracker:
         ]
         self._scale = torch.tensor(scale, dtype=torch.float64).reshape(-1, SLOTS)
         self._forwards: list[list[torch.Tensor]] = [[] for _ in self.layer_ids]
+        self._forward_blocks: list[tuple[list[int], torch.Tensor]] = []
+        self._before_stats = before_stats
         self._kept: dict[tuple, _KeptForwards] = {}
         self._kept_bytes = 0
         self._biases: dict[int, tuple[torch.Tensor, tuple[int, int], torch.Tensor]] = {}
@@ -87,19 +93,21 @@ class RouterHealthTracker:
     def observe(
         self,
         layer_id: int,
-        counts: torch.Tensor,
+        counts: torch.Tensor | None,
         logits: torch.Tensor | None = None,
         *,
         bias: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
         chosen: torch.Tensor | None = None,
     ) -> None:
-        """One counted router forward: its routed counts ``[E]`` and, where known, its logits
-        (and its own top-k as a ``[T, E]`` bool map, ``HealthSource.chosen``)."""
+        """One counted router forward: its routed counts ``[E]`` (None: handed over later by
+        :meth:`observe_forwards`) and, where known, its logits (and its own top-k as a
+        ``[T, E]`` bool map, ``HealthSource.chosen``)."""
         row = self._row[layer_id]
-        if counts.device != self._device:  # the model moved after attach
-            self._move(counts.device)
-        self._forwards[row].append(counts)
+        if counts is not None:
+            if counts.device != self._device:  # the model moved after attach
+                self._move(counts.device)
+            self._forwards[row].append(counts)
         scoring = self._scoring[layer_id]
         if scoring is None or logits is None:
             return
@@ -127,6 +135,10 @@ class RouterHealthTracker:
         self._kept_bytes += z.numel() * z.element_size()
         if self._kept_bytes >= FLUSH_BYTES:
             self.flush()
+
+    def observe_forwards(self, layer_ids: list[int], counts: torch.Tensor) -> None:
+        """Routed counts ``[F, E]`` of ``F`` counted forwards, of layers ``layer_ids``."""
+        self._forward_blocks.append(([self._row[layer] for layer in layer_ids], counts))
 
     def _bias_copy(self, row: int, bias: torch.Tensor) -> torch.Tensor:
         """A copy of the expert bias as this forward saw it (megatron moves the bias after the
@@ -184,25 +196,27 @@ class RouterHealthTracker:
 
     # -- step boundary ---------------------------------------------------------------------
     def _fold_forwards(self) -> None:
-        """Add the kept forwards' microbatch balance to the sums: one pass when every layer
-        saw the same number of forwards with the same experts (the usual step)."""
-        kept = self._forwards
-        if not any(kept):
-            return
-        self._forwards = [[] for _ in self.layer_ids]
-        shapes = {(len(f), f[0].shape, f[0].device) if f else None for f in kept}
-        if len(shapes) == 1:
-            forwards = torch.stack([c for f in kept for c in f]).to(self.sums.device)
-            per_layer = forwards_balance(forwards).reshape(len(kept), -1, 2).sum(dim=1)
-            self.sums[:, MICRO_RATIO:].add_(per_layer)
-            return
-        for row, f in enumerate(kept):
-            if f:
-                stacked = torch.stack([c.to(self.sums.device) for c in f])
-                self.sums[row, MICRO_RATIO:].add_(forwards_balance(stacked).sum(dim=0))
+        """Add the kept forwards' microbatch balance to the sums: one pass per block of
+        forwards (those counted one at a time stacked into one when their layers saw the same
+        number of forwards with the same experts, the usual step)."""
+        kept, blocks = self._forwards, self._forward_blocks
+        self._forwards, self._forward_blocks = [[] for _ in self.layer_ids], []
+        if any(kept):
+            shapes = {(len(f), f[0].shape, f[0].device) if f else None for f in kept}
+            if len(shapes) == 1:
+                rows = [row for row, f in enumerate(kept) for _ in f]
+                blocks.append((rows, torch.stack([c for f in kept for c in f])))
+            else:
+                blocks += [([row] * len(f), torch.stack(f)) for row, f in enumerate(kept) if f]
+        for rows, counts in blocks:
+            device = self.sums.device
+            balance = forwards_balance(counts.to(device))
+            self.sums[:, MICRO_RATIO:].index_add_(0, self._constants.index(rows, device), balance)
 
     def local_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``([local layers, SLOTS] sums, [local layers] max |z|)`` float64 device tensors."""
+        if self._before_stats is not None:
+            self._before_stats()
         self.flush()
         self._fold_forwards()
         return self.sums * self._scale, self.max_abs
@@ -212,4 +226,5 @@ class RouterHealthTracker:
         self.sums.zero_()
         self.max_abs.zero_()
         self._forwards = [[] for _ in self.layer_ids]
+        self._forward_blocks = []
         self._kept, self._kept_bytes = {}, 0

@@ -58,6 +58,10 @@ class RouterSpec:
     # expert_bias(router, parent) -> the layer's aux-loss-free bias buffer [E] or None (the
     # buffer is read again at every export, so a buffer replaced after attach is followed).
     expert_bias: Callable[[nn.Module, nn.Module | None], torch.Tensor | None] | None = None
+    # picks_fn(module, args, kwargs, output) -> [T, k] expert ids, where counts_fn's counts are
+    #   exactly those ids over the real rows: the collector keeps them and counts the kept
+    #   forwards together (moe.layer_counts); counts_fn still counts generation forwards.
+    picks_fn: Callable[[nn.Module, tuple, dict, Any], torch.Tensor] | None = None
     # routes_fn(module, args, kwargs, output) -> (own choice: [T, E] bool map or [T, k] expert
     #   ids, executed [T, E] bool (read only under replay), non-padding tokens [T] bool or None,
     #   replay active): for routing consistency. Ids compare directly (no [T, E] map built).
