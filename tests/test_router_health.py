@@ -475,8 +475,9 @@ def test_kept_forwards_are_judged_with_the_bias_each_forward_saw():
     "score,biased", [("sigmoid", True), ("softmax", False), ("sqrtsoftplus", True)]
 )
 def test_the_routers_own_map_judges_as_ranking_the_scores_does(score, biased):
-    # Megatron's routing map (HealthSource.chosen) replaces the pass's own top-k: the same
-    # table, padded rows included; its expert ids (the accelerator path) are the top-k's.
+    # Megatron's routing map and a transformers experts call's ids (HealthSource.chosen)
+    # replace the pass's own top-k: the same table, padded rows included; the map's expert ids
+    # (the accelerator path) are the top-k's.
     gen = torch.Generator().manual_seed(3)
     scoring = RouterScoring(score, 16, 3, rank_on_logits=score == "softmax")
     z = torch.randn(500, 16, generator=gen)
@@ -491,3 +492,10 @@ def test_the_routers_own_map_judges_as_ranking_the_scores_does(score, biased):
     assert slots_map == slots and torch.equal(magnitude_map, magnitude)
     torch.testing.assert_close(mapped, ranked, rtol=1e-6, atol=1e-6)
     assert torch.equal(chosen_ids(chosen, 3), top.sort(dim=-1).values)
+    # The ids in the router's own order (not the top-k's): a permutation per row
+    shuffled = top.gather(1, torch.rand(500, 3, generator=gen).argsort(dim=1))
+    by_ids, slots_ids, magnitude_ids = decision_table(
+        z, scoring, NEAR_TIE_GAP, bias, weight, True, chosen=shuffled
+    )
+    assert slots_ids == slots and torch.equal(magnitude_ids, magnitude)
+    torch.testing.assert_close(by_ids, ranked, rtol=1e-6, atol=1e-6)

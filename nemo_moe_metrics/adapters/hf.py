@@ -78,9 +78,9 @@ def _experts_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any, v
     return masked_counts(index.reshape(index.shape[0], -1), int(module.num_experts), valid)
 
 
-def _experts_picks(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> torch.Tensor:
+def _experts_picks(module: nn.Module, args: tuple, kwargs: dict, output: Any, valid=None):
     index, _ = _routing_args(args, kwargs)
-    return index.reshape(index.shape[0], -1)
+    return index.reshape(index.shape[0], -1), rows_of(valid, index.shape[0])
 
 
 def _zero_computation_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any, valid=None):

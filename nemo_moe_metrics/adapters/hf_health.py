@@ -347,7 +347,20 @@ def hf_experts_health(experts: nn.Module, block: nn.Module | None) -> HealthSour
         for handle in handles:
             handle.remove()
 
-    return HealthSource(scoring, read, release)
+    # The experts run exactly the ids they are handed, the router's top-k of the scores judged
+    # (tests check the scoring chooses them, family by family); group-limited routing is
+    # judged on group-masked scores, which the ids alone do not give.
+    exact_ids = not scoring.grouped and scoring.num_experts == count
+
+    def chosen(args: tuple, kwargs: dict, output: Any) -> torch.Tensor | None:
+        index = (
+            args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))
+        )
+        if not isinstance(index, torch.Tensor) or index.dtype != torch.int64:
+            return None
+        return index.reshape(index.shape[0], -1)
+
+    return HealthSource(scoring, read, release, chosen=chosen if exact_ids else None)
 
 
 def doge_health(block: nn.Module, parent: nn.Module | None) -> HealthSource | str:

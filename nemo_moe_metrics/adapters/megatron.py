@@ -36,6 +36,11 @@ def _counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
     return (routing_map & valid.unsqueeze(-1)).sum(dim=0), valid.sum(), executed
 
 
+def _picks(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+    # The map itself (what _counts sums), kept and counted with the step's other forwards.
+    return output[1], _padding_valid(args, kwargs)
+
+
 def _layer_id(module: nn.Module, name: str) -> int:
     index = compat.router_tracker_index(module)
     if index is None:
@@ -107,6 +112,7 @@ def health(router: nn.Module, parent: nn.Module | None) -> HealthSource | str:
 
 SPEC = RouterSpec(
     counts_fn=_counts,
+    picks_fn=_picks,
     num_experts=lambda m: int(m.config.num_moe_experts),
     topk=lambda m: int(m.topk),
     layer_id=_layer_id,

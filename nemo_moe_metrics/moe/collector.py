@@ -270,10 +270,10 @@ class ExpertLoadCollector:
                 if self._counts_now(module):
                     if spec.picks_fn is not None:  # kept, counted with the step's others
                         counts = None
-                        ids = spec.picks_fn(module, args, kwargs, output)
-                        if ids.device != acc.device:  # the model moved after attach
-                            self._move(acc, ids.device)
-                        self._kept.keep(acc, ids, rows_of(extra.get("valid"), ids.shape[0]))
+                        picks, valid = spec.picks_fn(module, args, kwargs, output, **extra)
+                        if picks.device != acc.device:  # the model moved after attach
+                            self._move(acc, picks.device)
+                        self._kept.keep(acc, picks, valid)
                         if self._kept.bytes >= FLUSH_BYTES:
                             self.count_kept()
                     else:
@@ -290,9 +290,11 @@ class ExpertLoadCollector:
                             valid = rows_of(
                                 extra["valid"], logits.reshape(-1, logits.shape[-1]).shape[0]
                             )
-                        chosen = (
+                        chosen = (  # zero-computation picks arrive remapped: not the choice
                             source.chosen(args, kwargs, output)
-                            if source is not None and source.chosen is not None
+                            if source is not None
+                            and source.chosen is not None
+                            and not spec.zero_computation
                             else None
                         )
                         self.health.observe(

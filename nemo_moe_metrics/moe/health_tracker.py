@@ -101,8 +101,8 @@ class RouterHealthTracker:
         chosen: torch.Tensor | None = None,
     ) -> None:
         """One counted router forward: its routed counts ``[E]`` (None: handed over later by
-        :meth:`observe_forwards`) and, where known, its logits (and its own top-k as a
-        ``[T, E]`` bool map, ``HealthSource.chosen``)."""
+        :meth:`observe_forwards`) and, where known, its logits (and its own top-k,
+        ``HealthSource.chosen``: a ``[T, E]`` bool map or ``[T, k]`` int64 expert ids)."""
         row = self._row[layer_id]
         if counts is not None:
             if counts.device != self._device:  # the model moved after attach
@@ -119,7 +119,10 @@ class RouterHealthTracker:
                 "track_router_health off for this model and report the model"
             )
         z = logits.detach().reshape(-1, scoring.num_experts)
-        key = (scoring, z.dtype, z.device, bias is not None, valid is not None, chosen is not None)
+        if chosen is not None and chosen.shape[0] != z.shape[0]:  # not this forward's rows
+            chosen = None
+        choice = None if chosen is None else chosen.dtype  # a map or expert ids
+        key = (scoring, z.dtype, z.device, bias is not None, valid is not None, choice)
         batch = self._kept.get(key)
         if batch is None:
             batch = self._kept[key] = _KeptForwards()
@@ -131,7 +134,7 @@ class RouterHealthTracker:
             batch.valid.append(valid)
         if chosen is not None:
             batch.chosen.append(chosen)
-            self._kept_bytes += chosen.numel()
+            self._kept_bytes += chosen.numel() * chosen.element_size()
         self._kept_bytes += z.numel() * z.element_size()
         if self._kept_bytes >= FLUSH_BYTES:
             self.flush()

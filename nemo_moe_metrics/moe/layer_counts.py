@@ -4,14 +4,14 @@
 zero-computation picks of one device in one int64 buffer laid out as the reduction's payload
 (``moe.reduction``), so a step's reset and export are one device op each.
 
-:class:`KeptPicks`: a router that hands its picks as ``[T, k]`` expert ids (``RouterSpec.
-picks_fn``: every Hugging Face experts call) is not counted in its forward. Counting one
-forward (routed counts of the real rows, executed counts of every row, the real tokens, three
-accumulations) is a dozen small device ops, which on a CPU cost more than their arithmetic.
-The collector keeps each forward's ids and real-token mask (references, no copy) and
-:func:`forward_counts` counts every kept forward of one width at once, a scatter per kind of
-count, at the step's end or when the kept ids reach ``deferred.FLUSH_BYTES``. Pure tensor
-arithmetic; nothing is read on the host.
+:class:`KeptPicks`: a router whose spec gives its picks (``RouterSpec.picks_fn``: the
+``[T, k]`` expert ids of every Hugging Face experts call, megatron-core's ``[T, E]`` routing
+map) is not counted in its forward. Counting one forward (routed counts of the real rows,
+executed counts of every row, the real tokens, the accumulations) takes a few to a dozen
+small device ops, which on a CPU cost more than their arithmetic. The collector keeps each
+forward's picks and real-token mask (references, no copy) and :func:`forward_counts` counts
+every kept forward of one kind at once, a few ops per batch, at the step's end or when the
+kept picks reach ``deferred.FLUSH_BYTES``. Pure tensor arithmetic; nothing is read on the host.
 """
 
 from __future__ import annotations
@@ -175,36 +175,44 @@ class LayerBuffers:
 
 @dataclass
 class PickBatch:
-    """Kept forwards that concatenate: one width ``k``, one device, one ``num_experts``, all
-    with a real-token mask or none."""
+    """Kept forwards that count together: one device, one ``num_experts``, all with a
+    real-token mask or none, and picks of one kind: ``[T, k]`` expert ids of one ``k``, or
+    ``[T, E]`` bool maps of one ``T`` (``maps``)."""
 
     num_experts: int
+    maps: bool
     owners: list[LayerAccumulator] = field(default_factory=list)
-    ids: list[torch.Tensor] = field(default_factory=list)
+    picks: list[torch.Tensor] = field(default_factory=list)
     valid: list[torch.Tensor] = field(default_factory=list)
 
 
 class KeptPicks:
-    """The expert ids of counted forwards, kept until :meth:`take` (see the module docstring)."""
+    """The picks of counted forwards, kept until :meth:`take` (see the module docstring)."""
 
     def __init__(self) -> None:
         self._batches: dict[tuple, PickBatch] = {}
-        self.bytes = 0  #: what the kept ids hold
+        self.bytes = 0  #: what the kept picks hold
 
-    def keep(self, owner: LayerAccumulator, ids: torch.Tensor, valid: torch.Tensor | None) -> None:
-        """One forward's picks ``ids`` ``[T, k]`` of ``owner``'s layer; ``valid`` ``[T]`` bool
-        (False = padding) or None (every row real, its tokens counted on the host now)."""
-        key = (owner.num_experts, ids.shape[1], ids.device, valid is not None)
+    def keep(
+        self, owner: LayerAccumulator, picks: torch.Tensor, valid: torch.Tensor | None
+    ) -> None:
+        """One forward's picks of ``owner``'s layer, ``[T, k]`` expert ids or a ``[T, E]``
+        bool map; ``valid`` ``[T]`` bool (False = padding) or None (every row real, its
+        tokens counted on the host now)."""
+        maps = picks.dtype == torch.bool
+        # Maps stack (one T), ids concatenate (one k)
+        key = (owner.num_experts, maps, picks.shape[0 if maps else 1], picks.device)
+        key += (valid is not None,)
         batch = self._batches.get(key)
         if batch is None:
-            batch = self._batches[key] = PickBatch(owner.num_experts)
+            batch = self._batches[key] = PickBatch(owner.num_experts, maps)
         batch.owners.append(owner)
-        batch.ids.append(ids)
+        batch.picks.append(picks)
         if valid is None:
-            owner.host_tokens += ids.shape[0]
+            owner.host_tokens += picks.shape[0]
         else:
             batch.valid.append(valid)
-        self.bytes += ids.numel() * ids.element_size()
+        self.bytes += picks.numel() * picks.element_size()
 
     def take(self) -> list[PickBatch]:
         """The kept forwards, forgotten here."""
@@ -218,9 +226,16 @@ def forward_counts(
     """``(routed [F, E], executed [F, E] or None, tokens [F] or None)`` int64 of a batch's
     ``F`` forwards: routed counts of the real rows, executed counts of every row, real tokens
     (both None without masks: every row real, executed = routed, tokens on the host)."""
-    ids = torch.cat(batch.ids) if len(batch.ids) > 1 else batch.ids[0]
+    if batch.maps:
+        maps = torch.stack(batch.picks)  # [F, T, E]
+        every = maps.sum(dim=1)
+        if not batch.valid:
+            return every, None, None
+        valid = torch.stack(batch.valid)  # [F, T]
+        return (maps & valid.unsqueeze(-1)).sum(dim=1), every, valid.sum(dim=1)
+    ids = torch.cat(batch.picks) if len(batch.picks) > 1 else batch.picks[0]
     device, width = ids.device, batch.num_experts
-    lengths = [t.shape[0] for t in batch.ids]
+    lengths = [t.shape[0] for t in batch.picks]
     forwards = len(lengths)
     # Each pick's place in the [F, E] counts: its forward's row, then its expert.
     place = (ids + constants.segment_starts(lengths, width, device).unsqueeze(1)).reshape(-1)

@@ -249,13 +249,24 @@ def decision_table(
     column is ``sum(p log p)`` and the logit column ``sum(z^2)``, unscaled (:func:`slot_scale`
     finishes both). ``bias`` ``[E]`` or per token ``[T, E]``, or None; ``weight`` ``[T]``
     float32, 0 on padding rows (``padded``: some row may be 0, so every column is weighted).
-    ``chosen``: the routers' own top-k as a ``[T, E]`` bool map (ungrouped scorings), which
-    replaces ranking the scores here (a top-k over ``E`` is the costliest op of the pass).
+    ``chosen``: the routers' own top-k as a ``[T, E]`` bool map or ``[T, k]`` int64 expert ids
+    (ungrouped scorings), which replaces ranking the scores here (a top-k over ``E`` is the
+    costliest op of the pass).
     """
     k = scoring.topk
     p, entropy, base, selection = _scores(z, scoring, bias)
     gap_defined = scoring.gap_defined
-    if chosen is not None and not scoring.grouped:
+    if chosen is not None and not scoring.grouped and chosen.dtype != torch.bool:
+        # The routers' own expert ids [T, k]: s_k, the lowest chosen score; s_k+1, the
+        # highest other one
+        at_chosen = p.gather(-1, chosen)
+        confidence = at_chosen.sum(dim=-1)
+        edge = None
+        if gap_defined:
+            at_chosen = at_chosen if selection is p else selection.gather(-1, chosen)
+            edge = (at_chosen.amin(dim=-1), selection.scatter(-1, chosen, -math.inf).amax(dim=-1))
+        order = None
+    elif chosen is not None and not scoring.grouped:
         confidence = torch.where(chosen, p, 0.0).sum(dim=-1)
         edge = None
         if gap_defined:  # s_k, the lowest chosen score; s_k+1, the highest other one
@@ -292,7 +303,10 @@ def decision_table(
             shared = (order[..., :k].unsqueeze(-1) == unbiased.unsqueeze(-2)).any(-1).sum(-1)
         else:  # a chosen expert is in the unbiased top-k when fewer than k score above it
             # (a [T, k, E] compare: on a CPU several times cheaper than a second topk)
-            ids = order[..., :k] if order is not None else chosen_ids(chosen, k)
+            if order is not None:
+                ids = order[..., :k]
+            else:
+                ids = chosen if chosen.dtype != torch.bool else chosen_ids(chosen, k)
             at_chosen = unbiased_ranked.gather(-1, ids)
             above = (unbiased_ranked.unsqueeze(-2) > at_chosen.unsqueeze(-1)).sum(dim=-1)
             shared = (above < k).sum(dim=-1)

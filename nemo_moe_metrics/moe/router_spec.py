@@ -37,8 +37,9 @@ class HealthSource:
     """How to judge one router: its scoring, a per-forward reader, and how to undo captures.
 
     ``chosen(args, kwargs, output)``, where the router returns it: the router's own decision
-    as a ``[T, E]`` bool map when it is exactly the top-k of the scoring's selection scores in
-    that forward (else None), so the judging needs no top-k of its own.
+    as a ``[T, E]`` bool map or ``[T, k]`` int64 expert ids when it is exactly the top-k of the
+    scoring's selection scores in that forward (else None), so the judging needs no top-k of
+    its own.
     """
 
     scoring: RouterScoring
@@ -58,10 +59,12 @@ class RouterSpec:
     # expert_bias(router, parent) -> the layer's aux-loss-free bias buffer [E] or None (the
     # buffer is read again at every export, so a buffer replaced after attach is followed).
     expert_bias: Callable[[nn.Module, nn.Module | None], torch.Tensor | None] | None = None
-    # picks_fn(module, args, kwargs, output) -> [T, k] expert ids, where counts_fn's counts are
-    #   exactly those ids over the real rows: the collector keeps them and counts the kept
-    #   forwards together (moe.layer_counts); counts_fn still counts generation forwards.
-    picks_fn: Callable[[nn.Module, tuple, dict, Any], torch.Tensor] | None = None
+    # picks_fn(module, args, kwargs, output, valid=None) -> (picks, real rows [T] bool or
+    #   None): the forward's picks as [T, k] expert ids or a [T, E] bool map, where counts_fn's
+    #   counts are exactly the picks of the real rows (executed: of every row); the collector
+    #   keeps them and counts the kept forwards together (moe.layer_counts); counts_fn still
+    #   counts generation forwards.
+    picks_fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None
     # routes_fn(module, args, kwargs, output) -> (own choice: [T, E] bool map or [T, k] expert
     #   ids, executed [T, E] bool (read only under replay), non-padding tokens [T] bool or None,
     #   replay active): for routing consistency. Ids compare directly (no [T, E] map built).
