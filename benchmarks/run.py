@@ -184,7 +184,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         routing_pairs=40,
         health_pairs=40,
         attach_layers=94,
-        trl=dict(blocks=8, windows_per_block=2),
+        trl=dict(blocks=12, windows_per_block=2),
     ),
     "quick": dict(
         bench=BenchConfig(warmup_pairs=1, pairs=40, export_repeats=30),
@@ -198,7 +198,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         routing_pairs=40,
         health_pairs=40,
         attach_layers=94,
-        trl=dict(blocks=4, windows_per_block=2),
+        trl=dict(blocks=8, windows_per_block=2),
     ),
     # Tiny model and few repeats: exercises every path in seconds; the numbers mean little.
     "smoke": dict(
@@ -535,7 +535,8 @@ def _format(result: dict[str, Any]) -> str:
             f"  trl: off {trl['step_ms_off_median']:.0f} ms, on {trl['step_ms_on_median']:.0f} ms "
             f"a step over {trl['steps']} steps, logging_steps={trl['logging_steps']}; the "
             f"callback's own code {trl['callback_cpu_ms_per_step']:.1f} ms CPU a step (ratio "
-            f"{trl['callback_cpu_ratio']:.4f}); a logging step {trl['log_step_ratio']:.4f} "
+            f"{trl['callback_cpu_ratio']:.4f}); paired steps: not logging "
+            f"{trl['quiet_step_ratio']:.4f}, logging {trl['log_step_ratio']:.4f} "
             f"({trl['log_step_ms_on_median']:.0f} / {trl['log_step_ms_off_median']:.0f} ms, "
             "what logging_steps=1 costs)"
         )

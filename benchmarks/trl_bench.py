@@ -9,19 +9,30 @@ logging windows; a step's time is the interval between two ``on_step_begin`` cal
 backward, optimizer, and on a logging step the export and the Trainer's logging; the console
 printer is removed from both, it would time printing).
 
-A window's time is ``(logging_steps - 1) x`` the median step that does not log ``+`` the median
-step that logs, per trainer (medians: robust to a burst of other load; the weighting: what a
-window costs). ``trl_callback_overhead_ratio`` is the "with" window over the "without" one.
-``log_step_ratio`` (the median logging step with over without) is the cost of a step when every
-step logs (``logging_steps=1``): the export of a window costs the same whatever its steps.
+Each ``train()`` call re-seeds, so both trainers step through the same batches; they train in
+two threads taking turns a step at a time (one runs at a time), so each step with the callback
+is paired with the same step without it, run next to it (the batches' padded lengths vary a
+step's time by +-10 %, and the machine's speed drifts over seconds, both more than the cost
+measured). ``quiet_step_ratio`` and ``log_step_ratio`` are the medians over paired steps that
+do not log and that log; the ratio weighs them as a window does::
+
+    ((W - 1) * quiet_step_ratio * quiet_off + log_step_ratio * log_off)
+    / ((W - 1) * quiet_off + log_off)
+
+with ``W = logging_steps`` and the median step times without the callback. ``log_step_ratio``
+is also the cost of every step at ``logging_steps=1``: a window's export costs about the same
+whatever its steps. The setup's objects are frozen out of Python's garbage collector first
+(``gc.freeze``): a full collection over them took about 200 ms, charged to whichever step ran.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import random
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +59,45 @@ ALL_FLAGS = dict(
     track_moe_metrics=True, moe_per_layer_logging=True, track_throughput=True,
     track_flops=True, track_router_health=True,
 )  # fmt: skip
+
+
+class Turnstile:
+    """Two trainers in two threads taking turns a step at a time (only one runs at once)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._turn = ""
+        self._done: set[str] = set()
+        self._errors: list[str] = []
+
+    def start(self, first: str) -> None:
+        self._turn, self._done = first, set()
+
+    def _other(self, name: str) -> str:
+        return "off" if name == "on" else "on"
+
+    def wait(self, name: str) -> None:
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: self._turn == name or self._other(name) in self._done, timeout=600
+            ):
+                self._errors.append(f"{name}: no turn in 600 s")
+
+    def hand_over(self, name: str) -> None:
+        with self._cond:
+            self._turn = self._other(name)
+            self._cond.notify_all()
+        self.wait(name)
+
+    def finish(self, name: str) -> None:
+        with self._cond:
+            self._done.add(name)
+            self._turn = self._other(name)
+            self._cond.notify_all()
+
+    def check(self) -> None:
+        if self._errors or self._done != {"on", "off"}:
+            raise RuntimeError(f"trl_bench: a trainer did not finish its block ({self._errors})")
 
 
 def default_logging_steps() -> int:
@@ -90,26 +140,40 @@ def trl_bench(
     if window < 2:
         raise ValueError(f"logging_steps={window}: a window needs a step that does not log")
 
-    class StepClock(TrainerCallback):
-        """Step intervals, apart for the steps that log and those that do not."""
+    turns = Turnstile()
 
-        def __init__(self) -> None:
+    class StepClock(TrainerCallback):
+        """Each ``train()`` call's step times by global step (from a step's ``on_step_begin``
+        to the next one's, less the other trainer's turn in between)."""
+
+        def __init__(self, name: str) -> None:
+            self.name = name
             self.begin: float | None = None
-            self.logging: list[float] = []
-            self.quiet: list[float] = []
+            self.runs: list[dict[int, float]] = []
 
         def on_train_begin(self, args, state, control, **kwargs):
+            turns.wait(self.name)
             self.begin = None
+            self.runs.append({})
 
         def on_step_begin(self, args, state, control, **kwargs):
             now = time.perf_counter()
-            if self.begin is not None:  # the step that ended is global_step (it logged if % W)
-                logged = state.global_step % window == 0
-                (self.logging if logged else self.quiet).append(now - self.begin)
-            self.begin = now
+            if self.begin is not None:  # the step that ended is global_step
+                self.runs[-1][state.global_step] = now - self.begin
+                turns.hand_over(self.name)
+            self.begin = time.perf_counter()
 
-        def window_s(self) -> float:
-            return (window - 1) * statistics.median(self.quiet) + statistics.median(self.logging)
+        def on_train_end(self, args, state, control, **kwargs):
+            turns.finish(self.name)
+
+        def steps(self, logging: bool) -> list[tuple[int, int, float]]:
+            """``(run, step, seconds)`` of the steps that log (or do not)."""
+            return [
+                (i, step, seconds)
+                for i, run in enumerate(self.runs)
+                for step, seconds in sorted(run.items())
+                if (step % window == 0) == logging
+            ]
 
     class OwnTime(TrainerCallback):
         """The callback's own CPU time: its events but the train's first and last (attach,
@@ -130,7 +194,7 @@ def trl_bench(
 
     config = MetricsConfig(**(ALL_FLAGS if flags is None else flags))
     own = OwnTime()
-    clocks = {"on": StepClock(), "off": StepClock()}
+    clocks = {"on": StepClock("on"), "off": StepClock("off")}
     try:
         with tempfile.TemporaryDirectory(prefix="nmm_trl_bench_") as work:
             fields = _MODEL if model is None else model
@@ -157,29 +221,48 @@ def trl_bench(
                 trainer.train_dataset = trainer._prepare_dataset(
                     data, trainer.processing_class, trainer.args, False, None, "train"
                 )
+            # The setup's objects (transformers, TRL, datasets) frozen out of the collector:
+            # a full collection over them took about 200 ms, charged to whichever step ran.
+            gc.collect()
+            gc.freeze()
             for block in range(blocks):
-                order = ("on", "off") if block % 2 == 0 else ("off", "on")
-                for name in order:
-                    trainers[name].train()
+                turns.start("on" if block % 2 == 0 else "off")
+                runs = [threading.Thread(target=t.train) for t in trainers.values()]
+                for run in runs:
+                    run.start()
+                for run in runs:
+                    run.join()
+                turns.check()
     finally:
+        gc.unfreeze()
         torch.set_num_threads(threads)
     on, off = clocks["on"], clocks["off"]
-    step_off_ms = 1e3 * off.window_s() / window
+    ratios, off_ms = {}, {}
+    for logging in (False, True):
+        mine, theirs = on.steps(logging), off.steps(logging)
+        if [key[:2] for key in mine] != [key[:2] for key in theirs]:
+            raise RuntimeError("trl_bench: the two trainers did not run the same steps")
+        ratios[logging] = statistics.median(a[2] / b[2] for a, b in zip(mine, theirs, strict=True))
+        off_ms[logging] = 1e3 * statistics.median(b[2] for b in theirs)
+    quiet, log = (window - 1) * off_ms[False], off_ms[True]
+    ratio = (quiet * ratios[False] + log * ratios[True]) / (quiet + log)
+    step_off_ms = (quiet + log) / window
     own_ms = 1e3 * own.spent[0] / max(own.steps, 1)
     return {
-        "trl_callback_overhead_ratio": on.window_s() / off.window_s(),
+        "trl_callback_overhead_ratio": ratio,
         "logging_steps": window,
+        "quiet_step_ratio": ratios[False],
         # a step that exports, with the callback over without: every step at logging_steps=1
-        "log_step_ratio": statistics.median(on.logging) / statistics.median(off.logging),
+        "log_step_ratio": ratios[True],
         # the callback's own CPU time per step (events and hooks, the window's export shared
         # by its steps), and 1 + it / the off step
         "callback_cpu_ms_per_step": own_ms,
         "callback_cpu_ratio": 1.0 + own_ms / step_off_ms,
-        "step_ms_on_median": 1e3 * on.window_s() / window,
         "step_ms_off_median": step_off_ms,
-        "log_step_ms_on_median": 1e3 * statistics.median(on.logging),
-        "log_step_ms_off_median": 1e3 * statistics.median(off.logging),
-        "steps": len(on.quiet) + len(on.logging),
+        "step_ms_on_median": step_off_ms * ratio,
+        "log_step_ms_off_median": off_ms[True],
+        "log_step_ms_on_median": off_ms[True] * ratios[True],
+        "steps": sum(len(run) for run in on.runs),
         "blocks": blocks,
         "model": dict(_MODEL if model is None else model),
     }
