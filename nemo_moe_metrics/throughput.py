@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.host_read import Pending, collective_device, host_values, read_once
+from nemo_moe_metrics.moe.deferred import HostStaging
 
 # lengths_from_*: public here too (docs/en/throughput.md, docs/en/integration.md).
 from nemo_moe_metrics.sequence_lengths import (
@@ -196,6 +197,7 @@ class StepMeter:
         self._in_step = False
         self._step_lens: list[torch.Tensor] = []
         self._lens: list[torch.Tensor] = []  # committed steps of the current interval
+        self._staging = HostStaging()
         # Token positions of the model inputs that held the sequences (batch x width), for
         # the check that the lengths fit in them: known sum and microbatches without it.
         self._step_inputs = _InputPositions()
@@ -300,8 +302,11 @@ class StepMeter:
                 "clock, which cannot see asynchronous device work; build it with "
                 f"StepMeter(device=torch.device('{seq_lens.device}'))"
             )
-        # A private copy (a device kernel, no sync): callers may reuse the buffer.
-        self._step_lens.append(seq_lens.detach().to(torch.int64, copy=True))
+        # A private copy (a device kernel, no sync): callers may reuse the buffer. On the host,
+        # into memory reused every interval (deferred.HostStaging).
+        lens = seq_lens.detach().to(torch.int64)
+        kept = self._staging.keep(lens)
+        self._step_lens.append(kept if kept is not lens else lens.clone())
         self._step_inputs.unknown += 1
 
     def note_positions(self, positions: int) -> None:
@@ -354,6 +359,8 @@ class StepMeter:
             sums, check = length_sums(parts, windows, self._causal, self._device)
         else:
             sums, check = self._host_flops(parts, errors)
+        parts = []
+        self._staging.reset()
         # [... sums, input positions, microbatches whose input was not seen]: summed together.
         sums = torch.cat(
             [sums, host_values([inputs.known, inputs.unknown], torch.float64, sums.device)]

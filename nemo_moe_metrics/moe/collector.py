@@ -455,6 +455,7 @@ class ExpertLoadCollector:
             buffers.add_forwards(batch.owners, routed, executed, tokens)
             if self.health is not None:
                 self.health.observe_forwards([acc.layer_id for acc in batch.owners], routed)
+        self._kept.release()
 
     def local_counts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This rank's device accumulators (per-layer routed counts [E] and tokens []), not copied."""
@@ -492,6 +493,7 @@ class ExpertLoadCollector:
     def reset(self) -> None:
         """Zero the device accumulators (start of a new step); the rollout's are kept."""
         self._kept.take()
+        self._kept.release()
         for buffers in self._buffers:
             buffers.reset()
         if self.routing is not None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors
+from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors, HostStaging
 from nemo_moe_metrics.moe.router_health import (
     MICRO_RATIO,
     SLOTS,
@@ -75,6 +75,7 @@ class RouterHealthTracker:
         self._before_stats = before_stats
         self._kept: dict[tuple, _KeptForwards] = {}
         self._kept_bytes = 0
+        self._staging = HostStaging()
         self._biases: dict[int, tuple[torch.Tensor, tuple[int, int], torch.Tensor]] = {}
         self._allocate(device)
 
@@ -126,14 +127,15 @@ class RouterHealthTracker:
         batch = self._kept.get(key)
         if batch is None:
             batch = self._kept[key] = _KeptForwards()
+        keep = self._staging.keep
         batch.rows.append(row)
-        batch.logits.append(z)
+        batch.logits.append(keep(z))
         if bias is not None:
             batch.biases.append(self._bias_copy(row, bias))
         if valid is not None:
-            batch.valid.append(valid)
+            batch.valid.append(keep(valid))
         if chosen is not None:
-            batch.chosen.append(chosen)
+            batch.chosen.append(keep(chosen))
             self._kept_bytes += chosen.numel() * chosen.element_size()
         self._kept_bytes += z.numel() * z.element_size()
         if self._kept_bytes >= FLUSH_BYTES:
@@ -189,6 +191,7 @@ class RouterHealthTracker:
             per_row.index_add_(0, row_of, table.to(torch.float64))
             self.sums.index_add_(1, self._constants.index(slots, self._device), per_row)
             self.max_abs.scatter_reduce_(0, row_of, magnitude.to(torch.float64), "amax")
+        self._staging.reset()
 
     def _move(self, device: torch.device) -> None:
         self.flush()
@@ -231,3 +234,4 @@ class RouterHealthTracker:
         self._forwards = [[] for _ in self.layer_ids]
         self._forward_blocks = []
         self._kept, self._kept_bytes = {}, 0
+        self._staging.reset()

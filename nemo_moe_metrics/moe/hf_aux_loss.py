@@ -41,7 +41,7 @@ from nemo_moe_metrics.moe.aux_loss import (
     reduce_aux_losses,
     summarize_aux_losses,
 )
-from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors, softmax
+from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors, HostStaging, softmax
 from nemo_moe_metrics.moe.router_spec import logits_of
 
 #: The one loss a Hugging Face MoE model defines, under megatron's tracker name.
@@ -127,6 +127,7 @@ class HFAuxLossAccumulator:
         self._kept: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}
         self._kept_bytes = 0
         self._constants = ConstantTensors()
+        self._staging = HostStaging()
 
     def observer(self, logits_at: int, num_experts: int, top_k: int):
         """A router-hook callback ``(layer_id, router, output)`` adding this forward's loss."""
@@ -146,7 +147,7 @@ class HFAuxLossAccumulator:
         key = (tuple(shape), logits.dtype, logits.device, num_experts, top_k)
         layers, kept = self._kept.setdefault(key, ([], []))
         layers.append(layer_id)
-        kept.append(logits)
+        kept.append(self._staging.keep(logits))
         self._kept_bytes += logits.numel() * logits.element_size()
         if self._kept_bytes >= FLUSH_BYTES:
             self.flush()
@@ -168,11 +169,13 @@ class HFAuxLossAccumulator:
                 )
             index = self._constants.index(layers, device)
             self.values[0].index_add_(0, index, losses.to(self.values.dtype))
+        self._staging.reset()
 
     def reset(self) -> None:
         """Zero the sums and drop kept logits (start of a new step, or a step that raised)."""
         self.values.zero_()
         self._kept, self._kept_bytes = {}, 0
+        self._staging.reset()
 
 
 def _hf_groups(data_group: Any) -> SimpleNamespace:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nemo_moe_metrics.host_read import host_values
-from nemo_moe_metrics.moe.deferred import ConstantTensors
+from nemo_moe_metrics.moe.deferred import ConstantTensors, HostStaging
 from nemo_moe_metrics.moe.router_spec import per_expert
 
 
@@ -192,6 +192,7 @@ class KeptPicks:
     def __init__(self) -> None:
         self._batches: dict[tuple, PickBatch] = {}
         self.bytes = 0  #: what the kept picks hold
+        self._staging = HostStaging()
 
     def keep(
         self, owner: LayerAccumulator, picks: torch.Tensor, valid: torch.Tensor | None
@@ -207,17 +208,21 @@ class KeptPicks:
         if batch is None:
             batch = self._batches[key] = PickBatch(owner.num_experts, maps)
         batch.owners.append(owner)
-        batch.picks.append(picks)
+        batch.picks.append(self._staging.keep(picks))
         if valid is None:
             owner.host_tokens += picks.shape[0]
         else:
-            batch.valid.append(valid)
+            batch.valid.append(self._staging.keep(valid))
         self.bytes += picks.numel() * picks.element_size()
 
     def take(self) -> list[PickBatch]:
-        """The kept forwards, forgotten here."""
+        """The kept forwards, forgotten here; valid until :meth:`release`."""
         batches, self._batches, self.bytes = list(self._batches.values()), {}, 0
         return batches
+
+    def release(self) -> None:
+        """The batches taken are counted: their memory is reused."""
+        self._staging.reset()
 
 
 def forward_counts(
