@@ -492,8 +492,7 @@ class ExpertLoadCollector:
 
     def reset(self) -> None:
         """Zero the device accumulators (start of a new step); the rollout's are kept."""
-        self._kept.take()
-        self._kept.release()
+        self._kept.clear()
         for buffers in self._buffers:
             buffers.reset()
         if self.routing is not None:

@@ -224,6 +224,11 @@ class KeptPicks:
         """The batches taken are counted: their memory is reused."""
         self._staging.reset()
 
+    def clear(self) -> None:
+        """Forget every kept forward (a step discarded)."""
+        self.take()
+        self.release()
+
 
 def forward_counts(
     batch: PickBatch, constants: ConstantTensors
