@@ -136,12 +136,9 @@ class LayerBuffers:
         for acc in accs:
             acc.counted = True
         self.state.index_add_(0, self._constants.blocks(starts, width, device), routed.reshape(-1))
-        if executed is not None:
+        if executed is not None or any(acc.executed_apart for acc in accs):
             dest = self._constants.blocks([n + s for s in starts], width, device)
-            self.state.index_add_(0, dest, executed.reshape(-1))
-        elif any(acc.executed_apart for acc in accs):
-            dest = self._constants.blocks([n + s for s in starts], width, device)
-            self.state.index_add_(0, dest, routed.reshape(-1))
+            self.state.index_add_(0, dest, (routed if executed is None else executed).reshape(-1))
         if tokens is not None:
             slots = self._constants.index([2 * n + acc.slot for acc in accs], device)
             self.state.index_add_(0, slots, tokens)
