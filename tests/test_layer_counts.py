@@ -23,8 +23,8 @@ def test_forwards_counted_together_equal_each_forward_counted_alone():
     # Layers 0 and 3 hand ids (two widths: two batches), layer 1 a [T, E] map (megatron's)
     widths = {0: 8, 1: 8, 3: 6}
     accs = [LayerAccumulator(layer, e, 2, torch.device("cpu")) for layer, e in widths.items()]
-    buffers = LayerBuffers(accs, torch.device("cpu"))
     kept, constants = KeptPicks(), ConstantTensors()
+    buffers = LayerBuffers(accs, torch.device("cpu"), constants)
     routed = {layer: np.zeros(e, np.int64) for layer, e in widths.items()}
     executed = {layer: np.zeros(e, np.int64) for layer, e in widths.items()}
     tokens = dict.fromkeys(widths, 0)

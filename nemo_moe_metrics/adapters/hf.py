@@ -40,7 +40,12 @@ import torch
 from torch import nn
 
 from nemo_moe_metrics.adapters import hf_health
-from nemo_moe_metrics.adapters.hf_fields import config_topk, experts_num, is_experts_module
+from nemo_moe_metrics.adapters.hf_fields import (
+    config_topk,
+    experts_num,
+    is_experts_module,
+    routing_args,
+)
 from nemo_moe_metrics.moe.router_spec import (
     RouterSpec,
     count_experts,
@@ -48,16 +53,6 @@ from nemo_moe_metrics.moe.router_spec import (
     layer_id_from_name,
     rows_of,
 )
-
-
-def _routing_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-    # experts(hidden_states, top_k_index, top_k_weights); gpt_oss names them router_indices,
-    # routing_weights. Positional in every family; by name for a caller that passes keywords.
-    index = args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))
-    weights = (
-        args[2] if len(args) > 2 else kwargs.get("top_k_weights", kwargs.get("routing_weights"))
-    )
-    return index, weights
 
 
 def masked_counts(index: torch.Tensor, num_experts: int, valid: torch.Tensor | None) -> tuple:
@@ -74,19 +69,19 @@ def masked_counts(index: torch.Tensor, num_experts: int, valid: torch.Tensor | N
 
 
 def _experts_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any, valid=None):
-    index, _ = _routing_args(args, kwargs)
+    index, _ = routing_args(args, kwargs)
     return masked_counts(index.reshape(index.shape[0], -1), int(module.num_experts), valid)
 
 
 def _experts_picks(module: nn.Module, args: tuple, kwargs: dict, output: Any, valid=None):
-    index, _ = _routing_args(args, kwargs)
+    index, _ = routing_args(args, kwargs)
     return index.reshape(index.shape[0], -1), rows_of(valid, index.shape[0])
 
 
 def _zero_computation_counts(module: nn.Module, args: tuple, kwargs: dict, output: Any, valid=None):
     # A pick of a zero-computation expert arrives remapped to a real id with weight exactly 0
     # (longcat_flash, zaya): the real experts' load is the picks with a non-zero weight.
-    index, weights = _routing_args(args, kwargs)
+    index, weights = routing_args(args, kwargs)
     real = weights != 0
     valid = rows_of(valid, index.shape[0])
     if valid is not None:
@@ -98,7 +93,7 @@ def _zero_computation_counts(module: nn.Module, args: tuple, kwargs: dict, outpu
 
 def _experts_routes(module: nn.Module, args: tuple, kwargs: dict, output: Any, valid=None):
     # The chosen ids themselves: routing consistency compares ids with ids, no [T, E] map.
-    index, _ = _routing_args(args, kwargs)
+    index, _ = routing_args(args, kwargs)
     chosen = index.reshape(index.shape[0], -1)
     return chosen, chosen, rows_of(valid, chosen.shape[0]), False
 

@@ -1,7 +1,8 @@
 """What transformers' MoE configs and modules say about themselves, read without importing it.
 
 The config fields that hold the routed experts and experts per token (they differ by family),
-whether a module follows transformers' experts interface, and how many experts it holds. Used by the router adapter (``adapters.hf``), the health
+whether a module follows transformers' experts interface, how many experts it holds, and the
+ids and weights an experts call was given. Used by the router adapter (``adapters.hf``), the health
 readers (``adapters.hf_health``), the model facts (``adapters.facts``) and the FLOP estimate
 read from a built model (``flops``).
 """
@@ -12,6 +13,7 @@ import inspect
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 #: Config fields that hold the number of routed experts / experts per token, by family.
@@ -88,3 +90,16 @@ def hf_model_type(module: nn.Module) -> str | None:
     own = next(c for c in type(module).__mro__ if not c.__module__.startswith("torch."))
     parts = own.__module__.split(".")
     return parts[2] if len(parts) > 2 and parts[:2] == ["transformers", "models"] else None
+
+
+def routing_args(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(expert ids, routing weights)`` a transformers experts call was given.
+
+    ``experts(hidden_states, top_k_index, top_k_weights)``; gpt_oss names them
+    ``router_indices``, ``routing_weights``. Positional in every family; by name for a caller
+    that passes keywords."""
+    index = args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))
+    weights = (
+        args[2] if len(args) > 2 else kwargs.get("top_k_weights", kwargs.get("routing_weights"))
+    )
+    return index, weights

@@ -26,7 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from nemo_moe_metrics.adapters.hf_fields import config_topk, experts_num, hf_model_type
+from nemo_moe_metrics.adapters.hf_fields import (
+    config_topk,
+    experts_num,
+    hf_model_type,
+    routing_args,
+)
 from nemo_moe_metrics.moe.router_health import SCORE_FUNCTIONS, RouterScoring
 from nemo_moe_metrics.moe.router_spec import HealthSource, in_backward, logits_of
 
@@ -353,9 +358,7 @@ def hf_experts_health(experts: nn.Module, block: nn.Module | None) -> HealthSour
     exact_ids = not scoring.grouped and scoring.num_experts == count
 
     def chosen(args: tuple, kwargs: dict, output: Any) -> torch.Tensor | None:
-        index = (
-            args[1] if len(args) > 1 else kwargs.get("top_k_index", kwargs.get("router_indices"))
-        )
+        index, _ = routing_args(args, kwargs)
         if not isinstance(index, torch.Tensor) or index.dtype != torch.int64:
             return None
         return index.reshape(index.shape[0], -1)

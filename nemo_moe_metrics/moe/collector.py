@@ -169,9 +169,9 @@ class ExpertLoadCollector:
             self._handles.append(chunk.register_forward_pre_hook(self._enter, with_kwargs=True))
             self._handles.append(chunk.register_forward_hook(self._leave, always_call=True))
         self._accs.sort(key=lambda a: a.layer_id)
+        self._constants = ConstantTensors()
         self._buffers = self._allocate()
         self._kept = KeptPicks()
-        self._constants = ConstantTensors()
         #: some counted layer routes every token: then no step routes fewer than its real tokens
         self.routes_every_token = any(not spec.token_subset for _, _, spec in routers)
 
@@ -193,7 +193,7 @@ class ExpertLoadCollector:
         by_device: dict[torch.device, list[LayerAccumulator]] = {}
         for acc in self._accs:
             by_device.setdefault(acc.device, []).append(acc)
-        return [LayerBuffers(accs, device) for device, accs in by_device.items()]
+        return [LayerBuffers(accs, device, self._constants) for device, accs in by_device.items()]
 
     def _move(self, acc: LayerAccumulator, device: torch.device) -> None:
         """A layer's router moved after attach (the model was moved): its accumulators follow,

@@ -101,7 +101,10 @@ class LayerBuffers:
     export's layout (every layer's routed counts, then executed counts, tokens and
     zero-computation picks, in layer order), and the rollout's counts."""
 
-    def __init__(self, accs: list[LayerAccumulator], device: torch.device) -> None:
+    def __init__(
+        self, accs: list[LayerAccumulator], device: torch.device, constants: ConstantTensors
+    ) -> None:
+        """``constants``: the collector's cache of index tensors (shared with its pass)."""
         self.accs = accs
         self.experts = sum(a.num_experts for a in accs)
         n, layers = self.experts, len(accs)
@@ -116,7 +119,7 @@ class LayerBuffers:
             acc.rollout = self.rollout[start:end]
             acc.start, acc.slot = start, i
             start = end
-        self._constants = ConstantTensors()
+        self._constants = constants
 
     def add_forwards(
         self,
