@@ -19,7 +19,7 @@ a few steps in) and injects one fault, as a user's cluster would:
 - ``kill-torchrun``: SIGKILL to torchrun (the launcher of the ranks): the run must fail saying
   torchrun ended before its ranks, with the ranks' last words from torchelastic's log;
 - ``stop-launcher``: SIGSTOP to torchrun: the run must give up on it after its timeout
-  (``NEMO_MOE_METRICS_LAUNCHER_TIMEOUT_S``, 10 s here), stop the job and say why (exit 1);
+  (``NEMO_MOE_METRICS_LAUNCHER_TIMEOUT_S``, 4 s here), stop the job and say why (exit 1);
 - ``disk-full`` (``--disk-full``, root: the run directory is a small tmpfs): a ballast file
   fills the file system; the run must fail naming the file it could not write; the ballast
   is removed before the next round.
@@ -78,7 +78,7 @@ FAULTS = (
     "stop-launcher",
 )
 #: The launcher timeout of the jobs started here (stop-launcher waits for it).
-LAUNCHER_TIMEOUT_S = 10
+LAUNCHER_TIMEOUT_S = 4
 
 
 @dataclass
@@ -221,7 +221,7 @@ def inject(job: Job, fault: str, rng: random.Random) -> str:
         else:
             rank = ranks[rng.randrange(len(ranks))]
             os.kill(rank, signal.SIGSTOP)
-            time.sleep(10.0)  # run looks every 2 s and names a rank stopped for 5 s
+            time.sleep(8.0)  # run looks every 2 s and names a rank stopped for 5 s
             os.kill(rank, signal.SIGCONT)
             os.killpg(job.proc.pid, signal.SIGINT)
     elif fault in ("kill-torchrun", "stop-launcher"):

@@ -9,8 +9,12 @@ steps skip), with faults of ``benchmarks/fault_injection.py``:
    same directory are refused naming it; then Ctrl-C (SIGINT to its process group);
 2. ``--resume``; ``kill -9`` of ``run`` itself;
 3. ``--resume``; ``kill -9`` of rank 1;
-4. what ``--resume`` does before it trains (API), then the pictures of ``report`` on a full
-   disk.
+4. three ``--resume`` rounds with the faults that make no Python error, each named by what
+   happened: a stopped rank (named while the others wait for it), torchrun killed (its ranks'
+   last words from torchelastic's log), a stopped torchrun (a timeout, then the job is
+   stopped);
+5. what ``--resume`` does before it trains (API), a last ``--resume`` that trains to the end,
+   then the pictures of ``report`` on a full disk.
 
 A whole job on a full disk runs in the slow mode (``--disk-full``); here the sinks on a full
 tmpfs and what ``run`` prints then are tested without ranks.
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +43,10 @@ from benchmarks import fault_injection as fi  # noqa: E402
 pytestmark = pytest.mark.one_line  # CLI behaviour: the same on both megatron-core lines
 
 STEP_BATCH = 1  # logged steps to wait for before each fault
+#: faults of benchmarks/fault_injection.py that make no Python error: a stopped rank (named
+#: while the others wait for it), torchrun killed (its ranks' last words from torchelastic's
+#: log), a stopped torchrun (a timeout, then the job is stopped)
+NAMED_FAULTS = ("stop-rank", "kill-torchrun", "stop-launcher")
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -91,7 +100,12 @@ def chain(tmp_path_factory):
             return rank1
 
         rounds["kill-rank"] = _round(out, kill_rank_1)
+        for fault in NAMED_FAULTS:  # faults that make no Python error: named by what happened
+            rounds[fault] = _round(out, lambda job, f=fault: fi.inject(job, f, random.Random(0)))
         rounds["final"] = _as_a_resume_leaves_it(out / fi.NAME)
+        last = fi.Job(out, rounds["final"]["max_steps"] + 2, resume=True)
+        rounds["resumed"] = {"status": last.output(timeout=240)[0]}
+        rounds["resumed"]["steps"] = fi.sink_steps(out / fi.NAME)
         rounds["report"] = _report_on_a_full_disk(out / fi.NAME) if small is not None else None
         yield rounds
 
@@ -165,6 +179,15 @@ def test_a_rank_killed_by_sigkill_is_named_not_the_rank_it_broke(chain):
     assert not seen["left"]
 
 
+@pytest.mark.parametrize("fault", NAMED_FAULTS)
+def test_each_fault_is_named_by_what_happened_and_leaves_no_process(chain, fault):
+    seen = chain[fault]
+    assert seen["extra"] == fault, "the fault came before the ranks started"
+    assert fi.expectation(fault, seen["status"], seen["said"]), seen["said"][-3000:]
+    assert not seen["left"]
+    assert "out of memory?" not in seen["said"]
+
+
 def test_a_full_disk_ends_the_run_with_one_message_naming_the_file(tmp_path):
     # What `run` prints when rank 0 stopped at a failed write (the whole job on a full disk:
     # benchmarks/fault_injection.py --faults disk-full --disk-full): rank 0's own words, kept
@@ -204,6 +227,15 @@ def test_every_step_is_once_in_metrics_jsonl_the_store_and_tensorboard(chain):
             "lost": [],
             "duplicated": [],
         }, sink
+
+
+def test_a_resume_after_every_fault_trains_every_step_once_in_every_sink(chain):
+    resumed = chain["resumed"]
+    assert resumed["status"] == 0
+    for sink, steps in resumed["steps"].items():
+        got = fi.lost_and_duplicated(steps, max(resumed["steps"]["metrics.jsonl"]) + 1)
+        assert got == {"lost": [], "duplicated": []}, sink
+    assert max(resumed["steps"]["metrics.jsonl"]) + 1 == chain["final"]["max_steps"] + 2
 
 
 def test_report_on_a_full_disk_says_so_and_leaves_no_empty_picture(chain):
