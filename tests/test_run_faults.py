@@ -106,6 +106,7 @@ def chain(tmp_path_factory):
         last = fi.Job(out, rounds["final"]["max_steps"] + 2, resume=True)
         rounds["resumed"] = {"status": last.output(timeout=240)[0]}
         rounds["resumed"]["steps"] = fi.sink_steps(out / fi.NAME)
+        rounds["resumed"]["recipe"] = (out / fi.NAME / "recipe.yaml").read_text()
         rounds["report"] = _report_on_a_full_disk(out / fi.NAME) if small is not None else None
         yield rounds
 
@@ -236,6 +237,8 @@ def test_a_resume_after_every_fault_trains_every_step_once_in_every_sink(chain):
         got = fi.lost_and_duplicated(steps, max(resumed["steps"]["metrics.jsonl"]) + 1)
         assert got == {"lost": [], "duplicated": []}, sink
     assert max(resumed["steps"]["metrics.jsonl"]) + 1 == chain["final"]["max_steps"] + 2
+    # --resume reaches the ranks as logger.resume=true (the recipe they ran is saved)
+    assert "resume: true" in resumed["recipe"]
 
 
 def test_report_on_a_full_disk_says_so_and_leaves_no_empty_picture(chain):
