@@ -64,7 +64,8 @@ ALL_FLAGS = dict(
 class Turnstile:
     """Two trainers in two threads taking turns a step at a time (only one runs at once)."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: tuple[str, str]) -> None:
+        self._names = names
         self._cond = threading.Condition()
         self._turn = ""
         self._done: set[str] = set()
@@ -74,7 +75,7 @@ class Turnstile:
         self._turn, self._done = first, set()
 
     def _other(self, name: str) -> str:
-        return "off" if name == "on" else "on"
+        return self._names[1] if name == self._names[0] else self._names[0]
 
     def wait(self, name: str) -> None:
         with self._cond:
@@ -96,8 +97,16 @@ class Turnstile:
             self._cond.notify_all()
 
     def check(self) -> None:
-        if self._errors or self._done != {"on", "off"}:
+        if self._errors or self._done != set(self._names):
             raise RuntimeError(f"trl_bench: a trainer did not finish its block ({self._errors})")
+
+
+#: the two trainers; the callback is on one of them in each block
+_TRAINERS = ("a", "b")
+
+
+def _other(name: str) -> str:
+    return _TRAINERS[1] if name == _TRAINERS[0] else _TRAINERS[0]
 
 
 def default_logging_steps() -> int:
@@ -140,7 +149,7 @@ def trl_bench(
     if window < 2:
         raise ValueError(f"logging_steps={window}: a window needs a step that does not log")
 
-    turns = Turnstile()
+    turns = Turnstile(_TRAINERS)
 
     class StepClock(TrainerCallback):
         """Each ``train()`` call's step times by global step (from a step's ``on_step_begin``
@@ -166,12 +175,11 @@ def trl_bench(
         def on_train_end(self, args, state, control, **kwargs):
             turns.finish(self.name)
 
-        def steps(self, logging: bool) -> list[tuple[int, int, float]]:
-            """``(run, step, seconds)`` of the steps that log (or do not)."""
+        def steps(self, block: int, logging: bool) -> list[tuple[int, float]]:
+            """``(step, seconds)`` of a block's steps that log (or do not)."""
             return [
-                (i, step, seconds)
-                for i, run in enumerate(self.runs)
-                for step, seconds in sorted(run.items())
+                (step, seconds)
+                for step, seconds in sorted(self.runs[block].items())
                 if (step % window == 0) == logging
             ]
 
@@ -194,56 +202,83 @@ def trl_bench(
 
     config = MetricsConfig(**(ALL_FLAGS if flags is None else flags))
     own = OwnTime()
-    clocks = {"on": StepClock("on"), "off": StepClock("off")}
+    clocks = {name: StepClock(name) for name in _TRAINERS}
+    trainers: dict[str, Any] = {}
+    attached: dict[str, Any] = {}  # trainer -> its MoEMetricsCallback while it is "on"
+
+    def switch_on(name: str | None) -> None:
+        """The callback (and OwnTime after it) on trainer ``name`` only, freshly attached
+        (None: on neither)."""
+        for other, callback in list(attached.items()):
+            if other != name:
+                trainers[other].remove_callback(callback)
+                trainers[other].remove_callback(own)
+                callback.detach()
+                del attached[other]
+        if name is not None and name not in attached:
+            callback = MoEMetricsCallback(config)
+            for event in ("on_step_begin", "on_step_end", "on_substep_end", "on_log"):
+                setattr(callback, event, timed_call(getattr(callback, event), own.spent,
+                                                    time.process_time))  # fmt: skip
+            trainers[name].add_callback(callback)
+            trainers[name].add_callback(own)  # after the callback: it wraps the hooks attached
+            attached[name] = callback
+
+    roles: list[str] = []  # the trainer that is "on" in each block
     try:
         with tempfile.TemporaryDirectory(prefix="nmm_trl_bench_") as work:
             fields = _MODEL if model is None else model
             model_dir = example.save_tiny_model(Path(work) / "model", **fields)
-            trainers = {}
-            for name in ("on", "off"):
-                callbacks: list[Any] = [clocks[name]]
-                if name == "on":  # OwnTime after the callback: it wraps the hooks attached
-                    callback = MoEMetricsCallback(config)
-                    for event in ("on_step_begin", "on_step_end", "on_substep_end", "on_log"):
-                        setattr(callback, event, timed_call(getattr(callback, event), own.spent,
-                                                        time.process_time))  # fmt: skip
-                    callbacks += [callback, own]
+            for name in _TRAINERS:
                 trainer = example.build_trainer(
-                    "sft", model_dir, Path(work) / name, callbacks,
+                    "sft", model_dir, Path(work) / name, [clocks[name]],
                     max_steps=windows_per_block * window + 1, logging_steps=window,
                     per_device_train_batch_size=4,
                 )  # fmt: skip
                 # The console printer would time printing the extra keys, not the metrics.
                 trainer.remove_callback(PrinterCallback)
-                trainers[name] = trainer
-            for trainer in trainers.values():
                 data = Dataset.from_list([{"text": t} for t in texts])
                 trainer.train_dataset = trainer._prepare_dataset(
                     data, trainer.processing_class, trainer.args, False, None, "train"
                 )
+                trainers[name] = trainer
             # The setup's objects (transformers, TRL, datasets) frozen out of the collector:
             # a full collection over them took about 200 ms, charged to whichever step ran.
             gc.collect()
             gc.freeze()
             for block in range(blocks):
-                turns.start("on" if block % 2 == 0 else "off")
+                # The callback moves between the two trainers every other block, and which
+                # trainer steps first alternates every block: two copies of one model in two
+                # places in memory differ in speed by themselves (about 0.5 %, run without
+                # flags), and so may whoever runs first after the other's turn.
+                on = _TRAINERS[(block // 2) % 2]
+                switch_on(on)
+                roles.append(on)
+                turns.start(on if block % 2 == 0 else _other(on))
                 runs = [threading.Thread(target=t.train) for t in trainers.values()]
                 for run in runs:
                     run.start()
                 for run in runs:
                     run.join()
                 turns.check()
+            switch_on(None)
     finally:
         gc.unfreeze()
         torch.set_num_threads(threads)
-    on, off = clocks["on"], clocks["off"]
-    ratios, off_ms = {}, {}
+    ratios, off_ms, block_ratios = {}, {}, []
     for logging in (False, True):
-        mine, theirs = on.steps(logging), off.steps(logging)
-        if [key[:2] for key in mine] != [key[:2] for key in theirs]:
-            raise RuntimeError("trl_bench: the two trainers did not run the same steps")
-        ratios[logging] = statistics.median(a[2] / b[2] for a, b in zip(mine, theirs, strict=True))
-        off_ms[logging] = 1e3 * statistics.median(b[2] for b in theirs)
+        pairs: list[tuple[float, float]] = []
+        for block, on in enumerate(roles):
+            mine = clocks[on].steps(block, logging)
+            theirs = clocks[_other(on)].steps(block, logging)
+            if [step for step, _ in mine] != [step for step, _ in theirs]:
+                raise RuntimeError("trl_bench: the two trainers did not run the same steps")
+            block_pairs = [(a, b) for (_, a), (_, b) in zip(mine, theirs, strict=True)]
+            if not logging:
+                block_ratios.append(statistics.median(a / b for a, b in block_pairs))
+            pairs += block_pairs
+        ratios[logging] = statistics.median(a / b for a, b in pairs)
+        off_ms[logging] = 1e3 * statistics.median(b for _, b in pairs)
     quiet, log = (window - 1) * off_ms[False], off_ms[True]
     ratio = (quiet * ratios[False] + log * ratios[True]) / (quiet + log)
     step_off_ms = (quiet + log) / window
@@ -262,7 +297,9 @@ def trl_bench(
         "step_ms_on_median": step_off_ms * ratio,
         "log_step_ms_off_median": off_ms[True],
         "log_step_ms_on_median": off_ms[True] * ratios[True],
-        "steps": sum(len(run) for run in on.runs),
+        "steps": sum(len(clocks[on].runs[block]) for block, on in enumerate(roles)),
+        # each block's median quiet-step ratio, with the trainer the callback was on
+        "block_quiet_ratios": [(on, round(r, 4)) for on, r in zip(roles, block_ratios)],
         "blocks": blocks,
         "model": dict(_MODEL if model is None else model),
     }

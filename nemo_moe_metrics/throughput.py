@@ -296,7 +296,7 @@ class StepMeter:
                 f"seq_lens has shape {tuple(seq_lens.shape)}; pass one length per sequence "
                 "(1-D), e.g. attention_mask.sum(-1), not the mask itself"
             )
-        if not self._timer.uses_events and seq_lens.device.type != "cpu":
+        if not self._timer.uses_events and not seq_lens.is_cpu:
             raise ValueError(
                 f"seq_lens is on {seq_lens.device} but this meter times steps with the host "
                 "clock, which cannot see asynchronous device work; build it with "
@@ -304,9 +304,8 @@ class StepMeter:
             )
         # A private copy (a device kernel, no sync): callers may reuse the buffer. On the host,
         # into memory reused every interval (deferred.HostStaging).
-        lens = seq_lens.detach().to(torch.int64)
-        kept = self._staging.keep(lens)
-        self._step_lens.append(kept if kept is not lens else lens.clone())
+        lens = seq_lens.to(torch.int64)
+        self._step_lens.append(self._staging.keep(lens) if lens.is_cpu else lens.clone())
         self._step_inputs.unknown += 1
 
     def note_positions(self, positions: int) -> None:

@@ -20,7 +20,13 @@ FLUSH_BYTES = 64 << 20
 
 def segment_ids(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
     """``[sum(lengths)]`` int64: for each token of forwards concatenated, its forward's
-    position. Fills on the device: no host-to-device copy, whatever the lengths."""
+    position. On an accelerator, fills on the device: no host-to-device copy, whatever the
+    lengths; on a CPU, three ops whatever the number of forwards."""
+    if device.type == "cpu":
+        repeats = torch.tensor(lengths, dtype=torch.int64)
+        return torch.arange(len(lengths), dtype=torch.int64).repeat_interleave(
+            repeats, output_size=sum(lengths)
+        )
     return torch.cat(
         [torch.full((n,), i, dtype=torch.int64, device=device) for i, n in enumerate(lengths)]
     )
@@ -94,6 +100,14 @@ class ConstantTensors:
         )
 
 
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 class HostStaging:
     """Host memory, allocated once and reused every step, for the tensors a tracker keeps.
 
@@ -112,9 +126,10 @@ class HostStaging:
         self._used: dict[torch.dtype, int] = {}  # this round, across buffers
 
     def keep(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` itself (accelerator) or a copy in the staging memory (CPU)."""
-        if tensor.device.type != "cpu":
-            return tensor
+        """``tensor`` detached (accelerator) or a copy in the staging memory (CPU); never its
+        autograd graph."""
+        if not tensor.is_cpu:
+            return tensor.detach()
         dtype, n = tensor.dtype, tensor.numel()
         buffer, offset = self._buffers.get(dtype), self._offset.get(dtype, 0)
         if buffer is None or offset + n > buffer.numel():
@@ -124,7 +139,10 @@ class HostStaging:
             offset = 0
         self._offset[dtype] = offset + n
         self._used[dtype] = self._used.get(dtype, 0) + n
-        return buffer[offset : offset + n].view(tensor.shape).copy_(tensor)
+        # One view op (a slice and a view are two): this runs once per kept tensor per forward.
+        return buffer.as_strided(tensor.shape, _contiguous_strides(tensor.shape), offset).copy_(
+            tensor
+        )
 
     def reset(self) -> None:
         """Every copy kept so far is consumed: the memory is free for the next round, one

@@ -119,7 +119,7 @@ class RouterHealthTracker:
                 "its routing is described wrongly (adapters/hf_health.py): turn "
                 "track_router_health off for this model and report the model"
             )
-        z = logits.detach().reshape(-1, scoring.num_experts)
+        z = logits if logits.dim() == 2 else logits.reshape(-1, scoring.num_experts)
         if chosen is not None and chosen.shape[0] != z.shape[0]:  # not this forward's rows
             chosen = None
         choice = None if chosen is None else chosen.dtype  # a map or expert ids

@@ -138,11 +138,10 @@ class HFAuxLossAccumulator:
         return observe
 
     def add(self, layer_id: int, logits: torch.Tensor, num_experts: int, top_k: int) -> None:
-        """Keep one forward's router logits of ``layer_id`` for its loss (no device op but a
-        detach)."""
+        """Keep one forward's router logits of ``layer_id`` for its loss (a copy into host
+        staging memory on a CPU, a detach on an accelerator)."""
         if logits.numel() == 0:  # metadata, not a value: an empty microbatch adds nothing
             return
-        logits = logits.detach()
         shape = logits.shape[1:] if self.kind == "switch" else logits.shape  # tokens may vary
         key = (tuple(shape), logits.dtype, logits.device, num_experts, top_k)
         layers, kept = self._kept.setdefault(key, ([], []))
