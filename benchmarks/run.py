@@ -184,7 +184,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         routing_pairs=40,
         health_pairs=40,
         attach_layers=94,
-        trl=dict(blocks=12, windows_per_block=2),
+        trl=dict(blocks=24, windows_per_block=1),
     ),
     "quick": dict(
         bench=BenchConfig(warmup_pairs=1, pairs=40, export_repeats=30),
@@ -198,7 +198,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         routing_pairs=40,
         health_pairs=40,
         attach_layers=94,
-        trl=dict(blocks=8, windows_per_block=2),
+        trl=dict(blocks=16, windows_per_block=1),
     ),
     # Tiny model and few repeats: exercises every path in seconds; the numbers mean little.
     "smoke": dict(

@@ -4,8 +4,8 @@ TRL's ``SFTTrainer`` on a random Qwen3-MoE built from a config (4 layers, 8 expe
 hidden 128; one thread; a step of at least 100 ms on a CPU), gradient accumulation 2, padded
 batches, every flag on (``moe_per_layer_logging``, throughput, FLOPs, router health) and TRL's
 own default ``logging_steps`` (``SFTConfig``'s: 10), so one step in ``logging_steps`` exports.
-Two trainers, one with the callback and one without, train in alternating blocks of whole
-logging windows; a step's time is the interval between two ``on_step_begin`` calls (forward,
+Two trainers, one with the callback and one without, train in blocks of whole logging
+windows; a step's time is the interval between two ``on_step_begin`` calls (forward,
 backward, optimizer, and on a logging step the export and the Trainer's logging; the console
 printer is removed from both, it would time printing).
 
@@ -13,8 +13,14 @@ Each ``train()`` call re-seeds, so both trainers step through the same batches; 
 two threads taking turns a step at a time (one runs at a time), so each step with the callback
 is paired with the same step without it, run next to it (the batches' padded lengths vary a
 step's time by +-10 %, and the machine's speed drifts over seconds, both more than the cost
-measured). ``quiet_step_ratio`` and ``log_step_ratio`` are the medians over paired steps that
-do not log and that log; the ratio weighs them as a window does::
+measured). The callback moves from one trainer to the other every other block (a fresh
+callback, attached at ``on_train_begin``), and which trainer steps first alternates every
+block: two copies of one model in two places of memory run at speeds that differ by up to
+1 % by themselves, and a block's steps share an offset of a few percent (the memory its
+``train()`` call got), so many short blocks beat a few long ones. Without flags (an A/A run)
+the ratio is 1.000 over 16 blocks. ``quiet_step_ratio`` and ``log_step_ratio`` are the
+medians over paired steps that do not log and that log; the ratio weighs them as a window
+does::
 
     ((W - 1) * quiet_step_ratio * quiet_off + log_step_ratio * log_off)
     / ((W - 1) * quiet_off + log_off)
@@ -118,13 +124,13 @@ def default_logging_steps() -> int:
 
 def trl_bench(
     blocks: int = 4,
-    windows_per_block: int = 2,
+    windows_per_block: int = 1,
     model: dict[str, Any] | None = None,
     flags: dict[str, bool] | None = None,
     logging_steps: int | None = None,
 ) -> dict[str, Any]:
-    """Time ``blocks`` alternating blocks of each trainer, ``windows_per_block`` logging windows
-    each; returns the ratio and its details.
+    """Time ``blocks`` blocks of both trainers, ``windows_per_block`` logging windows each;
+    returns the ratio and its details.
 
     ``model``: config fields of the benchmark model (default: a step of >= 100 ms; ``{}``: the
     example's tiny model, to test the harness); ``flags``: the callback's ``MetricsConfig``
@@ -299,7 +305,9 @@ def trl_bench(
         "log_step_ms_on_median": off_ms[True] * ratios[True],
         "steps": sum(len(clocks[on].runs[block]) for block, on in enumerate(roles)),
         # each block's median quiet-step ratio, with the trainer the callback was on
-        "block_quiet_ratios": [(on, round(r, 4)) for on, r in zip(roles, block_ratios)],
+        "block_quiet_ratios": [
+            (on, round(r, 4)) for on, r in zip(roles, block_ratios, strict=True)
+        ],
         "blocks": blocks,
         "model": dict(_MODEL if model is None else model),
     }
