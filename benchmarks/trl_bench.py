@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import multiprocessing
 import random
 import statistics
 import tempfile
-import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,10 @@ _MODEL = dict(
     hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
 )  # fmt: skip
+#: the two trainers (one process each); the callback is on one of them in each block
+_TRAINERS = ("a", "b")
+#: seconds a trainer waits for its turn, or for the parent's next order, before giving up
+_WAIT_S = 600.0
 
 
 def _example() -> Any:
@@ -67,50 +72,6 @@ ALL_FLAGS = dict(
 )  # fmt: skip
 
 
-class Turnstile:
-    """Two trainers in two threads taking turns a step at a time (only one runs at once)."""
-
-    def __init__(self, names: tuple[str, str]) -> None:
-        self._names = names
-        self._cond = threading.Condition()
-        self._turn = ""
-        self._done: set[str] = set()
-        self._errors: list[str] = []
-
-    def start(self, first: str) -> None:
-        self._turn, self._done = first, set()
-
-    def _other(self, name: str) -> str:
-        return self._names[1] if name == self._names[0] else self._names[0]
-
-    def wait(self, name: str) -> None:
-        with self._cond:
-            if not self._cond.wait_for(
-                lambda: self._turn == name or self._other(name) in self._done, timeout=600
-            ):
-                self._errors.append(f"{name}: no turn in 600 s")
-
-    def hand_over(self, name: str) -> None:
-        with self._cond:
-            self._turn = self._other(name)
-            self._cond.notify_all()
-        self.wait(name)
-
-    def finish(self, name: str) -> None:
-        with self._cond:
-            self._done.add(name)
-            self._turn = self._other(name)
-            self._cond.notify_all()
-
-    def check(self) -> None:
-        if self._errors or self._done != set(self._names):
-            raise RuntimeError(f"trl_bench: a trainer did not finish its block ({self._errors})")
-
-
-#: the two trainers; the callback is on one of them in each block
-_TRAINERS = ("a", "b")
-
-
 def _other(name: str) -> str:
     return _TRAINERS[1] if name == _TRAINERS[0] else _TRAINERS[0]
 
@@ -122,20 +83,17 @@ def default_logging_steps() -> int:
     return int(SFTConfig.__dataclass_fields__["logging_steps"].default)
 
 
-def trl_bench(
-    blocks: int = 4,
-    windows_per_block: int = 1,
-    model: dict[str, Any] | None = None,
-    flags: dict[str, bool] | None = None,
-    logging_steps: int | None = None,
-) -> dict[str, Any]:
-    """Time ``blocks`` blocks of both trainers, ``windows_per_block`` logging windows each;
-    returns the ratio and its details.
+def _trainer_process(name: str, conn: Any, turns: dict[str, Any], setup: dict[str, Any]) -> None:
+    """One trainer in its own process, its steps in turn with the other's: builds the trainer,
+    then trains one block per order from the parent (with the callback or without) and sends
+    back the block's step times and the callback's own CPU time."""
+    try:
+        _serve_blocks(name, conn, turns, setup)
+    except BaseException:
+        conn.send(("error", f"trainer {name}: {traceback.format_exc()}"))
 
-    ``model``: config fields of the benchmark model (default: a step of >= 100 ms; ``{}``: the
-    example's tiny model, to test the harness); ``flags``: the callback's ``MetricsConfig``
-    fields (default :data:`ALL_FLAGS`; a subset attributes the cost); ``logging_steps``: default
-    :func:`default_logging_steps`."""
+
+def _serve_blocks(name: str, conn: Any, turns: dict[str, Any], setup: dict[str, Any]) -> None:
     import torch
     from datasets import Dataset
     from transformers import PrinterCallback, TrainerCallback
@@ -143,51 +101,36 @@ def trl_bench(
     from nemo_moe_metrics.config import MetricsConfig
     from nemo_moe_metrics.integrations.transformers import MoEMetricsCallback
 
-    example = _example()
-    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    rng = random.Random(0)
-    texts = [
-        " ".join(rng.choice(example.WORDS) for _ in range(rng.randint(60, 120))) for _ in range(64)
-    ]
+    example = _example()
+    mine, theirs = turns[name], turns[_other(name)]
 
-    window = default_logging_steps() if logging_steps is None else logging_steps
-    if window < 2:
-        raise ValueError(f"logging_steps={window}: a window needs a step that does not log")
-
-    turns = Turnstile(_TRAINERS)
+    def take_turn() -> None:
+        if not mine.acquire(timeout=_WAIT_S):
+            raise RuntimeError(f"no turn in {_WAIT_S:.0f} s (the other trainer stopped?)")
 
     class StepClock(TrainerCallback):
-        """Each ``train()`` call's step times by global step (from a step's ``on_step_begin``
-        to the next one's, less the other trainer's turn in between)."""
+        """A ``train()`` call's step times by global step: from a step's ``on_step_begin`` to
+        the next one's, less the other trainer's turn in between."""
 
-        def __init__(self, name: str) -> None:
-            self.name = name
+        def __init__(self) -> None:
             self.begin: float | None = None
-            self.runs: list[dict[int, float]] = []
+            self.steps: dict[int, float] = {}
 
         def on_train_begin(self, args, state, control, **kwargs):
-            turns.wait(self.name)
-            self.begin = None
-            self.runs.append({})
+            take_turn()
+            self.begin, self.steps = None, {}
 
         def on_step_begin(self, args, state, control, **kwargs):
             now = time.perf_counter()
             if self.begin is not None:  # the step that ended is global_step
-                self.runs[-1][state.global_step] = now - self.begin
-                turns.hand_over(self.name)
+                self.steps[state.global_step] = now - self.begin
+                theirs.release()
+                take_turn()
             self.begin = time.perf_counter()
 
         def on_train_end(self, args, state, control, **kwargs):
-            turns.finish(self.name)
-
-        def steps(self, block: int, logging: bool) -> list[tuple[int, float]]:
-            """``(step, seconds)`` of a block's steps that log (or do not)."""
-            return [
-                (step, seconds)
-                for step, seconds in sorted(self.runs[block].items())
-                if (step % window == 0) == logging
-            ]
+            theirs.release()
 
     class OwnTime(TrainerCallback):
         """The callback's own CPU time: its events but the train's first and last (attach,
@@ -206,77 +149,127 @@ def trl_bench(
         def on_train_end(self, args, state, control, **kwargs):
             self._restore()
 
-    config = MetricsConfig(**(ALL_FLAGS if flags is None else flags))
-    own = OwnTime()
-    clocks = {name: StepClock(name) for name in _TRAINERS}
-    trainers: dict[str, Any] = {}
-    attached: dict[str, Any] = {}  # trainer -> its MoEMetricsCallback while it is "on"
+    rng = random.Random(0)
+    texts = [
+        " ".join(rng.choice(example.WORDS) for _ in range(rng.randint(60, 120))) for _ in range(64)
+    ]
+    clock = StepClock()
+    window = setup["window"]
+    with tempfile.TemporaryDirectory(prefix=f"nmm_trl_bench_{name}_") as work:
+        trainer = example.build_trainer(
+            "sft", setup["model_dir"], Path(work), [clock],
+            max_steps=setup["windows_per_block"] * window + 1, logging_steps=window,
+            per_device_train_batch_size=4,
+        )  # fmt: skip
+        # The console printer would time printing the extra keys, not the metrics.
+        trainer.remove_callback(PrinterCallback)
+        data = Dataset.from_list([{"text": t} for t in texts])
+        trainer.train_dataset = trainer._prepare_dataset(
+            data, trainer.processing_class, trainer.args, False, None, "train"
+        )
+        config = MetricsConfig(**setup["flags"])
+        # The setup's objects (transformers, TRL, datasets) frozen out of the collector: a
+        # full collection over them took about 200 ms, charged to whichever step ran.
+        gc.collect()
+        gc.freeze()
+        conn.send(("ready",))
+        attached: tuple[Any, Any] | None = None  # the callback and its OwnTime while "on"
+        while conn.poll(_WAIT_S):
+            order, on = conn.recv()
+            if order == "stop":
+                break
+            if attached is not None and not on:
+                for callback in attached:
+                    trainer.remove_callback(callback)
+                attached[0].detach()
+                attached = None
+            if attached is None and on:
+                callback, own = MoEMetricsCallback(config), OwnTime()
+                for event in ("on_step_begin", "on_step_end", "on_substep_end", "on_log"):
+                    setattr(callback, event, timed_call(getattr(callback, event), own.spent,
+                                                        time.process_time))  # fmt: skip
+                trainer.add_callback(callback)
+                trainer.add_callback(own)  # after the callback: it wraps the hooks attached
+                attached = (callback, own)
+            spent, steps = (attached[1].spent[0], attached[1].steps) if attached else (0.0, 0)
+            trainer.train()
+            if attached:
+                spent, steps = attached[1].spent[0] - spent, attached[1].steps - steps
+            conn.send(("steps", dict(clock.steps), spent, steps))
 
-    def switch_on(name: str | None) -> None:
-        """The callback (and OwnTime after it) on trainer ``name`` only, freshly attached
-        (None: on neither)."""
-        for other, callback in list(attached.items()):
-            if other != name:
-                trainers[other].remove_callback(callback)
-                trainers[other].remove_callback(own)
-                callback.detach()
-                del attached[other]
-        if name is not None and name not in attached:
-            callback = MoEMetricsCallback(config)
-            for event in ("on_step_begin", "on_step_end", "on_substep_end", "on_log"):
-                setattr(callback, event, timed_call(getattr(callback, event), own.spent,
-                                                    time.process_time))  # fmt: skip
-            trainers[name].add_callback(callback)
-            trainers[name].add_callback(own)  # after the callback: it wraps the hooks attached
-            attached[name] = callback
 
+def trl_bench(
+    blocks: int = 4,
+    windows_per_block: int = 1,
+    model: dict[str, Any] | None = None,
+    flags: dict[str, bool] | None = None,
+    logging_steps: int | None = None,
+) -> dict[str, Any]:
+    """Time ``blocks`` blocks of both trainers, ``windows_per_block`` logging windows each;
+    returns the ratio and its details.
+
+    ``model``: config fields of the benchmark model (default: a step of >= 100 ms; ``{}``: the
+    example's tiny model, to test the harness); ``flags``: the callback's ``MetricsConfig``
+    fields (default :data:`ALL_FLAGS`; a subset attributes the cost); ``logging_steps``: default
+    :func:`default_logging_steps`."""
+    window = default_logging_steps() if logging_steps is None else logging_steps
+    if window < 2:
+        raise ValueError(f"logging_steps={window}: a window needs a step that does not log")
+    context = multiprocessing.get_context("spawn")
+    turns = {name: context.Semaphore(0) for name in _TRAINERS}
     roles: list[str] = []  # the trainer that is "on" in each block
-    try:
-        with tempfile.TemporaryDirectory(prefix="nmm_trl_bench_") as work:
-            fields = _MODEL if model is None else model
-            model_dir = example.save_tiny_model(Path(work) / "model", **fields)
+    runs: dict[str, list[dict[int, float]]] = {name: [] for name in _TRAINERS}
+    own_spent, own_steps = 0.0, 0
+    with tempfile.TemporaryDirectory(prefix="nmm_trl_bench_") as work:
+        fields = _MODEL if model is None else model
+        setup = {
+            "model_dir": _example().save_tiny_model(Path(work) / "model", **fields),
+            "window": window,
+            "windows_per_block": windows_per_block,
+            "flags": ALL_FLAGS if flags is None else flags,
+        }
+        pipes, processes = {}, []
+        try:
             for name in _TRAINERS:
-                trainer = example.build_trainer(
-                    "sft", model_dir, Path(work) / name, [clocks[name]],
-                    max_steps=windows_per_block * window + 1, logging_steps=window,
-                    per_device_train_batch_size=4,
-                )  # fmt: skip
-                # The console printer would time printing the extra keys, not the metrics.
-                trainer.remove_callback(PrinterCallback)
-                data = Dataset.from_list([{"text": t} for t in texts])
-                trainer.train_dataset = trainer._prepare_dataset(
-                    data, trainer.processing_class, trainer.args, False, None, "train"
+                pipes[name], child = context.Pipe()
+                process = context.Process(
+                    target=_trainer_process, args=(name, child, turns, setup), daemon=True
                 )
-                trainers[name] = trainer
-            # The setup's objects (transformers, TRL, datasets) frozen out of the collector:
-            # a full collection over them took about 200 ms, charged to whichever step ran.
-            gc.collect()
-            gc.freeze()
+                process.start()
+                processes.append(process)
+            for name in _TRAINERS:
+                _receive(pipes[name], name)
             for block in range(blocks):
                 # The callback moves between the two trainers every other block, and which
-                # trainer steps first alternates every block: two copies of one model in two
-                # places in memory differ in speed by themselves (about 0.5 %, run without
-                # flags), and so may whoever runs first after the other's turn.
+                # trainer steps first alternates every block: two copies of one model run at
+                # speeds that differ by themselves, and so may whoever steps first.
                 on = _TRAINERS[(block // 2) % 2]
-                switch_on(on)
                 roles.append(on)
-                turns.start(on if block % 2 == 0 else _other(on))
-                runs = [threading.Thread(target=t.train) for t in trainers.values()]
-                for run in runs:
-                    run.start()
-                for run in runs:
-                    run.join()
-                turns.check()
-            switch_on(None)
-    finally:
-        gc.unfreeze()
-        torch.set_num_threads(threads)
+                for name in _TRAINERS:
+                    pipes[name].send(("train", name == on))
+                turns[on if block % 2 == 0 else _other(on)].release()
+                for name in _TRAINERS:
+                    _, steps, spent, counted = _receive(pipes[name], name)
+                    runs[name].append(steps)
+                    own_spent, own_steps = own_spent + spent, own_steps + counted
+                for turn in turns.values():  # the last trainer's hand-over went unused
+                    while turn.acquire(block=False):
+                        pass
+            for name in _TRAINERS:
+                pipes[name].send(("stop", False))
+        finally:
+            for process in processes:
+                process.join(timeout=30)
+                if process.is_alive():
+                    process.kill()
     ratios, off_ms, block_ratios = {}, {}, []
     for logging in (False, True):
         pairs: list[tuple[float, float]] = []
         for block, on in enumerate(roles):
-            mine = clocks[on].steps(block, logging)
-            theirs = clocks[_other(on)].steps(block, logging)
+            mine, theirs = (
+                sorted((s, t) for s, t in runs[name][block].items() if (s % window == 0) == logging)
+                for name in (on, _other(on))
+            )
             if [step for step, _ in mine] != [step for step, _ in theirs]:
                 raise RuntimeError("trl_bench: the two trainers did not run the same steps")
             block_pairs = [(a, b) for (_, a), (_, b) in zip(mine, theirs, strict=True)]
@@ -288,7 +281,7 @@ def trl_bench(
     quiet, log = (window - 1) * off_ms[False], off_ms[True]
     ratio = (quiet * ratios[False] + log * ratios[True]) / (quiet + log)
     step_off_ms = (quiet + log) / window
-    own_ms = 1e3 * own.spent[0] / max(own.steps, 1)
+    own_ms = 1e3 * own_spent / max(own_steps, 1)
     return {
         "trl_callback_overhead_ratio": ratio,
         "logging_steps": window,
@@ -303,7 +296,7 @@ def trl_bench(
         "step_ms_on_median": step_off_ms * ratio,
         "log_step_ms_off_median": off_ms[True],
         "log_step_ms_on_median": off_ms[True] * ratios[True],
-        "steps": sum(len(clocks[on].runs[block]) for block, on in enumerate(roles)),
+        "steps": sum(len(runs[on][block]) for block, on in enumerate(roles)),
         # each block's median quiet-step ratio, with the trainer the callback was on
         "block_quiet_ratios": [
             (on, round(r, 4)) for on, r in zip(roles, block_ratios, strict=True)
@@ -311,6 +304,16 @@ def trl_bench(
         "blocks": blocks,
         "model": dict(_MODEL if model is None else model),
     }
+
+
+def _receive(pipe: Any, name: str) -> tuple:
+    """The next message of trainer ``name``; raises its error, or after :data:`_WAIT_S`."""
+    if not pipe.poll(_WAIT_S):
+        raise RuntimeError(f"trl_bench: trainer {name} sent nothing in {_WAIT_S:.0f} s")
+    message = pipe.recv()
+    if message[0] == "error":
+        raise RuntimeError(f"trl_bench: {message[1]}")
+    return message
 
 
 if __name__ == "__main__":
