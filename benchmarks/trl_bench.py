@@ -9,18 +9,19 @@ windows; a step's time is the interval between two ``on_step_begin`` calls (forw
 backward, optimizer, and on a logging step the export and the Trainer's logging; the console
 printer is removed from both, it would time printing).
 
-Each ``train()`` call re-seeds, so both trainers step through the same batches; they train in
-two threads taking turns a step at a time (one runs at a time), so each step with the callback
-is paired with the same step without it, run next to it (the batches' padded lengths vary a
-step's time by +-10 %, and the machine's speed drifts over seconds, both more than the cost
-measured). The callback moves from one trainer to the other every other block (a fresh
-callback, attached at ``on_train_begin``), and which trainer steps first alternates every
-block: two copies of one model in two places of memory run at speeds that differ by up to
-1 % by themselves, and a block's steps share an offset of a few percent (the memory its
-``train()`` call got), so many short blocks beat a few long ones. Without flags (an A/A run)
-the ratio is 1.000 over 16 blocks. ``quiet_step_ratio`` and ``log_step_ratio`` are the
-medians over paired steps that do not log and that log; the ratio weighs them as a window
-does::
+Each trainer runs in a process of its own, in its main thread as a training script does (two
+threads of one process allocate from glibc arenas of their own, which page-faulted twice as
+often on the callback's thread). Each ``train()`` call re-seeds, so both trainers step through
+the same batches, and they take turns a step at a time (two semaphores; one runs at a time),
+so each step with the callback is paired with the same step without it, run next to it (the
+batches' padded lengths vary a step's time by +-10 %, and the machine's speed drifts over
+seconds, both more than the cost measured). The callback moves from one trainer to the other
+every other block (a fresh callback, attached at ``on_train_begin``), and which trainer steps
+first alternates every block: two copies of one model run at speeds that differ by
+themselves, and a block's steps share an offset of a few percent (the memory its ``train()``
+call got), so many short blocks beat a few long ones. Without flags (an A/A run) the ratio
+was 0.995-1.000 over 16 blocks. ``quiet_step_ratio`` and ``log_step_ratio`` are the medians
+over paired steps that do not log and that log; the ratio weighs them as a window does::
 
     ((W - 1) * quiet_step_ratio * quiet_off + log_step_ratio * log_off)
     / ((W - 1) * quiet_off + log_off)
