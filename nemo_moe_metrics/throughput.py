@@ -304,8 +304,10 @@ class StepMeter:
             )
         # A private copy (a device kernel, no sync): callers may reuse the buffer. On the host,
         # into memory reused every interval (deferred.HostStaging).
-        lens = seq_lens.to(torch.int64)
-        self._step_lens.append(self._staging.keep(lens) if lens.is_cpu else lens.clone())
+        if seq_lens.is_cpu:
+            self._step_lens.append(self._staging.keep(seq_lens.to(torch.int64)))
+        else:
+            self._step_lens.append(seq_lens.to(torch.int64, copy=True))
         self._step_inputs.unknown += 1
 
     def note_positions(self, positions: int) -> None:
@@ -358,8 +360,7 @@ class StepMeter:
             sums, check = length_sums(parts, windows, self._causal, self._device)
         else:
             sums, check = self._host_flops(parts, errors)
-        parts = []
-        self._staging.reset()
+        self._staging.reset()  # the lengths are summed: their memory is free
         # [... sums, input positions, microbatches whose input was not seen]: summed together.
         sums = torch.cat(
             [sums, host_values([inputs.known, inputs.unknown], torch.float64, sums.device)]

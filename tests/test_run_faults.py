@@ -100,7 +100,7 @@ def chain(tmp_path_factory):
             return rank1
 
         rounds["kill-rank"] = _round(out, kill_rank_1)
-        for fault in NAMED_FAULTS:  # faults that make no Python error: named by what happened
+        for fault in NAMED_FAULTS:
             rounds[fault] = _round(out, lambda job, f=fault: fi.inject(job, f, random.Random(0)))
         rounds["final"] = _as_a_resume_leaves_it(out / fi.NAME)
         last = fi.Job(out, rounds["final"]["max_steps"] + 2, resume=True)

@@ -117,7 +117,8 @@ class HostStaging:
     frees the outputs at once when nothing keeps them), and most of router health's cost in
     the megatron step beyond its own code. :meth:`keep` copies a CPU tensor into this memory
     instead (one copy); after the tracker's pass, :meth:`reset` makes it free again. A tensor
-    on an accelerator is kept as given: the caching allocator reuses its blocks without cost.
+    on an accelerator is kept by reference (detached): the caching allocator reuses its blocks
+    without cost.
     """
 
     def __init__(self) -> None:
