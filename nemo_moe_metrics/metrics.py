@@ -220,9 +220,11 @@ class PolicyMetrics:
         experts = dict(zip(layers, collector.num_experts, strict=True))
         topks = dict(zip(layers, collector.topks, strict=True))
         size = max(self._facts.num_layers, max(layers) + 1)
-        accumulator = HFAuxLossAccumulator(size, [layer for layer, _, _ in sources], kind)
-        for layer, router, index in sources:
-            observe = accumulator.observer(index, experts[layer], topks[layer])
+        accumulator = HFAuxLossAccumulator(
+            size, [source[0] for source in sources], kind, staging=collector.staging
+        )
+        for layer, router, logits_at, ids_at in sources:
+            observe = accumulator.observer(logits_at, experts[layer], topks[layer], ids_at)
             collector.observe_module(router, layer, observe)
         return families.ModelAuxLoss(accumulator, self.cfg)
 

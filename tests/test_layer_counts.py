@@ -51,7 +51,7 @@ def test_forwards_counted_together_equal_each_forward_counted_alone():
         together += [
             (a.layer_id, tuple(c)) for a, c in zip(batch.owners, counts.tolist(), strict=True)
         ]
-    assert kept.bytes == 0 and kept.take() == []
+    assert kept.take() == []
     # Each forward's own routed counts (router health's microbatch balance reads them)
     assert sorted(together) == sorted(per_forward)
     buffers.payload()
@@ -62,22 +62,3 @@ def test_forwards_counted_together_equal_each_forward_counted_alone():
         assert int(acc.tokens) == tokens[layer], layer
     buffers.reset()
     assert not buffers.state.any() and not any(acc.counted for acc in accs)
-
-
-def test_host_staging_copies_and_reuses_one_buffer_per_dtype_after_the_first_round():
-    from nemo_moe_metrics.moe.deferred import HostStaging
-
-    staging = HostStaging()
-    gen = torch.Generator().manual_seed(1)
-    sources = [torch.randn(700, 8, generator=gen) for _ in range(4)]  # past the first buffer
-    kept = [staging.keep(t) for t in sources] + [staging.keep(torch.ones(5, dtype=torch.bool))]
-    assert all(torch.equal(k, t) for k, t in zip(kept, sources, strict=False))
-    assert kept[-1].all() and kept[0].data_ptr() != sources[0].data_ptr()  # copies
-    staging.reset()
-    # The next round fits one buffer sized by the first: every copy in the same storage
-    again = [staging.keep(t) for t in sources]
-    assert all(torch.equal(k, t) for k, t in zip(again, sources, strict=True))
-    storages = {k.untyped_storage().data_ptr() for k in again}
-    assert len(storages) == 1
-    staging.reset()
-    assert staging.keep(sources[0]).untyped_storage().data_ptr() in storages

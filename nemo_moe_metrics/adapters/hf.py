@@ -259,8 +259,9 @@ def _recorded_routers(chunks: list[nn.Module]) -> list[tuple[type, int, str | No
 
 def router_logit_sources(
     chunks: list[nn.Module], blocks: dict[int, str]
-) -> list[tuple[int, nn.Module, int]]:
-    """``(layer id, router module, index of its logits in the output)`` per counted MoE layer.
+) -> list[tuple[int, nn.Module, int, int | None]]:
+    """``(layer id, router module, index of its logits in the output, index of its expert ids
+    where they are the top-k of the softmax of those logits, else None)`` per counted MoE layer.
 
     ``blocks``: the module-name prefix of each counted layer's MoE block; a router counts for a
     layer only inside that block (jetmoe's attention-head router is left out that way). The
@@ -268,7 +269,7 @@ def router_logit_sources(
     load-balancing loss reads), plus the named ones it does not declare (llama4).
     """
     recorded = _recorded_routers(chunks)
-    out: dict[int, tuple[int, nn.Module, int]] = {}
+    out: dict[int, tuple[int, nn.Module, int, int | None]] = {}
     for chunk in chunks:
         for name, module in chunk.named_modules():
             index = _NAMED_LOGITS.get(_qualname(type(module)))
@@ -287,7 +288,8 @@ def router_logit_sources(
             layer = layer_id_from_name(name)
             block = blocks.get(layer)
             if block is not None and (name == block or name.startswith(block + ".")):
-                out.setdefault(layer, (layer, module, index))
+                ids_at = hf_health.softmax_topk_ids_at(module, index)
+                out.setdefault(layer, (layer, module, index, ids_at))
     return [out[k] for k in sorted(out)]
 
 

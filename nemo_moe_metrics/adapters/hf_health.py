@@ -208,6 +208,28 @@ def hf_routing(router: nn.Module) -> HFRouting | str:
     return dataclasses.replace(routing, score_function=score)
 
 
+def softmax_topk_ids_at(router: nn.Module, logits_at: int) -> int | None:
+    """Where ``router``'s output ``(logits, weights, ids)`` holds the expert ids it chose, when
+    they are the top-k of ``softmax(logits)`` (what transformers' ``load_balancing_loss_func``
+    recomputes from the same logits): a router of :data:`HF_ROUTING` that ranks its softmax,
+    without groups or an expert bias; else None."""
+    routing = hf_routing(router)
+    if routing != _SOFTMAX or logits_at != 0:
+        return None
+    if getattr(router, "n_group", None) or getattr(router, "num_group", None):
+        return None
+    if _bias_reader(router)((), {}) is not None or _takes_bias(router):
+        return None
+    return 2
+
+
+def _takes_bias(router: nn.Module) -> bool:
+    try:
+        return any("bias" in name for name in inspect.signature(type(router).forward).parameters)
+    except (TypeError, ValueError):
+        return True  # unknown: assume it may
+
+
 def _hf_scoring(router: nn.Module, routing: HFRouting, experts: int, topk: int) -> RouterScoring:
     groups = getattr(router, "n_group", getattr(router, "num_group", None))
     if getattr(router, "topk_method", None) == "greedy":  # DeepSeek-V2: groups configured, unused

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors
+from nemo_moe_metrics.moe.deferred import ConstantTensors, HostStaging
 from nemo_moe_metrics.moe.health_tracker import RouterHealthTracker
 from nemo_moe_metrics.moe.layer_counts import (
     KeptPicks,
@@ -171,7 +171,10 @@ class ExpertLoadCollector:
         self._accs.sort(key=lambda a: a.layer_id)
         self._constants = ConstantTensors()
         self._buffers = self._allocate()
-        self._kept = KeptPicks()
+        #: host memory every tracker of this collector keeps its forwards' tensors in
+        self.staging = HostStaging()
+        self._kept = KeptPicks(self.staging)
+        self.staging.add_consumer(self._count_picks)
         #: some counted layer routes every token: then no step routes fewer than its real tokens
         self.routes_every_token = any(not spec.token_subset for _, _, spec in routers)
 
@@ -274,8 +277,6 @@ class ExpertLoadCollector:
                         if picks.device != acc.device:  # the model moved after attach
                             self._move(acc, picks.device)
                         self._kept.keep(acc, picks, valid)
-                        if self._kept.bytes >= FLUSH_BYTES:
-                            self.count_kept()
                     else:
                         counted = spec.counts_fn(module, args, kwargs, output, **extra)
                         counts = per_expert(counted[0])
@@ -409,6 +410,7 @@ class ExpertLoadCollector:
             near_tie_gap=near_tie_gap,
             device=self._accs[0].counts.device,
             before_stats=self.count_kept,
+            staging=self.staging,
         )
         return self.health
 
@@ -447,7 +449,11 @@ class ExpertLoadCollector:
 
     def count_kept(self) -> None:
         """Count the kept picks into the accumulators (and the forwards' counts into router
-        health's microbatch balance): device ops only, a few per batch of forwards."""
+        health's microbatch balance), after every tracker's pass over what the shared staging
+        holds: device ops only, a few per batch of forwards."""
+        self.staging.flush()
+
+    def _count_picks(self) -> None:
         for batch in self._kept.take():
             routed, executed, tokens = forward_counts(batch, self._constants)
             device = batch.owners[0].device
@@ -455,7 +461,6 @@ class ExpertLoadCollector:
             buffers.add_forwards(batch.owners, routed, executed, tokens)
             if self.health is not None:
                 self.health.observe_forwards([acc.layer_id for acc in batch.owners], routed)
-        self._kept.release()
 
     def local_counts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This rank's device accumulators (per-layer routed counts [E] and tokens []), not copied."""
@@ -492,7 +497,8 @@ class ExpertLoadCollector:
 
     def reset(self) -> None:
         """Zero the device accumulators (start of a new step); the rollout's are kept."""
-        self._kept.clear()
+        self._kept.take()
+        self.staging.reset()
         for buffers in self._buffers:
             buffers.reset()
         if self.routing is not None:

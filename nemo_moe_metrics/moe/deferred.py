@@ -9,7 +9,9 @@ launches, the count of ops is the cost at small sizes). Pure tensor arithmetic.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -109,28 +111,63 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
 
 
 class HostStaging:
-    """Host memory, allocated once and reused every step, for the tensors a tracker keeps.
+    """Host memory, allocated once and reused every step, for the tensors trackers keep.
 
     Kept by reference, a forward's small outputs (router logits, expert ids, masks) outlive
     the large tensors allocated around them, and glibc's heap then takes fresh pages for those
     every step: measured, 3-5 % of a transformers step under activation checkpointing (which
     frees the outputs at once when nothing keeps them), and most of router health's cost in
     the megatron step beyond its own code. :meth:`keep` copies a CPU tensor into this memory
-    instead (one copy); after the tracker's pass, :meth:`reset` makes it free again. A tensor
-    on an accelerator is kept by reference (detached): the caching allocator reuses its blocks
-    without cost.
+    instead (one copy); a tensor on an accelerator is kept by reference (detached): the
+    caching allocator reuses its blocks without cost.
+
+    One staging serves every tracker of a collector (the counts, router health, the
+    load-balancing loss): what several of them keep from one forward (the expert ids, the
+    real-token mask, the router logits) is copied once. Each tracker registers its batched
+    pass with :meth:`add_consumer`; :meth:`flush` runs them all, then reuses the memory.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[torch.dtype, torch.Tensor] = {}
         self._offset: dict[torch.dtype, int] = {}
         self._used: dict[torch.dtype, int] = {}  # this round, across buffers
+        # data_ptr -> (weak reference to the source, its strides, its version, the copy)
+        self._copies: dict[int, tuple[Any, tuple[int, ...], int, torch.Tensor]] = {}
+        self._consumers: list[Callable[[], None]] = []
+        #: bytes kept this round (copies once each, accelerator tensors by their size)
+        self.nbytes = 0
+
+    def add_consumer(self, consume: Callable[[], None]) -> None:
+        """Register a tracker's pass over what it kept: :meth:`flush` runs it."""
+        self._consumers.append(consume)
 
     def keep(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` detached (accelerator) or a copy in the staging memory (CPU); never its
-        autograd graph."""
+        autograd graph. A CPU tensor kept before in this round (the same memory, strides and
+        version, its source alive) returns the same copy."""
         if not tensor.is_cpu:
+            self.nbytes += tensor.numel() * tensor.element_size()
             return tensor.detach()
+        address = tensor.data_ptr()
+        found = self._copies.get(address)
+        if found is not None:
+            source, strides, version, copy = found
+            # A live source holds its memory: no other tensor can have this address, so the
+            # same shape, strides and version are the same values.
+            if (
+                source() is not None
+                and copy.shape == tensor.shape
+                and copy.dtype == tensor.dtype
+                and strides == tensor.stride()
+                and version == tensor._version
+            ):
+                return copy
+        copy = self._copy(tensor)
+        if address and not tensor.is_inference():  # inference tensors keep no version
+            self._copies[address] = (weakref.ref(tensor), tensor.stride(), tensor._version, copy)
+        return copy
+
+    def _copy(self, tensor: torch.Tensor) -> torch.Tensor:
         dtype, n = tensor.dtype, tensor.numel()
         buffer, offset = self._buffers.get(dtype), self._offset.get(dtype, 0)
         if buffer is None or offset + n > buffer.numel():
@@ -140,18 +177,25 @@ class HostStaging:
             offset = 0
         self._offset[dtype] = offset + n
         self._used[dtype] = self._used.get(dtype, 0) + n
+        self.nbytes += n * tensor.element_size()
+        strides = tensor.stride() if tensor.is_contiguous() else _contiguous_strides(tensor.shape)
         # One view op (a slice and a view are two): this runs once per kept tensor per forward.
-        return buffer.as_strided(tensor.shape, _contiguous_strides(tensor.shape), offset).copy_(
-            tensor
-        )
+        return buffer.as_strided(tensor.shape, strides, offset).copy_(tensor)
+
+    def flush(self) -> None:
+        """Run every consumer's pass over the tensors kept so far, then reuse the memory."""
+        for consume in self._consumers:
+            consume()
+        self.reset()
 
     def reset(self) -> None:
-        """Every copy kept so far is consumed: the memory is free for the next round, one
-        buffer per dtype as large as the round just ended needed."""
+        """Every copy kept so far is consumed or dropped (every consumer's: a step discarded):
+        the memory is free for the next round, one buffer per dtype as large as the round
+        just ended needed."""
         for dtype, used in self._used.items():
             if used > self._buffers[dtype].numel():
                 self._buffers[dtype] = torch.empty(used, dtype=dtype)
-        self._offset, self._used = {}, {}
+        self._offset, self._used, self._copies, self.nbytes = {}, {}, {}, 0
 
 
 #: Rows at most this wide take the softmax of their transpose on a CPU (see :func:`softmax`).

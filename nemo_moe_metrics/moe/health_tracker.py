@@ -57,10 +57,13 @@ class RouterHealthTracker:
         near_tie_gap: float,
         device: torch.device,
         before_stats: Callable[[], None] | None = None,
+        staging: HostStaging | None = None,
     ) -> None:
         """See the class docstring; ``near_tie_gap``: the relative gap below which a decision
         counts as a near tie (``router_near_tie_gap``); ``before_stats``: called first by
-        :meth:`local_stats` (the collector hands its kept forwards' counts over there)."""
+        :meth:`local_stats` (the collector hands its kept forwards' counts over there);
+        ``staging``: the host memory forwards are kept in (the collector's, shared with its
+        other trackers; None: one of its own)."""
         self.layer_ids = sorted(scorings)
         self.near_tie_gap = float(near_tie_gap)
         self._scoring = dict(scorings)
@@ -74,8 +77,8 @@ class RouterHealthTracker:
         self._forward_blocks: list[tuple[list[int], torch.Tensor]] = []
         self._before_stats = before_stats
         self._kept: dict[tuple, _KeptForwards] = {}
-        self._kept_bytes = 0
-        self._staging = HostStaging()
+        self._staging = staging if staging is not None else HostStaging()
+        self._staging.add_consumer(self._judge_kept)
         self._biases: dict[int, tuple[torch.Tensor, tuple[int, int], torch.Tensor]] = {}
         self._allocate(device)
 
@@ -104,6 +107,8 @@ class RouterHealthTracker:
         """One counted router forward: its routed counts ``[E]`` (None: handed over later by
         :meth:`observe_forwards`) and, where known, its logits (and its own top-k,
         ``HealthSource.chosen``: a ``[T, E]`` bool map or ``[T, k]`` int64 expert ids)."""
+        if self._staging.nbytes >= FLUSH_BYTES:  # judge what is kept before keeping more
+            self._staging.flush()
         row = self._row[layer_id]
         if counts is not None:
             if counts.device != self._device:  # the model moved after attach
@@ -136,10 +141,6 @@ class RouterHealthTracker:
             batch.valid.append(keep(valid))
         if chosen is not None:
             batch.chosen.append(keep(chosen))
-            self._kept_bytes += chosen.numel() * chosen.element_size()
-        self._kept_bytes += z.numel() * z.element_size()
-        if self._kept_bytes >= FLUSH_BYTES:
-            self.flush()
 
     def observe_forwards(self, layer_ids: list[int], counts: torch.Tensor) -> None:
         """Routed counts ``[F, E]`` of ``F`` counted forwards, of layers ``layer_ids``."""
@@ -161,8 +162,12 @@ class RouterHealthTracker:
 
     def flush(self) -> None:
         """Judge every kept forward (device ops only): one pass per scoring, over the tokens of
-        all its forwards concatenated, summed into each forward's layer."""
-        kept, self._kept, self._kept_bytes = self._kept, {}, 0
+        all its forwards concatenated, summed into each forward's layer; the staging's other
+        consumers pass over theirs too."""
+        self._staging.flush()
+
+    def _judge_kept(self) -> None:
+        kept, self._kept = self._kept, {}
         for (scoring, _, device, _, padded, _), batch in kept.items():
             z = torch.cat(batch.logits) if len(batch.logits) > 1 else batch.logits[0]
             z = z if z.dtype == torch.float32 else z.float()
@@ -191,7 +196,6 @@ class RouterHealthTracker:
             per_row.index_add_(0, row_of, table.to(torch.float64))
             self.sums.index_add_(1, self._constants.index(slots, self._device), per_row)
             self.max_abs.scatter_reduce_(0, row_of, magnitude.to(torch.float64), "amax")
-        self._staging.reset()
 
     def _move(self, device: torch.device) -> None:
         self.flush()
@@ -233,5 +237,5 @@ class RouterHealthTracker:
         self.max_abs.zero_()
         self._forwards = [[] for _ in self.layer_ids]
         self._forward_blocks = []
-        self._kept, self._kept_bytes = {}, 0
+        self._kept = {}
         self._staging.reset()

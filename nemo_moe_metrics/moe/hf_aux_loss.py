@@ -64,16 +64,19 @@ def forwards_load_balancing_loss(
     forwards: int,
     num_experts: int,
     top_k: int,
+    selected: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`layer_load_balancing_loss` of ``forwards`` forwards at once, ``[forwards]``.
 
     ``router_logits`` ``[T, E]``: the forwards' tokens concatenated; ``forward_of`` ``[T]``:
     each token's forward. Each loss is over its own forward's tokens, as the per-layer
-    function computes it; one pass for all.
+    function computes it; one pass for all. ``selected`` ``[T, top_k]``: the top-k of
+    ``softmax(router_logits)`` where the routers returned it (None: taken here).
     """
     logits = router_logits.detach()
     weights = softmax(logits)
-    _, selected = torch.topk(weights, top_k, dim=-1)
+    if selected is None:
+        _, selected = torch.topk(weights, top_k, dim=-1)
     slot = (forward_of.unsqueeze(1) * num_experts + selected).reshape(-1)
     picks = torch.zeros(forwards * num_experts, dtype=torch.float32, device=logits.device)
     picks.index_add_(0, slot, torch.ones(slot.shape, dtype=torch.float32, device=slot.device))
@@ -116,51 +119,86 @@ class HFAuxLossAccumulator:
     computes every kept forward in one pass, their tokens concatenated.
     """
 
-    def __init__(self, num_layers: int, layers: list[int], kind: str = "switch") -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        layers: list[int],
+        kind: str = "switch",
+        staging: HostStaging | None = None,
+    ) -> None:
         """``num_layers``: decoder layers (the global layer ids index into them); ``layers``:
         the MoE layers with router logits; ``kind``: ``"switch"`` (transformers'
-        ``load_balancing_loss_func``) or ``"doge"``."""
+        ``load_balancing_loss_func``) or ``"doge"``; ``staging``: the host memory logits are
+        kept in (the collector's, shared with its other trackers; None: one of its own)."""
         self.num_layers = num_layers
         self.layers = sorted(layers)
         self.kind = kind
         self.values = torch.zeros(len(HF_AUX_LOSS_NAMES), num_layers, dtype=torch.float32)
-        self._kept: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}
-        self._kept_bytes = 0
+        self._kept: dict[tuple, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
         self._constants = ConstantTensors()
-        self._staging = HostStaging()
+        self._staging = staging if staging is not None else HostStaging()
+        self._staging.add_consumer(self._add_kept_losses)
 
-    def observer(self, logits_at: int, num_experts: int, top_k: int):
-        """A router-hook callback ``(layer_id, router, output)`` adding this forward's loss."""
+    def observer(self, logits_at: int, num_experts: int, top_k: int, ids_at: int | None = None):
+        """A router-hook callback ``(layer_id, router, output)`` adding this forward's loss;
+        ``ids_at``: where the output holds the top-k of ``softmax(logits)`` (the router's own
+        expert ids, ``adapters.hf_health.softmax_topk_ids_at``), or None."""
 
         def observe(layer_id: int, module: nn.Module, output: Any) -> None:
-            self.add(layer_id, logits_of(output, logits_at), num_experts, top_k)
+            routed = ids_at is not None and isinstance(output, tuple) and len(output) > ids_at
+            ids = output[ids_at] if routed else None
+            self.add(layer_id, logits_of(output, logits_at), num_experts, top_k, ids)
 
         return observe
 
-    def add(self, layer_id: int, logits: torch.Tensor, num_experts: int, top_k: int) -> None:
+    def add(
+        self,
+        layer_id: int,
+        logits: torch.Tensor,
+        num_experts: int,
+        top_k: int,
+        ids: torch.Tensor | None = None,
+    ) -> None:
         """Keep one forward's router logits of ``layer_id`` for its loss (a copy into host
-        staging memory on a CPU, a detach on an accelerator)."""
+        staging memory on a CPU, a detach on an accelerator); ``ids``: the router's own top-k
+        of their softmax, used where they are float32 ``[T, E]`` logits' ``[T, top_k]`` int64
+        ids (in a lower precision, transformers' function ranks the rounded softmax)."""
         if logits.numel() == 0:  # metadata, not a value: an empty microbatch adds nothing
             return
+        if self._staging.nbytes >= FLUSH_BYTES:  # compute what is kept before keeping more
+            self._staging.flush()
+        if ids is not None and not (
+            self.kind == "switch"
+            and logits.dtype == torch.float32
+            and isinstance(ids, torch.Tensor)
+            and ids.dtype == torch.int64
+            and logits.dim() == 2
+            and ids.shape == (logits.shape[0], top_k)
+        ):
+            ids = None
         shape = logits.shape[1:] if self.kind == "switch" else logits.shape  # tokens may vary
-        key = (tuple(shape), logits.dtype, logits.device, num_experts, top_k)
-        layers, kept = self._kept.setdefault(key, ([], []))
+        key = (tuple(shape), logits.dtype, logits.device, num_experts, top_k, ids is not None)
+        layers, kept, kept_ids = self._kept.setdefault(key, ([], [], []))
         layers.append(layer_id)
         kept.append(self._staging.keep(logits))
-        self._kept_bytes += logits.numel() * logits.element_size()
-        if self._kept_bytes >= FLUSH_BYTES:
-            self.flush()
+        if ids is not None:
+            kept_ids.append(self._staging.keep(ids))
 
     def flush(self) -> None:
-        """Add every kept forward's loss to ``values``: one pass for all (device ops only)."""
-        kept, self._kept, self._kept_bytes = self._kept, {}, 0
-        for (_, _, device, num_experts, top_k), (layers, logits) in kept.items():
+        """Add every kept forward's loss to ``values``: one pass for all (device ops only);
+        the staging's other consumers pass over theirs too."""
+        self._staging.flush()
+
+    def _add_kept_losses(self) -> None:
+        kept, self._kept = self._kept, {}
+        for (_, _, device, num_experts, top_k, _), (layers, logits, ids) in kept.items():
             if self.values.device != device:  # first forward, or the model moved
                 self.values = self.values.to(device)
             if self.kind == "switch":
                 forward_of = self._constants.segments([z.shape[0] for z in logits], device)
+                selected = torch.cat(ids) if ids else None
                 losses = forwards_load_balancing_loss(
-                    torch.cat(logits), forward_of, len(logits), num_experts, top_k
+                    torch.cat(logits), forward_of, len(logits), num_experts, top_k, selected
                 )
             else:
                 losses = torch.stack(
@@ -168,12 +206,11 @@ class HFAuxLossAccumulator:
                 )
             index = self._constants.index(layers, device)
             self.values[0].index_add_(0, index, losses.to(self.values.dtype))
-        self._staging.reset()
 
     def reset(self) -> None:
         """Zero the sums and drop kept logits (start of a new step, or a step that raised)."""
         self.values.zero_()
-        self._kept, self._kept_bytes = {}, 0
+        self._kept = {}
         self._staging.reset()
 
 

@@ -9,9 +9,10 @@ zero-computation picks of one device in one int64 buffer laid out as the reducti
 map) is not counted in its forward. Counting one forward (routed counts of the real rows,
 executed counts of every row, the real tokens, the accumulations) takes a few to a dozen
 small device ops, which on a CPU cost more than their arithmetic. The collector keeps each
-forward's picks and real-token mask (references, no copy) and :func:`forward_counts` counts
-every kept forward of one kind at once, a few ops per batch, at the step's end or when the
-kept picks reach ``deferred.FLUSH_BYTES``. Pure tensor arithmetic; nothing is read on the host.
+forward's picks and real-token mask (copies in the host staging it shares with the other
+trackers, ``deferred.HostStaging``) and :func:`forward_counts` counts every kept forward of
+one kind at once, a few ops per batch, at the step's end or when the staging holds
+``deferred.FLUSH_BYTES``. Pure tensor arithmetic; nothing is read on the host.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nemo_moe_metrics.host_read import host_values
-from nemo_moe_metrics.moe.deferred import ConstantTensors, HostStaging
+from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors, HostStaging
 from nemo_moe_metrics.moe.router_spec import per_expert
 
 
@@ -189,10 +190,11 @@ class PickBatch:
 class KeptPicks:
     """The picks of counted forwards, kept until :meth:`take` (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, staging: HostStaging | None = None) -> None:
+        """``staging``: the host memory the picks are copied into (shared with the other
+        trackers of a collector; its flush counts them); None: one of its own."""
         self._batches: dict[tuple, PickBatch] = {}
-        self.bytes = 0  #: what the kept picks hold
-        self._staging = HostStaging()
+        self._staging = staging if staging is not None else HostStaging()
 
     def keep(
         self, owner: LayerAccumulator, picks: torch.Tensor, valid: torch.Tensor | None
@@ -200,6 +202,8 @@ class KeptPicks:
         """One forward's picks of ``owner``'s layer, ``[T, k]`` expert ids or a ``[T, E]``
         bool map; ``valid`` ``[T]`` bool (False = padding) or None (every row real, its
         tokens counted on the host now)."""
+        if self._staging.nbytes >= FLUSH_BYTES:  # count what is kept before keeping more
+            self._staging.flush()
         maps = picks.dtype == torch.bool
         # Maps stack (one T), ids concatenate (one k)
         key = (owner.num_experts, maps, picks.shape[0 if maps else 1], picks.device)
@@ -213,21 +217,12 @@ class KeptPicks:
             owner.host_tokens += picks.shape[0]
         else:
             batch.valid.append(self._staging.keep(valid))
-        self.bytes += picks.numel() * picks.element_size()
 
     def take(self) -> list[PickBatch]:
-        """The kept forwards, forgotten here; valid until :meth:`release`."""
-        batches, self._batches, self.bytes = list(self._batches.values()), {}, 0
+        """The kept forwards, forgotten here; their copies stay valid until the staging's
+        next reset."""
+        batches, self._batches = list(self._batches.values()), {}
         return batches
-
-    def release(self) -> None:
-        """The batches taken are counted: their memory is reused."""
-        self._staging.reset()
-
-    def clear(self) -> None:
-        """Forget every kept forward (a step discarded)."""
-        self.take()
-        self.release()
 
 
 def forward_counts(
