@@ -34,7 +34,7 @@ def test_host_staging_copies_and_reuses_one_buffer_per_dtype_after_the_first_rou
 
 
 def test_host_staging_copies_a_tensor_once_per_round_while_its_values_are_the_same():
-    staging, consumed = HostStaging(), []
+    staging, consumed = HostStaging(dedup=True), []
     staging.add_consumer(lambda: consumed.append(staging.nbytes))
     ids = torch.arange(12, dtype=torch.int64).reshape(6, 2)
     first = staging.keep(ids)
@@ -50,6 +50,12 @@ def test_host_staging_copies_a_tensor_once_per_round_while_its_values_are_the_sa
     staging.flush()  # every consumer passes over what is kept, then the memory is reused
     assert consumed and consumed[0] > 0 and staging.nbytes == 0
     assert staging.keep(ids) is not again and torch.equal(staging.keep(ids), ids)
+    # Without dedup (a caller's buffer, written through numpy between keeps): a copy each time
+    plain = HostStaging()
+    lengths = torch.tensor([3, 5])
+    before = plain.keep(lengths)
+    lengths.numpy()[:] = [4, 4]  # no version bump
+    assert plain.keep(lengths).tolist() == [4, 4] and before.tolist() == [3, 5]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])

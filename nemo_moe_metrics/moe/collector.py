@@ -172,7 +172,7 @@ class ExpertLoadCollector:
         self._constants = ConstantTensors()
         self._buffers = self._allocate()
         #: host memory every tracker of this collector keeps its forwards' tensors in
-        self.staging = HostStaging()
+        self.staging = HostStaging(dedup=True)
         self._kept = KeptPicks(self.staging)
         self.staging.add_consumer(self._count_picks)
         #: some counted layer routes every token: then no step routes fewer than its real tokens

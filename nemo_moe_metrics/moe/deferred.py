@@ -122,12 +122,17 @@ class HostStaging:
     caching allocator reuses its blocks without cost.
 
     One staging serves every tracker of a collector (the counts, router health, the
-    load-balancing loss): what several of them keep from one forward (the expert ids, the
-    real-token mask, the router logits) is copied once. Each tracker registers its batched
-    pass with :meth:`add_consumer`; :meth:`flush` runs them all, then reuses the memory.
+    load-balancing loss): with ``dedup``, what several of them keep from one forward (the
+    expert ids, the real-token mask, the router logits) is copied once. Each tracker registers
+    its batched pass with :meth:`add_consumer`; :meth:`flush` runs them all, then reuses the
+    memory.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, dedup: bool = False) -> None:
+        """``dedup``: a CPU tensor kept again in the round, unchanged, returns its first copy.
+        For tensors a forward makes (its outputs): a write that bypasses torch's version
+        counter (through numpy, say) into a buffer the caller reuses would go unseen."""
+        self.dedup = dedup
         self._buffers: dict[torch.dtype, torch.Tensor] = {}
         self._offset: dict[torch.dtype, int] = {}
         self._used: dict[torch.dtype, int] = {}  # this round, across buffers
@@ -143,11 +148,13 @@ class HostStaging:
 
     def keep(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` detached (accelerator) or a copy in the staging memory (CPU); never its
-        autograd graph. A CPU tensor kept before in this round (the same memory, strides and
-        version, its source alive) returns the same copy."""
+        autograd graph. With ``dedup``, a CPU tensor kept before in this round (the same
+        memory, strides and version, its source alive) returns the same copy."""
         if not tensor.is_cpu:
             self.nbytes += tensor.numel() * tensor.element_size()
             return tensor.detach()
+        if not self.dedup:
+            return self._copy(tensor)
         address = tensor.data_ptr()
         found = self._copies.get(address)
         if found is not None:
