@@ -153,7 +153,7 @@ class HostStaging:
         if not tensor.is_cpu:
             self.nbytes += tensor.numel() * tensor.element_size()
             return tensor.detach()
-        if not self.dedup:
+        if not self.dedup or torch.compiler.is_compiling():  # addresses are not traced
             return self._copy(tensor)
         address = tensor.data_ptr()
         found = self._copies.get(address)
