@@ -59,16 +59,14 @@ def test_host_staging_copies_a_tensor_once_per_round_while_its_values_are_the_sa
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_a_step_flushed_at_every_kept_forward_logs_what_the_step_kept_whole_logs(
-    family, monkeypatch
-):
+def test_a_step_flushed_mid_step_logs_what_the_step_kept_whole_logs(family, monkeypatch):
     pytest.importorskip("transformers")
     from hf_families import shared_tiny_model
 
     from nemo_moe_metrics import metric_names as mn
     from nemo_moe_metrics.config import MetricsConfig
     from nemo_moe_metrics.metrics import PolicyMetrics
-    from nemo_moe_metrics.moe import health_tracker, hf_aux_loss, layer_counts
+    from nemo_moe_metrics.moe import collector, health_tracker, hf_aux_loss
 
     model = shared_tiny_model(family)
     cfg = MetricsConfig(
@@ -95,14 +93,21 @@ def test_a_step_flushed_at_every_kept_forward_logs_what_the_step_kept_whole_logs
             metrics.detach()
 
     whole = step()
-    for module in (layer_counts, health_tracker, hf_aux_loss):
-        monkeypatch.setattr(module, "FLUSH_BYTES", 1)  # a pass before every kept forward
-    flushed = step()
     assert whole[mn.ROUTED_TOKENS] == 2 * (27 - 4 - 2)  # real tokens only
-    assert whole[mn.EXPERT_LOADS] == flushed[mn.EXPERT_LOADS]
     assert any(key.startswith("moe/router_") for key in whole)
     # qwen3_moe trains with transformers' load-balancing loss; deepseek_v3 has none
     assert (mn.aux_loss_key("load_balancing_loss") in whole) == (family == "qwen3_moe")
+    # A pass before every kept tensor, and one every few layer forwards (each keeps 1-2 KB)
+    for flush_bytes in (1, 3000):
+        for module in (collector, health_tracker, hf_aux_loss):
+            monkeypatch.setattr(module, "FLUSH_BYTES", flush_bytes)
+        _assert_same(whole, step())
+
+
+def _assert_same(whole: dict, flushed: dict) -> None:
+    from nemo_moe_metrics import metric_names as mn
+
+    assert whole[mn.EXPERT_LOADS] == flushed[mn.EXPERT_LOADS]
     assert set(whole) == set(flushed)
     for key, value in whole.items():
         if isinstance(value, float) and math.isfinite(value):

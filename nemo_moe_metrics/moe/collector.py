@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from nemo_moe_metrics.moe.deferred import ConstantTensors, HostStaging
+from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors, HostStaging
 from nemo_moe_metrics.moe.health_tracker import RouterHealthTracker
 from nemo_moe_metrics.moe.layer_counts import (
     KeptPicks,
@@ -276,6 +276,8 @@ class ExpertLoadCollector:
                         picks, valid = spec.picks_fn(module, args, kwargs, output, **extra)
                         if picks.device != acc.device:  # the model moved after attach
                             self._move(acc, picks.device)
+                        if self.staging.nbytes >= FLUSH_BYTES:  # count the kept ones first
+                            self.staging.flush()
                         self._kept.keep(acc, picks, valid)
                     else:
                         counted = spec.counts_fn(module, args, kwargs, output, **extra)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nemo_moe_metrics.host_read import host_values
-from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors, HostStaging
+from nemo_moe_metrics.moe.deferred import ConstantTensors, HostStaging
 from nemo_moe_metrics.moe.router_spec import per_expert
 
 
@@ -192,7 +192,7 @@ class KeptPicks:
 
     def __init__(self, staging: HostStaging | None = None) -> None:
         """``staging``: the host memory the picks are copied into (shared with the other
-        trackers of a collector; its flush counts them); None: one of its own."""
+        trackers of a collector, whose flush counts them); None: one of its own."""
         self._batches: dict[tuple, PickBatch] = {}
         self._staging = staging if staging is not None else HostStaging()
 
@@ -202,8 +202,6 @@ class KeptPicks:
         """One forward's picks of ``owner``'s layer, ``[T, k]`` expert ids or a ``[T, E]``
         bool map; ``valid`` ``[T]`` bool (False = padding) or None (every row real, its
         tokens counted on the host now)."""
-        if self._staging.nbytes >= FLUSH_BYTES:  # count what is kept before keeping more
-            self._staging.flush()
         maps = picks.dtype == torch.bool
         # Maps stack (one T), ids concatenate (one k)
         key = (owner.num_experts, maps, picks.shape[0 if maps else 1], picks.device)
