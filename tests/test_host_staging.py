@@ -58,6 +58,17 @@ def test_host_staging_copies_a_tensor_once_per_round_while_its_values_are_the_sa
     assert plain.keep(lengths).tolist() == [4, 4] and before.tolist() == [3, 5]
 
 
+def test_host_staging_keeps_a_tensor_off_the_host_by_reference_counting_its_bytes():
+    # The meta device stands in for an accelerator: not the host, so no copy and no dedup
+    staging = HostStaging(dedup=True)
+    logits = torch.empty(4, 8, device="meta", requires_grad=True)
+    kept = [staging.keep(logits), staging.keep(logits)]
+    assert all(k.device.type == "meta" and not k.requires_grad for k in kept)
+    assert staging.nbytes == 2 * 4 * 8 * 4  # the flush bound sees every reference
+    staging.reset()
+    assert staging.nbytes == 0
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_a_step_flushed_mid_step_logs_what_the_step_kept_whole_logs(family, monkeypatch):
     pytest.importorskip("transformers")
