@@ -3,7 +3,7 @@
 The router hooks (``moe.collector``) call :meth:`RouterHealthTracker.observe` with a router
 forward's own logits; the tracker keeps them and judges every kept forward of a scoring in one
 pass (``router_health.decision_table`` over their tokens concatenated) at the step's end or
-when they reach ``deferred.FLUSH_BYTES``; the reduction (``moe.reduction``) sums
+when the host staging it shares holds ``deferred.FLUSH_BYTES``; the reduction (``moe.reduction``) sums
 :meth:`RouterHealthTracker.local_stats` over ranks inside the export's one host read. Nothing
 here reads a value on the host.
 """
@@ -43,7 +43,7 @@ class RouterHealthTracker:
     function is unknown (then only ``max_over_ideal_microbatch`` is measured for it).
 
     A forward's logits (and a copy of its expert bias, which the trainer may move before the
-    step ends) are kept, not judged at once: :meth:`local_stats`, or a batch reaching
+    step ends) are kept, not judged at once: :meth:`local_stats`, or a staging holding
     :data:`FLUSH_BYTES`, judges every kept forward of one scoring in one pass, so a
     step costs a few dozen device ops whatever its layers and microbatches. Each forward's
     routed counts are kept too (a reference to the collector's fresh tensor, no copy) until

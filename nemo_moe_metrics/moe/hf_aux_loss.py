@@ -115,7 +115,7 @@ class HFAuxLossAccumulator:
     the layers whose routers feed it (every MoE layer with router logits).
 
     A forward's logits are kept, not reduced at once: :meth:`flush` (called by
-    :func:`enqueue_hf_aux_loss_metrics`, or when the kept logits reach ``FLUSH_BYTES``)
+    :func:`enqueue_hf_aux_loss_metrics`, or when the staging holds ``FLUSH_BYTES``)
     computes every kept forward in one pass, their tokens concatenated.
     """
 
