@@ -218,16 +218,9 @@ def softmax_topk_ids_at(router: nn.Module, logits_at: int) -> int | None:
         return None
     if getattr(router, "n_group", None) or getattr(router, "num_group", None):
         return None
-    if _bias_reader(router)((), {}) is not None or _takes_bias(router):
+    if _bias_argument(router) is not None or _bias_reader(router)((), {}) is not None:
         return None
     return 2
-
-
-def _takes_bias(router: nn.Module) -> bool:
-    try:
-        return any("bias" in name for name in inspect.signature(type(router).forward).parameters)
-    except (TypeError, ValueError):
-        return True  # unknown: assume it may
 
 
 def _hf_scoring(router: nn.Module, routing: HFRouting, experts: int, topk: int) -> RouterScoring:
@@ -252,16 +245,22 @@ def _hf_scoring(router: nn.Module, routing: HFRouting, experts: int, topk: int) 
     )
 
 
-def _bias_reader(router: nn.Module) -> Callable[[tuple, dict], torch.Tensor | None]:
-    """Where the router's expert bias is: an argument of its forward named ``...bias...``
-    (the MoE block passes its own buffer), else a tensor of the router named like one."""
+def _bias_argument(router: nn.Module) -> tuple[int, str] | None:
+    """``(position, name)`` of the router's forward argument named ``...bias...``, or None."""
     try:
         params = list(inspect.signature(type(router).forward).parameters)[1:]
     except (TypeError, ValueError):
         params = []
-    for position, name in enumerate(params):
-        if "bias" in name:
-            return lambda args, kwargs: args[position] if len(args) > position else kwargs.get(name)
+    return next(((i, name) for i, name in enumerate(params) if "bias" in name), None)
+
+
+def _bias_reader(router: nn.Module) -> Callable[[tuple, dict], torch.Tensor | None]:
+    """Where the router's expert bias is: an argument of its forward named ``...bias...``
+    (the MoE block passes its own buffer), else a tensor of the router named like one."""
+    argument = _bias_argument(router)
+    if argument is not None:
+        position, name = argument
+        return lambda args, kwargs: args[position] if len(args) > position else kwargs.get(name)
     tensors = dict(router.named_buffers()) | dict(router.named_parameters())
     found = next((n for n in tensors if n.rpartition(".")[2] in _BIAS_NAMES), None)
     if found is None:

@@ -77,6 +77,7 @@ class RouterHealthTracker:
         self._forward_blocks: list[tuple[list[int], torch.Tensor]] = []
         self._before_stats = before_stats
         self._kept: dict[tuple, _KeptForwards] = {}
+        self._own_staging = staging is None  # a shared one is reset by its owner
         self._staging = staging if staging is not None else HostStaging()
         self._staging.add_consumer(self._judge_kept)
         self._biases: dict[int, tuple[torch.Tensor, tuple[int, int], torch.Tensor]] = {}
@@ -238,4 +239,5 @@ class RouterHealthTracker:
         self._forwards = [[] for _ in self.layer_ids]
         self._forward_blocks = []
         self._kept = {}
-        self._staging.reset()
+        if self._own_staging:
+            self._staging.reset()

@@ -136,6 +136,7 @@ class HFAuxLossAccumulator:
         self.values = torch.zeros(len(HF_AUX_LOSS_NAMES), num_layers, dtype=torch.float32)
         self._kept: dict[tuple, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]] = {}
         self._constants = ConstantTensors()
+        self._own_staging = staging is None  # a shared one is reset by its owner
         self._staging = staging if staging is not None else HostStaging()
         self._staging.add_consumer(self._add_kept_losses)
 
@@ -211,7 +212,8 @@ class HFAuxLossAccumulator:
         """Zero the sums and drop kept logits (start of a new step, or a step that raised)."""
         self.values.zero_()
         self._kept = {}
-        self._staging.reset()
+        if self._own_staging:
+            self._staging.reset()
 
 
 def _hf_groups(data_group: Any) -> SimpleNamespace:
