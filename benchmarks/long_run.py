@@ -33,7 +33,8 @@ if (_REPO / "nemo_moe_metrics").is_dir():
 
 from nemo_moe_metrics import metric_names as mn  # noqa: E402
 from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY  # noqa: E402
-from nemo_moe_metrics.sinks import RUN_FILE, run_metadata  # noqa: E402
+from nemo_moe_metrics.run_dir.names import RUN_FILE  # noqa: E402
+from nemo_moe_metrics.run_dir.run_json import run_metadata  # noqa: E402
 from nemo_moe_metrics.sinks.jsonl import METRICS_FILE, JsonlSink  # noqa: E402
 from nemo_moe_metrics.sinks.store import ExpertLoadStore, store_path  # noqa: E402
 

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nemo_moe_metrics import Sink, build_sinks
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig
 from nemo_moe_metrics.metrics import PolicyMetrics
-from nemo_moe_metrics.sinks import Sink, build_sinks
 
 VOCAB = 128
 

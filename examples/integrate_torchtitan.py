@@ -24,11 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nemo_moe_metrics import build_sinks
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig
 from nemo_moe_metrics.extras import require
 from nemo_moe_metrics.metrics import PolicyMetrics
 from nemo_moe_metrics.scripts import check_torchrun_script
-from nemo_moe_metrics.sinks import build_sinks
 
 BATCH, SEQ = 2, 32
 

@@ -26,8 +26,9 @@ _EXPORTS: dict[str, str] = {
     "Recipe": "nemo_moe_metrics.config",
     "load_recipe": "nemo_moe_metrics.config",
     # sinks
-    "build_sinks": "nemo_moe_metrics.sinks",
-    "Sink": "nemo_moe_metrics.sinks",
+    "build_sinks": "nemo_moe_metrics.run_dir.session",
+    "open_run": "nemo_moe_metrics.run_dir.session",
+    "Sink": "nemo_moe_metrics.sinks.base",
     "read_expert_loads": "nemo_moe_metrics.sinks.store",
     # the rollout engine's own expert loads (docs/en/placement.md)
     "RolloutLoadRecorder": "nemo_moe_metrics.sinks.rollout_store",

@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         # The subcommand's usage, not the top level's: that is where the typo is.
         sub = parser.subparsers[args.command]  # type: ignore[attr-defined]
         sub.error(f"unrecognized arguments: {' '.join(extra)}{_did_you_mean(sub, extra)}")
-    from nemo_moe_metrics.run_dir import RunDirError
+    from nemo_moe_metrics.run_dir.lock import RunDirError
 
     try:
         return args.func(args)

@@ -18,7 +18,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from nemo_moe_metrics.layer_pattern import hybrid_layer_symbols, moe_layer_flags
-from nemo_moe_metrics.run_files import check_run_name
+from nemo_moe_metrics.run_dir.names import check_run_name
 from nemo_moe_metrics.strict_model import ConfigError, StrictModel, recipe_error_text
 
 

@@ -135,6 +135,12 @@ class PolicyMetrics:
         return bool(self._families)
 
     @property
+    def facts(self) -> ModelFacts | None:
+        """What :meth:`attach` read from the model's config (None before it): experts, layers,
+        top-k, expert-parallel size; integrations give it to ``open_run`` for ``run.json``."""
+        return self._facts
+
+    @property
     def _collector(self) -> ExpertLoadCollector | None:
         return self._loads.collector if self._loads is not None else None
 

@@ -23,10 +23,11 @@ from nemo_moe_metrics.failures import record_failure, record_refusal
 from nemo_moe_metrics.launch.slurm_job import SlurmError, rank_env_from_slurm, requeue_count
 from nemo_moe_metrics.metrics import PolicyMetrics
 from nemo_moe_metrics.preflight import preflight
-from nemo_moe_metrics.run_dir import TOKEN_ENV, RunDirLock
-from nemo_moe_metrics.run_files import RECIPE_FILE
-from nemo_moe_metrics.sinks import ResumeState, build_sinks, prepare_resume
-from nemo_moe_metrics.sinks.run_record import refuse_logged_run
+from nemo_moe_metrics.run_dir.lock import TOKEN_ENV, RunDirLock
+from nemo_moe_metrics.run_dir.names import RECIPE_FILE
+from nemo_moe_metrics.run_dir.record import logged_run, refuse_logged_run
+from nemo_moe_metrics.run_dir.resume import ResumeState, prepare_resume
+from nemo_moe_metrics.run_dir.session import build_sinks
 from nemo_moe_metrics.train_args import rank_argv
 
 
@@ -42,7 +43,7 @@ def train(recipe: Recipe, output_dir: str | Path) -> None:
     """Build the worker, run the recipe's loop, write the run directory on rank 0.
 
     With ``logger.resume`` the run in ``output_dir`` continues from its last logged step
-    (see :mod:`nemo_moe_metrics.sinks.resume`): the loop starts at the next step, the
+    (see :mod:`nemo_moe_metrics.run_dir.resume`): the loop starts at the next step, the
     ``train_perf/`` totals go on, and every sink appends to the same run.
     """
     import torch.distributed as dist
@@ -56,14 +57,19 @@ def train(recipe: Recipe, output_dir: str | Path) -> None:
     # Rank 0 writes the run directory: it owns it (or joins its launcher) before any write.
     lock = own_run_dir(output_dir) if rank == 0 else None
     try:
-        _train(recipe, output_dir, worker, metrics, rank)
+        _train(recipe, output_dir, worker, metrics, rank, lock)
     finally:
         if lock is not None:
             lock.release()
 
 
 def _train(
-    recipe: Recipe, output_dir: Path, worker: Any, metrics: PolicyMetrics | None, rank: int
+    recipe: Recipe,
+    output_dir: Path,
+    worker: Any,
+    metrics: PolicyMetrics | None,
+    rank: int,
+    lock: RunDirLock | None,
 ) -> None:
     import torch.distributed as dist
 
@@ -91,6 +97,8 @@ def _train(
         config=recipe.model_dump(mode="json"),
         rank=rank,
         resume_state=state,
+        facts=metrics.facts if metrics is not None else None,
+        lock=lock,  # rank 0 already owns the directory (own_run_dir)
     )
     try:
         run_algorithm(recipe, worker, sink.log, start_step=start_step)
@@ -106,7 +114,7 @@ def _train(
 
 
 def _refuse_a_logged_run(output_dir: Path, recipe: Recipe) -> None:
-    """One run per directory (sinks/run_record.py, as ``run`` and ``build_sinks``), said in
+    """One run per directory (run_dir/record.py, as ``run`` and ``build_sinks``), said in
     recipe terms."""
     refuse_logged_run(
         output_dir,
@@ -156,8 +164,6 @@ def _requeued_run_resumes(output_dir: Path) -> list[str]:
     starts the same job again (``SLURM_RESTART_COUNT`` > 0), with the same command, into the
     run directory its earlier start wrote. That run is this job's own, so it continues.
     """
-    from nemo_moe_metrics.sinks import logged_run
-
     restarts = requeue_count(os.environ)
     if not restarts or not logged_run(output_dir):
         return []

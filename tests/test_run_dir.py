@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from nemo_moe_metrics import processes, run_dir
+from nemo_moe_metrics import processes
 from nemo_moe_metrics.run_dir import LOCK_FILE, RunDirBusyError, RunDirLock
+from nemo_moe_metrics.run_dir import lock as lock_module
 
 REPO = Path(__file__).resolve().parent.parent
 _HOLDER = (
@@ -142,7 +143,7 @@ def no_record_locks(monkeypatch):
         if cmd & fcntl.LOCK_EX:
             raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(run_dir.fcntl, "lockf", lockf)
+    monkeypatch.setattr(lock_module.fcntl, "lockf", lockf)
 
 
 def test_without_record_locks_a_live_holder_on_this_host_is_known_by_its_pid(
@@ -174,7 +175,7 @@ def test_without_record_locks_a_live_holder_on_this_host_is_known_by_its_pid(
 
 def test_a_holder_on_another_host_is_alive_while_its_heartbeat_moves(tmp_path, monkeypatch):
     # Record locks that do not reach the other host (NFS mounted nolock): the heartbeat decides.
-    monkeypatch.setattr(run_dir, "HEARTBEAT_S", 0.5)
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.5)
     holder = {
         "host": "node-17",
         "pid": 4242,
@@ -204,7 +205,7 @@ def test_a_holder_on_another_host_is_alive_while_its_heartbeat_moves(tmp_path, m
 
 
 def test_an_owner_touches_its_lock_file_every_heartbeat(tmp_path, monkeypatch):
-    monkeypatch.setattr(run_dir, "HEARTBEAT_S", 0.1)
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.1)
     with RunDirLock(tmp_path):
         path = tmp_path / LOCK_FILE
         os.utime(path, (1.0, 1.0))  # long ago

@@ -1,4 +1,4 @@
-"""One run per directory, and nothing else is deleted: the rules of sinks/run_record.py.
+"""One run per directory, and nothing else is deleted: the rules of run_dir/record.py.
 
 Through the real CLI where a refusal is what is tested (it comes before any process starts);
 through the API for what a launcher does holding the lock.
@@ -15,8 +15,8 @@ import pytest
 
 from nemo_moe_metrics.config import ConfigError
 from nemo_moe_metrics.run_dir import RunDirLock
-from nemo_moe_metrics.run_files import LOCK_FILE
-from nemo_moe_metrics.sinks.run_record import prepare_run_dir
+from nemo_moe_metrics.run_dir.names import LOCK_FILE
+from nemo_moe_metrics.run_dir.record import prepare_run_dir
 
 REPO = Path(__file__).resolve().parent.parent
 GRPO = REPO / "examples" / "configs" / "grpo_moe_tiny.yaml"
@@ -251,7 +251,7 @@ def test_build_sinks_overwrite_deletes_every_picture_report_draws_and_nothing_of
     import re
 
     from nemo_moe_metrics import LoggerConfig, build_sinks
-    from nemo_moe_metrics.run_files import PICTURES
+    from nemo_moe_metrics.run_dir.names import PICTURES
 
     # Every picture name the report's source holds is one of run_files.PICTURES (one list).
     report_src = "\n".join(
@@ -260,7 +260,7 @@ def test_build_sinks_overwrite_deletes_every_picture_report_draws_and_nothing_of
     drawn = set(re.findall(r"\b(\w+\.png)\b", report_src))
     assert drawn <= set(PICTURES), drawn - set(PICTURES)
     # The sinks' own file names are run files too (what a run directory may hold).
-    from nemo_moe_metrics.run_files import RUN_FILES
+    from nemo_moe_metrics.run_dir.names import RUN_FILES
     from nemo_moe_metrics.sinks import mlflow, store_format, trackio
 
     for name in (store_format.STORE_FILE, store_format.ROLLOUT_STORE_FILE, trackio.TRACKIO_DIR,

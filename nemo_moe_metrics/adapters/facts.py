@@ -29,6 +29,7 @@ class ModelFacts:
     source: Literal["megatron", "hf", "torchtitan"] = "megatron"
     model_type: str | None = None  #: the Hugging Face model_type (None for megatron)
     expert_bias: bool = False  #: routers keep an aux-loss-free expert bias (moe/expert_bias.py)
+    topk: int | None = None  #: experts each token is routed to (None: the config names none)
 
 
 def model_facts(config: Any) -> ModelFacts:
@@ -37,8 +38,8 @@ def model_facts(config: Any) -> ModelFacts:
     FLOPs need no adapter: ``nemo_moe_metrics.flops`` takes either config type.
     """
     if is_torchtitan_config(config):  # torchtitan's model config (e.g. DeepSeekV3Model.Config)
-        experts, layers, bias = torchtitan_model_facts(config)
-        return ModelFacts(experts, layers, 1, None, "torchtitan", expert_bias=bias)
+        experts, layers, bias, topk = torchtitan_model_facts(config)
+        return ModelFacts(experts, layers, 1, None, "torchtitan", expert_bias=bias, topk=topk)
     if isinstance(config, Mapping) and "model_type" in config:  # a config.json dict
         from transformers import AutoConfig
 
@@ -52,7 +53,7 @@ def model_facts(config: Any) -> ModelFacts:
         aux = "hf" if experts else None
         layers = int(getattr(text, "num_hidden_layers", None) or getattr(text, "n_layers", 0) or 0)
         model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None)
-        return ModelFacts(experts, layers, 1, aux, "hf", model_type)
+        return ModelFacts(experts, layers, 1, aux, "hf", model_type, topk=config_topk(text))
     if not hasattr(config, "num_layers"):
         raise TypeError(
             f"PolicyMetrics.attach(model, config): config is a {type(config).__name__}; pass the "
@@ -64,7 +65,8 @@ def model_facts(config: Any) -> ModelFacts:
     ep = int(getattr(config, "expert_model_parallel_size", 1) or 1)
     bias = bool(experts and getattr(config, "moe_router_enable_expert_bias", False))
     aux = "megatron" if experts else None
-    return ModelFacts(experts, int(config.num_layers), ep, aux, expert_bias=bias)
+    topk = int(getattr(config, "moe_router_topk", 0) or 0) or None
+    return ModelFacts(experts, int(config.num_layers), ep, aux, expert_bias=bias, topk=topk)
 
 
 def _own_hf_config(chunks: list[Any]) -> Any:

@@ -36,14 +36,18 @@ def moe_layer_configs(config: Any) -> list[tuple[int, Any]]:
     ]
 
 
-def torchtitan_model_facts(config: Any) -> tuple[int, int, bool]:
-    """``(routed experts per MoE layer, decoder layers, expert bias on)`` of a torchtitan config."""
+def torchtitan_model_facts(config: Any) -> tuple[int, int, bool, int | None]:
+    """``(routed experts per MoE layer, decoder layers, expert bias on, experts per token)`` of
+    a torchtitan config."""
     moes = moe_layer_configs(config)
     experts = {int(moe.num_experts) for _, moe in moes}
     if len(experts) > 1:
         raise ValueError(f"torchtitan config: MoE layers disagree on num_experts {sorted(experts)}")
     bias = any(getattr(moe, "load_balance_coeff", None) is not None for _, moe in moes)
-    return (experts.pop() if experts else 0), len(config.layers), bias
+    # top_k sits on the router's config (MoE.Config.router) in 0.3.0
+    topks = {getattr(moe, "top_k", None) or getattr(moe.router, "top_k", None) for _, moe in moes}
+    topk = topks.pop() if len(topks) == 1 else None
+    return (experts.pop() if experts else 0), len(config.layers), bias, topk
 
 
 def _counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):

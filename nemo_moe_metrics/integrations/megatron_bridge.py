@@ -40,9 +40,11 @@ from typing import Any
 
 import torch
 
-from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, AlertsConfig, MetricsConfig
+from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, AlertsConfig, LoggerConfig, MetricsConfig
 from nemo_moe_metrics.megatron import compat  # imports no megatron module by itself
 from nemo_moe_metrics.metrics import PolicyMetrics
+from nemo_moe_metrics.run_dir.record import logged_run
+from nemo_moe_metrics.run_dir.session import open_run
 from nemo_moe_metrics.sinks.base import split_tables, validate_metrics
 
 log = logging.getLogger(__name__)
@@ -325,11 +327,8 @@ class MoEMetricsCallback(Callback):
 
     def _open_store(self, state: Any) -> None:
         """On the last rank: the run directory ``nemo-moe-metrics report`` reads (metrics.jsonl,
-        the expert-load store, run.json), through :func:`~nemo_moe_metrics.sinks.build_sinks`."""
+        the expert-load store, run.json), through :func:`~nemo_moe_metrics.run_dir.session.open_run`."""
         import torch.distributed as dist
-
-        from nemo_moe_metrics.config import LoggerConfig
-        from nemo_moe_metrics.sinks import build_sinks, logged_run
 
         last = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
         if not last or not (self.cfg.track_moe_metrics or self.cfg.track_throughput):
@@ -349,9 +348,9 @@ class MoEMetricsCallback(Callback):
             resume=resume,
             alerts=self.alerts,
         )
-        self._store = build_sinks(
-            logger_cfg, run_dir, run_name=name, config=self._run_config(), rank=0
-        )
+        facts = self.metrics.facts if self.metrics is not None else None
+        config = {"megatron_bridge": {"metrics": self.cfg.model_dump()}}
+        self._store = open_run(run_dir, logger_cfg, facts, run_name=name, config=config)
         log.info(
             "MoEMetricsCallback: %s %s (metrics.jsonl, expert_loads.bin); read it with: "
             "nemo-moe-metrics report %s",
@@ -359,17 +358,6 @@ class MoEMetricsCallback(Callback):
             run_dir,
             run_dir,
         )
-
-    def _run_config(self) -> dict[str, Any]:
-        # What run.json keeps for the report: the model's MoE shape, when attached.
-        facts = self.metrics._facts if self.metrics is not None else None
-        model: dict[str, Any] = {}
-        if facts is not None:
-            model = {"num_layers": facts.num_layers, "num_experts": facts.num_experts or None}
-            topk = getattr(self.metrics._transformer_config, "moe_router_topk", None)
-            if topk:
-                model["moe_router_topk"] = int(topk)
-        return {"policy": {"model": model}, "megatron_bridge": {"metrics": self.cfg.model_dump()}}
 
     def _write(self, state: Any, out: dict[str, Any], iteration: int) -> None:
         writer = getattr(state, "tensorboard_logger", None)

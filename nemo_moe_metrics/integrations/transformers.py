@@ -51,7 +51,8 @@ from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig
 from nemo_moe_metrics.extras import require
 from nemo_moe_metrics.metrics import PolicyMetrics
-from nemo_moe_metrics.sinks import build_sinks, logged_run
+from nemo_moe_metrics.run_dir.record import logged_run
+from nemo_moe_metrics.run_dir.session import open_run
 from nemo_moe_metrics.sinks.base import split_tables, validate_metrics
 from nemo_moe_metrics.throughput import StepMeter
 
@@ -391,22 +392,15 @@ class MoEMetricsCallback(TrainerCallback):
         assert run_dir is not None
         resume = bool(logged_run(run_dir)) or self.logger.resume
         logger = self.logger.model_copy(update={"resume": resume})
-        facts = self.metrics._facts if self.metrics is not None else None
-        model: dict[str, Any] = {}
-        if facts is not None:
-            model = {"num_layers": facts.num_layers, "num_experts": facts.num_experts or None}
-        topk = getattr(getattr(self._model, "config", None), "num_experts_per_tok", None)
-        if topk:
-            model["moe_router_topk"] = int(topk)
         config = {
-            "policy": {"model": model},
             "transformers": {
                 "metrics": self.cfg.model_dump(),
                 "logging_steps": getattr(args, "logging_steps", None),
             },
         }
         name = getattr(args, "run_name", None) or run_dir.name or "transformers"
-        self._sinks = build_sinks(logger, run_dir, run_name=str(name), config=config, rank=0)
+        facts = self.metrics.facts if self.metrics is not None else None
+        self._sinks = open_run(run_dir, logger, facts, run_name=str(name), config=config)
 
 
 def _calling_handler() -> Any:

@@ -46,8 +46,8 @@ from nemo_moe_metrics.launch.slurm_submit import (
     slurm_submit,
 )
 from nemo_moe_metrics.launch.supervise import run_with_progress
-from nemo_moe_metrics.run_files import LAUNCH_LOG, NEMORUN_DIR
-from nemo_moe_metrics.sinks.run_record import prepare_run_dir
+from nemo_moe_metrics.run_dir.names import LAUNCH_LOG, NEMORUN_DIR
+from nemo_moe_metrics.run_dir.record import prepare_run_dir
 
 __all__ = [
     "GRPO_FIELDS",

@@ -1,6 +1,6 @@
 """What a launcher checks before any process starts: the extras a recipe needs, the run
 directory it may take (:func:`claim_run_dir`: the lock and the one-run policy of
-:mod:`nemo_moe_metrics.sinks.run_record`, an unusable path said in one line) and the steps a
+:mod:`nemo_moe_metrics.run_dir.record`, an unusable path said in one line) and the steps a
 resumed run has left."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 from nemo_moe_metrics.config import ConfigError, Recipe, load_recipe
 from nemo_moe_metrics.extras import check_extra
-from nemo_moe_metrics.run_dir import RunDirError, RunDirLock, this_command
-from nemo_moe_metrics.sinks import read_resume_state
-from nemo_moe_metrics.sinks.run_record import check_before_lock, prepare_run_dir
+from nemo_moe_metrics.run_dir.lock import RunDirError, RunDirLock, this_command
+from nemo_moe_metrics.run_dir.record import check_before_lock, prepare_run_dir
+from nemo_moe_metrics.run_dir.resume import read_resume_state
 
 
 def check_launch_extras(recipe: Recipe) -> None:
@@ -50,7 +50,7 @@ def claim_run_dir(
     run_dir: Path, *, resume: bool, overwrite: bool, say: Callable[[str], None]
 ) -> RunDirLock:
     """Take ``run_dir``'s lock and make it ready for the run (the rules of
-    :mod:`nemo_moe_metrics.sinks.run_record`), saying the notes; the lock, held. A directory
+    :mod:`nemo_moe_metrics.run_dir.record`), saying the notes; the lock, held. A directory
     that cannot be made or written (no permission, a read-only file system, a file in the way,
     a name too long) is a :class:`RunDirError` naming the path and the error, never a
     traceback."""

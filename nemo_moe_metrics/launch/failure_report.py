@@ -15,7 +15,7 @@ from nemo_moe_metrics.failures import (
     read_failures,
     torchelastic_last_words,
 )
-from nemo_moe_metrics.run_files import LAUNCH_LOG, NEMORUN_DIR
+from nemo_moe_metrics.run_dir.names import LAUNCH_LOG, NEMORUN_DIR
 
 
 def failure_report(

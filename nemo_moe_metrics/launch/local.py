@@ -23,8 +23,8 @@ from nemo_moe_metrics.launch.checks import run_dir_for
 from nemo_moe_metrics.launch.failure_report import latest_rank_log
 from nemo_moe_metrics.launch.supervise import SRC_ROOT, own_children
 from nemo_moe_metrics.preflight import preflight
-from nemo_moe_metrics.run_dir import TOKEN_ENV, RunDirLock, this_command
-from nemo_moe_metrics.run_files import NEMORUN_DIR
+from nemo_moe_metrics.run_dir.lock import TOKEN_ENV, RunDirLock, this_command
+from nemo_moe_metrics.run_dir.names import NEMORUN_DIR
 from nemo_moe_metrics.train_args import ARGV_ENV, ARGV_FROM_ENV
 
 

@@ -28,7 +28,8 @@ from typing import Any, TextIO
 
 from nemo_moe_metrics.failures import first_rank_failure
 from nemo_moe_metrics.launch.progress import describe_step, read_new_lines
-from nemo_moe_metrics.sinks import logged_run, read_resume_state
+from nemo_moe_metrics.run_dir.record import logged_run
+from nemo_moe_metrics.run_dir.resume import read_resume_state
 
 SUBMITTED_DIR = "submitted"  # <job dir>/submitted/<job id>.json: what --follow reads
 UNREACHABLE_S = 300  # how long follow_job keeps asking a controller that does not answer

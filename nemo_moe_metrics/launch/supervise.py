@@ -42,9 +42,9 @@ from nemo_moe_metrics.launch.progress import (
     say,
 )
 from nemo_moe_metrics.preflight import preflight
-from nemo_moe_metrics.run_dir import TOKEN_ENV
-from nemo_moe_metrics.run_files import LAUNCH_LOG
-from nemo_moe_metrics.sinks import ResumeError, prepare_resume, read_resume_state
+from nemo_moe_metrics.run_dir.lock import TOKEN_ENV
+from nemo_moe_metrics.run_dir.names import LAUNCH_LOG
+from nemo_moe_metrics.run_dir.resume import ResumeError, prepare_resume, read_resume_state
 
 #: Where this package's source tree is: the children import the package from it too (an
 #: editable install or a source checkout).

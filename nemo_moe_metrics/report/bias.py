@@ -17,7 +17,7 @@ import numpy as np
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.report.pictures import save_figure
 from nemo_moe_metrics.report.reading import Line, RunInfo, last_values, read_line
-from nemo_moe_metrics.run_files import BIAS_FILE  # every picture's name: run_files.PICTURES
+from nemo_moe_metrics.run_dir.names import BIAS_FILE  # every picture's name: run_dir.names.PICTURES
 
 _LAYER_KEY = re.compile(r"^moe/layer_(\d+)/(max_over_ideal|expert_bias_range)$")
 

@@ -16,12 +16,12 @@ from nemo_moe_metrics.moe.load_over_steps import real_experts
 from nemo_moe_metrics.report.reading import ReportError, RunInfo
 from nemo_moe_metrics.report.timeline import StepBins, Timeline
 
-# Every picture's name lives in run_files.PICTURES (what an overwrite deletes); named here too.
-from nemo_moe_metrics.run_files import DRIFT_FILE as DRIFT_FILE
-from nemo_moe_metrics.run_files import HEATMAP_FILE as HEATMAP_FILE
-from nemo_moe_metrics.run_files import MAX_OVER_IDEAL_FILE as MAX_OVER_IDEAL_FILE
-from nemo_moe_metrics.run_files import OVER_STEPS_FILE as OVER_STEPS_FILE
-from nemo_moe_metrics.run_files import ROUTING_DISAGREEMENT_FILE as ROUTING_DISAGREEMENT_FILE
+# Every picture's name lives in run_dir.names.PICTURES (what an overwrite deletes); named here too.
+from nemo_moe_metrics.run_dir.names import DRIFT_FILE as DRIFT_FILE
+from nemo_moe_metrics.run_dir.names import HEATMAP_FILE as HEATMAP_FILE
+from nemo_moe_metrics.run_dir.names import MAX_OVER_IDEAL_FILE as MAX_OVER_IDEAL_FILE
+from nemo_moe_metrics.run_dir.names import OVER_STEPS_FILE as OVER_STEPS_FILE
+from nemo_moe_metrics.run_dir.names import ROUTING_DISAGREEMENT_FILE as ROUTING_DISAGREEMENT_FILE
 
 _DPI = 110
 

@@ -14,7 +14,6 @@ Both read the last :data:`REPORT_STEPS` stored steps of each phase.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -30,8 +29,12 @@ from nemo_moe_metrics.placement.plan import (
     sweep,
 )
 from nemo_moe_metrics.report.pictures import save_figure
-from nemo_moe_metrics.report.reading import RUN_FILE, Line, last_values
-from nemo_moe_metrics.run_files import ROLLOUT_VS_TRAIN_FILE, SWEEP_FILE  # run_files.PICTURES
+from nemo_moe_metrics.report.reading import Line, last_values
+from nemo_moe_metrics.run_dir.names import (
+    ROLLOUT_VS_TRAIN_FILE,
+    SWEEP_FILE,
+)  # run_dir.names.PICTURES
+from nemo_moe_metrics.run_dir.run_json import read_run_json
 from nemo_moe_metrics.sinks.store import scan_store, store_path
 
 __all__ = [
@@ -131,13 +134,15 @@ def _draw_side_by_side(path: Path, train: WindowLoads, rollout: WindowLoads) -> 
 
 
 def _run_ep_size(run_dir: Path) -> int | None:
-    """The recipe's ``expert_model_parallel_size`` from ``run.json`` (None when unknown)."""
-    try:
-        meta = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8"))
-        cfg = meta["config"]["policy"]["megatron_cfg"]["expert_model_parallel_size"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return cfg if isinstance(cfg, int) and cfg >= 1 else None
+    """The run's expert-parallel size from ``run.json`` (its top-level ``ep_size``, which every
+    writer records; a recipe's ``expert_model_parallel_size`` in runs written before it)."""
+    meta = read_run_json(run_dir)
+    size = meta.get("ep_size")
+    if size is None:
+        size = meta
+        for key in ("config", "policy", "megatron_cfg", "expert_model_parallel_size"):
+            size = size.get(key) if isinstance(size, dict) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else None
 
 
 def _ep_rank_lines(w: WindowLoads, g: int) -> list[str]:

@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.run_dir.names import METRICS_FILE as METRICS_FILE
+from nemo_moe_metrics.run_dir.names import RUN_FILE as RUN_FILE
 from nemo_moe_metrics.sinks.alerts import recorded_alerts
 
-METRICS_FILE = "metrics.jsonl"
-RUN_FILE = "run.json"
 _LAYER_MOI = re.compile(r"^moe/layer_(\d+)/max_over_ideal$")
 # Last values (throughput, aux losses) are looked for in this many final logged steps.
 _LAST_LOOKBACK = 20

@@ -19,7 +19,9 @@ import numpy as np
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.report.pictures import layer_colours
 from nemo_moe_metrics.report.reading import Line, RunInfo, last_values, read_line
-from nemo_moe_metrics.run_files import ROUTER_HEALTH_FILE  # every picture: run_files.PICTURES
+from nemo_moe_metrics.run_dir.names import (
+    ROUTER_HEALTH_FILE,
+)  # every picture: run_dir.names.PICTURES
 
 _LAYER_KEY = re.compile(r"^moe/layer_(\d+)/(router_confidence|router_near_tie_fraction)$")
 _SUMMARIES = (

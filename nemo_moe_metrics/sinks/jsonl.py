@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from nemo_moe_metrics.run_files import METRICS_FILE as METRICS_FILE
+from nemo_moe_metrics.run_dir.names import METRICS_FILE as METRICS_FILE
 from nemo_moe_metrics.sinks.base import Metrics, finite_or_none, is_table
 
 #: The reserved field of a line that holds the step's alert records (sinks/alerts.py).

@@ -7,7 +7,7 @@ For launchers: every launcher (``nemo-moe-metrics run``, the Slurm submission) c
 :func:`prepare_run_dir` holding the directory's lock (:class:`~nemo_moe_metrics.run_dir.RunDirLock`), after
 :func:`check_before_lock` (said before the lock file is created). The rules:
 
-- The directory holds only a run's own entries (:mod:`nemo_moe_metrics.run_files`); anything else (a user's
+- The directory holds only a run's own entries (:mod:`nemo_moe_metrics.run_dir.names`); anything else (a user's
   ``notes.txt``) makes it not a run directory: refused naming the entries, nothing deleted
   (``--resume`` keeps everything and is allowed).
 - No entry of the run is a symbolic link: a run never writes or deletes through one.
@@ -31,8 +31,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from nemo_moe_metrics.config import ConfigError
-from nemo_moe_metrics.run_dir import Holder
-from nemo_moe_metrics.run_files import (
+from nemo_moe_metrics.run_dir.lock import Holder
+from nemo_moe_metrics.run_dir.names import (
     LOCK_FILE,
     METRICS_FILE,
     MLFLOW_ARTIFACTS_DIR,
@@ -46,7 +46,7 @@ from nemo_moe_metrics.run_files import (
     linked_run_files,
     links_refusal,
 )
-from nemo_moe_metrics.sinks.resume import read_resume_state
+from nemo_moe_metrics.run_dir.resume import read_resume_state
 from nemo_moe_metrics.sinks.tensorboard import logged_steps
 
 #: What to say after the entries a refusal names: the ways on.
