@@ -607,7 +607,7 @@ def _export_bench(cfg: BenchConfig, rank: int, world_size: int) -> dict[str, Any
     import torch.distributed as dist
 
     from benchmarks.host_reads import HostReadCounter
-    from nemo_moe_metrics import ExpertLoadCollector, register_router
+    from nemo_moe_metrics import attach_collector, register_router
     from nemo_moe_metrics.moe.balance import expert_load_metrics
     from nemo_moe_metrics.moe.reduction import ExpertLoadReducer, export_expert_loads
 
@@ -615,7 +615,7 @@ def _export_bench(cfg: BenchConfig, rank: int, world_size: int) -> dict[str, Any
     hidden = 32
     torch.manual_seed(cfg.seed)
     model = BenchRouterModel(cfg.export_layers, hidden, cfg.export_experts, cfg.export_topk)
-    collector = ExpertLoadCollector.attach(model)
+    collector = attach_collector(model)
     if collector is None or len(collector.layer_ids) != cfg.export_layers:
         raise RuntimeError("export benchmark: the router hooks were not attached")
     reducer = ExpertLoadReducer(None)

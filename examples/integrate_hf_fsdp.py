@@ -124,7 +124,7 @@ def run(out_dir: Path, *, wrap: str = "fsdp", steps: int = 3, num_microbatches: 
         LoggerConfig(wandb_enabled=False, table_every=1),
         out_dir,
         run_name="integrate_hf_fsdp",
-        config={"policy": {"model": {"num_layers": 2, "num_experts": 8, "moe_router_topk": 2}}},
+        facts=metrics.facts,  # run.json: the model's layers, experts, top-k
         rank=rank,
     )
     return train(

@@ -169,15 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         LoggerConfig(wandb_enabled=False, table_every=args.table_every),
         args.out,
         run_name="integrate_megatron",
-        config={
-            "policy": {
-                "model": {
-                    "num_layers": NUM_LAYERS,
-                    "num_experts": NUM_EXPERTS,
-                    "moe_router_topk": TOPK,
-                }
-            }
-        },
+        facts=metrics.facts,  # run.json: layers, experts, top-k, EP size (report, placement)
         rank=rank,
     )
 

@@ -101,7 +101,8 @@ def run(out_dir: Path, *, family: str = "deepseek_v3", steps: int = 3) -> list[d
         LoggerConfig(wandb_enabled=False, tensorboard_enabled=False, table_every=1),
         out_dir,
         run_name=f"integrate_torchtitan_{family}",
-        config={"torchtitan": {"family": family, "layers": len(config.layers)}},
+        config={"torchtitan": {"family": family}},
+        facts=metrics.facts,  # run.json: the model's layers, experts, top-k
         rank=rank,
     )
     history = []

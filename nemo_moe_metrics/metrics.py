@@ -39,14 +39,11 @@ from torch import nn
 
 from nemo_moe_metrics import families
 from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.adapters import hf
-from nemo_moe_metrics.adapters.facts import ModelFacts, checked_hf_config, model_facts
+from nemo_moe_metrics.adapters.family import ModelFacts, ModelFamily
+from nemo_moe_metrics.adapters.registry import attach_collector, family_of, model_facts
 from nemo_moe_metrics.config import MetricsConfig
-from nemo_moe_metrics.flops import resolve_peak_flops, try_get_flops_estimator
-from nemo_moe_metrics.flops.megatron import is_megatron_config
+from nemo_moe_metrics.flops import UnknownModelTypeError, resolve_peak_flops
 from nemo_moe_metrics.host_read import read_once
-from nemo_moe_metrics.megatron.layout import config_as_built
-from nemo_moe_metrics.moe.aux_loss import moe_layer_indices
 from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 from nemo_moe_metrics.moe.expert_bias import ExpertBiasTracker
 from nemo_moe_metrics.moe.hf_aux_loss import HFAuxLossAccumulator
@@ -120,6 +117,7 @@ class PolicyMetrics:
         self._routed_flops_per_token: float | None = None  # for expert_imbalance_slowdown
         self._attached = False
         self._facts: ModelFacts | None = None
+        self._family: ModelFamily | None = None
         self._routes_ignored = False  # warned once that routes came with the flag off
         self._steps_since_export = 0
         # microbatch() calls since the last export and when the open step began: host
@@ -147,23 +145,21 @@ class PolicyMetrics:
     def attach(self, model: nn.Module | list[nn.Module], config: Any) -> None:
         """Hook the model chunks as the flags say; nothing at all when they are off or not MoE.
 
-        ``config`` is the model's megatron-core ``TransformerConfig`` or its transformers
-        ``PretrainedConfig`` (``model.config``); its type picks the adapter (:func:`model_facts`).
-        For megatron the model decides: a hybrid model's own layer pattern counts even when the
-        config lacks it (``megatron.layout.config_as_built``); a config that contradicts the
-        model is an error.
+        ``config`` is the model's megatron-core ``TransformerConfig``, its transformers
+        ``PretrainedConfig`` (``model.config``) or a torchtitan model config; its type picks
+        the model family (``adapters.registry.family_of``). The model decides what the config
+        leaves open or contradicts (``ModelFamily.as_built``): a hybrid megatron model's own
+        layer pattern counts even when the config lacks it; a transformers config that
+        contradicts the model is an error.
         """
         if self._attached:
             raise RuntimeError("PolicyMetrics.attach() was already called; attach once per model")
         self._attached = True
         chunks = model if isinstance(model, list | tuple) else [model]
-        if is_megatron_config(config):
-            # The model decides: a hybrid model's pattern and the layers that hold routers.
-            config = config_as_built(chunks, config)
-        else:  # a transformers model: another family's config is not read as if it were its own
-            config = checked_hf_config(chunks, config)
+        self._family = family_of(config)
+        config = self._family.as_built(chunks, config)
         self._transformer_config = config
-        self._facts = model_facts(config)
+        self._facts = self._family.facts(config)
         if self.cfg.track_moe_metrics:
             self._attach_moe(chunks, self._facts)
         if self.cfg.track_throughput:
@@ -174,9 +170,10 @@ class PolicyMetrics:
         # megatron decides from the config, not from this rank's modules: a pipeline stage
         # without MoE layers must still join every collective the other stages make. Hugging
         # Face and torchtitan models are whole on every rank: their modules decide.
+        family = self._family
         collector = None
-        if facts.num_experts or facts.source != "megatron":
-            collector = ExpertLoadCollector.attach(chunks, num_layers=facts.num_layers or None)
+        if facts.num_experts or family.whole_on_every_rank:
+            collector = attach_collector(chunks, num_layers=facts.num_layers or None)
         if not facts.num_experts and collector is None:
             log.warning(
                 "track_moe_metrics is on but the model has no MoE layers: no moe/ metrics, no hooks"
@@ -187,20 +184,20 @@ class PolicyMetrics:
         cfg = self.cfg
         # The order is the export's: aux losses, then the loads (their first export agrees the
         # layers), then the families that use the agreed layers.
-        model_aux = self._model_aux_loss(chunks, collector) if facts.source == "hf" else None
+        model_aux = self._model_aux_loss(chunks, collector)
         if model_aux is not None:
             self._families.append(model_aux)
         elif facts.aux_loss == "megatron":
             self._families.append(families.MegatronAuxLoss(self._transformer_config, cfg))
         self._loads = families.ExpertLoads(collector, ExpertLoadReducer(None), cfg, facts.ep_size)
         self._families.append(self._loads)
-        if collector is not None and facts.source != "megatron":
+        if collector is not None and family.whole_on_every_rank:
             # Whole models on every rank: each rank generates, each joins (see generation()).
             self._families.append(families.RolloutLoad(collector, cfg.moe_per_layer_logging))
         sources = collector.expert_bias_sources() if collector else []
-        if facts.source == "hf":  # no config flag says it: the layers that hold a bias do
+        if family.bias_from_modules:  # no config flag says it: the layers that hold a bias do
             sources = [(layer, get) for layer, get in sources if get() is not None]
-        if facts.expert_bias or (facts.source == "hf" and sources):
+        if facts.expert_bias or (family.bias_from_modules and sources):
             # Every rank joins the bias reduce, also a pipeline stage without MoE layers.
             tracker = ExpertBiasTracker(sources)
             self._families.append(
@@ -218,8 +215,10 @@ class PolicyMetrics:
     ) -> families.ModelAuxLoss | None:
         # The loss the model's own training computes (transformers' load_balancing_loss_func),
         # per layer, from the router logits the model records as router_logits.
-        kind = hf.aux_loss_kind(chunks) if collector is not None else None
-        sources = hf.router_logit_sources(chunks, collector.blocks) if kind else []
+        find = self._family.aux_loss_sources
+        if find is None or collector is None:
+            return None
+        kind, sources = find(chunks, collector.blocks)
         if not sources:
             return None
         layers = collector.layer_ids
@@ -237,11 +236,8 @@ class PolicyMetrics:
     def _routing_family(
         self, facts: ModelFacts, collector: ExpertLoadCollector | None
     ) -> families.RoutingConsistency | None:
-        config = self._transformer_config
-        if facts.aux_loss == "megatron" or hasattr(config, "num_moe_experts"):
-            # Decoder MoE layers only: engines return routes for the decoder's routers.
-            moe_layers = [i for i in moe_layer_indices(config) if i < int(config.num_layers)]
-            topk = int(config.moe_router_topk)
+        if self._family.moe_layers is not None:  # the config says them (megatron)
+            moe_layers, topk = self._family.moe_layers(self._transformer_config)
         elif collector is None:
             return None
         else:
@@ -255,9 +251,10 @@ class PolicyMetrics:
         if self.cfg.track_flops:
             # Unknown model type: one warning and no FLOP keys, never a reported 0. A
             # transformers model without a formula is read from its own modules, once here.
-            estimator = try_get_flops_estimator(
-                transformer_config, vocab_size=self.vocab_size, model=model
-            )
+            try:
+                estimator = self._family.flops(transformer_config, self.vocab_size, model)
+            except UnknownModelTypeError as err:
+                warnings.warn(f"FLOP metrics disabled: {err}", stacklevel=4)
             device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
             if estimator is not None:
                 peak = resolve_peak_flops(device_name, self.cfg.peak_flops_per_gpu)

@@ -426,13 +426,13 @@ def support_row(model_type: str) -> str:
     """One table row, read from the family's model built on the meta device."""
     import torch
 
+    from nemo_moe_metrics import attach_collector
     from nemo_moe_metrics.adapters import hf as hf_models
-    from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 
     fam = family(model_type)
     with torch.device("meta"):
         model = fam.model_class(tiny_config(model_type))
-    collector = ExpertLoadCollector.attach(model, num_layers=LAYERS)
+    collector = attach_collector(model, num_layers=LAYERS)
     specs = {spec for _, _, spec in collector._routers}
     counted = "; ".join(sorted(_counted_by(s) for s in specs))
     kind = hf_models.aux_loss_kind([model])

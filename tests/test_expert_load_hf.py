@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_moe_metrics.moe.collector import ExpertLoadCollector
+from nemo_moe_metrics import attach_collector
 
 torch.set_num_threads(1)
 E, K = 8, 2
@@ -90,7 +90,7 @@ def _qwen2_moe():
 )
 def test_hf_counts_equal_experts_dispatch(build, moe_layers):
     model = build()
-    collector = ExpertLoadCollector.attach(model)
+    collector = attach_collector(model)
     assert collector.layer_ids == moe_layers
     seen, _ = _dispatch_probe(model)
     for seed in range(2):
@@ -104,7 +104,7 @@ def test_hf_counts_equal_experts_dispatch(build, moe_layers):
 
 def test_deepseek_v3_counts_are_not_topk_of_router_logits():
     model = _deepseek_v3()
-    collector = ExpertLoadCollector.attach(model)
+    collector = attach_collector(model)
     naive = {}
 
     def grab(module, args, output):
@@ -131,7 +131,7 @@ def test_hf_gradient_checkpointing_counts_once(reentrant):
             m.register_forward_hook(lambda *a: calls.append(1))
     counts = []
     for model in (plain, ckpt):
-        collector = ExpertLoadCollector.attach(model)
+        collector = attach_collector(model)
         _train_step(model, 3)
         counts.append(collector.export().counts)
     assert len(calls) == 2 * 2, "checkpointing must really replay the routers in backward"
@@ -140,7 +140,7 @@ def test_hf_gradient_checkpointing_counts_once(reentrant):
 
 def test_hf_eval_and_no_grad_forwards_add_nothing():
     model = _qwen3_moe()
-    collector = ExpertLoadCollector.attach(model)
+    collector = attach_collector(model)
     ids = torch.randint(0, 64, (2, 12))
     with torch.no_grad():
         model(input_ids=ids)  # e.g. reference-model log-probs in train mode
@@ -158,12 +158,12 @@ def test_dense_model_gets_no_hooks():
         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
     )  # fmt: skip
     model = Qwen3ForCausalLM(cfg)
-    assert ExpertLoadCollector.attach(model) is None
+    assert attach_collector(model) is None
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
 def test_detach_removes_every_hook():
     model = _qwen3_moe()
-    collector = ExpertLoadCollector.attach(model)
+    collector = attach_collector(model)
     collector.detach()
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

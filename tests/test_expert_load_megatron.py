@@ -74,11 +74,11 @@ def _single_rank(rank, world_size):
     import torch
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from nemo_moe_metrics.moe.collector import ExpertLoadCollector
+    from nemo_moe_metrics import attach_collector
 
     model, cfg = _build(1)
     s, out = cfg.seq_length, {}
-    collector = ExpertLoadCollector.attach(model)
+    collector = attach_collector(model)
     out["layer_ids"] = collector.layer_ids
 
     # Two training microbatches; expected = the experts' dispatched tokens.
@@ -128,7 +128,7 @@ def _single_rank(rank, world_size):
 
     router = next(m for m in model.modules() if isinstance(m, TopKRouter))
     wrapped = Chunk(router)
-    probe = ExpertLoadCollector.attach(wrapped)
+    probe = attach_collector(wrapped)
     x = torch.randn(s, BATCH, cfg.hidden_size)
     with no_host_sync():
         router_map = wrapped(x, padding_mask=pad.transpose(0, 1))[1]
@@ -149,7 +149,7 @@ def _single_rank(rank, world_size):
     recomputed, _ = _build(1, recompute="full")
     recomputed.load_state_dict(state)
     out["recompute_layers"] = recomputed.config.recompute_granularity
-    collector = ExpertLoadCollector.attach(recomputed)
+    collector = attach_collector(recomputed)
     calls = []
     raw = [
         m.register_forward_hook(lambda *a: calls.append(1))
@@ -166,7 +166,7 @@ def _single_rank(rank, world_size):
 
     # A capacity factor drops assignments: counts follow the dispatch, not the top-k choice.
     dropping, _ = _build(1, capacity=0.5)
-    collector = ExpertLoadCollector.attach(dropping)
+    collector = attach_collector(dropping)
     seen, _ = _dispatch_probe(dropping)
     _step(dropping, cfg, seed=20)
     loads = collector.export()
@@ -265,12 +265,12 @@ def _pipeline_step(model, model_cfg, seed):
 
 
 def _two_rank_layouts(rank, world_size):
-    from nemo_moe_metrics.moe.collector import ExpertLoadCollector
+    from nemo_moe_metrics import attach_collector
 
     out = {}
     # Expert parallel 2: each rank routes its own tokens over all 8 experts, owns 4.
     model, cfg = _build(2)
-    collector = ExpertLoadCollector.attach(model)
+    collector = attach_collector(model)
     seen, _ = _dispatch_probe(model)
     for mb in range(2):
         _step(model, cfg, seed=100 * rank + mb)
@@ -313,7 +313,7 @@ def _two_rank_layouts(rank, world_size):
     # that the schedule cannot copy its [1] scale into.
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     model, cfg = _build(1, pipeline=2)
-    collector = ExpertLoadCollector.attach(model)
+    collector = attach_collector(model)
     seen, _ = _dispatch_probe(model)  # keyed by stage-local layer index
     _pipeline_step(model, cfg, seed=0)
     loads = collector.export()
@@ -418,10 +418,10 @@ def test_pipeline_stages_use_global_layer_ids_and_meet_in_a_union(two_ranks):
 def _data_times_expert(rank, world_size):
     from megatron.core import parallel_state
 
-    from nemo_moe_metrics.moe.collector import ExpertLoadCollector
+    from nemo_moe_metrics import attach_collector
 
     model, cfg = _build(2)  # 4 ranks: expert parallel 2 x data parallel 2
-    collector = ExpertLoadCollector.attach(model)
+    collector = attach_collector(model)
     seen, _ = _dispatch_probe(model)
     _step(model, cfg, seed=100 * rank)
     loads = collector.export()

@@ -16,7 +16,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nemo_moe_metrics import ExpertLoadCollector, register_router
+from nemo_moe_metrics import attach_collector, register_router
 
 aten = torch.ops.aten
 torch.set_num_threads(1)
@@ -140,7 +140,7 @@ def _deepseek_router():
 def test_hf_router_hook_path_makes_no_host_sync(build):
     router = build()
     chunk = Chunk(MoEBlock(router))
-    collector = ExpertLoadCollector.attach(chunk)
+    collector = attach_collector(chunk)
     x = torch.randn(10, 16)
     with no_host_sync():
         for _ in range(3):
@@ -153,7 +153,7 @@ def test_hf_router_hook_path_makes_no_host_sync(build):
 def test_router_health_hook_path_makes_no_host_sync(build):
     router = build()
     chunk = Chunk(MoEBlock(router))
-    collector = ExpertLoadCollector.attach(chunk)
+    collector = attach_collector(chunk)
     tracker = collector.enable_health(near_tie_gap=0.01)
     x = torch.randn(10, 16)
     with no_host_sync():
@@ -181,7 +181,7 @@ def test_router_health_of_transformers_families_makes_no_host_sync(family):
         block.experts = CountOnlyExperts(block.experts.num_experts)
         block.experts.config = text
     chunk = Chunk(block)
-    collector = ExpertLoadCollector.attach(chunk)
+    collector = attach_collector(chunk)
     tracker = collector.enable_health(near_tie_gap=0.01)
     assert tracker.scoring(0) is not None, family
     x = torch.randn(1, 10, text.hidden_size)
@@ -212,7 +212,7 @@ def test_registered_router_counts_boolean_map_without_sync():
     )
     torch.manual_seed(1)
     chunk = Chunk(ThresholdRouter())
-    collector = ExpertLoadCollector.attach(chunk)
+    collector = attach_collector(chunk)
     x = torch.randn(7, 6)
     with no_host_sync():
         chunk(x)
@@ -250,7 +250,7 @@ def test_compiled_moe_block_fullgraph_counts_each_forward_once():
     chunk = Chunk(Qwen3MoeSparseMoeBlock(cfg))
     for p in chunk.parameters():
         nn.init.normal_(p, std=0.1)
-    collector = ExpertLoadCollector.attach(chunk)
+    collector = attach_collector(chunk)
     compiled = torch.compile(chunk, fullgraph=True, backend="aot_eager")
     x = torch.randn(2, 5, 32)
     for _ in range(3):
@@ -277,7 +277,7 @@ class _CountSyncs(TorchFunctionMode):
 
 def test_steady_state_export_reads_the_device_once():
     chunk = Chunk(MoEBlock(_qwen3_router()))
-    collector = ExpertLoadCollector.attach(chunk)
+    collector = attach_collector(chunk)
     collector.export()  # the first export agrees on the layout
     chunk(torch.randn(4, 16))
     counter = _CountSyncs()

@@ -8,7 +8,7 @@ import torch
 from dist import ok_values, run_ranks
 from torch import nn
 
-from nemo_moe_metrics import ExpertLoadCollector, register_router
+from nemo_moe_metrics import attach_collector, register_router
 from nemo_moe_metrics.moe.reduction import (
     ExpertLoadReducer,
     ExpertLoadSignatureError,
@@ -63,7 +63,7 @@ def _run(layers, seed, tokens=6):
     """Build, attach, one training forward; return collector and the local counts by numpy."""
     torch.manual_seed(0)  # same weights on every rank
     model = Model(layers).train()
-    collector = ExpertLoadCollector.attach(model)
+    collector = attach_collector(model)
     x = torch.randn(tokens, 4, generator=torch.Generator().manual_seed(seed), requires_grad=True)
     model(x)
     collector.step = lambda: model(x)  # another identical training forward
@@ -244,4 +244,4 @@ def test_check_signatures_accepts_layers_that_differ_from_each_other():
 def test_duplicate_layer_ids_in_chunks_are_rejected():
     model = Model({0: 8})
     with pytest.raises(ValueError, match="both claim global layer 0"):
-        ExpertLoadCollector.attach([model, Model({0: 8})])
+        attach_collector([model, Model({0: 8})])

@@ -39,9 +39,9 @@ _SCORINGS: dict[str, dict[int, RouterScoring | None]] = {}
 def _scorings(model_type: str) -> dict[int, RouterScoring | None]:
     """How the library describes each MoE layer's router (None: not judged)."""
     if model_type not in _SCORINGS:
-        from nemo_moe_metrics.moe.collector import ExpertLoadCollector
+        from nemo_moe_metrics import attach_collector
 
-        collector = ExpertLoadCollector.attach(_run(model_type).model)
+        collector = attach_collector(_run(model_type).model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # asserted on the run's own attach
             tracker = collector.enable_health(NEAR_TIE_GAP)

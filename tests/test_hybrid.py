@@ -29,6 +29,7 @@ LENGTHS = ([16], [5, 11, 9])
 def _hybrid_step(rank, world_size):
     from torch.utils.flop_counter import FlopCounterMode
 
+    from nemo_moe_metrics import attach_collector
     from nemo_moe_metrics.config import load_recipe
     from nemo_moe_metrics.flops import get_flops_estimator
     from nemo_moe_metrics.megatron.model import (
@@ -38,7 +39,6 @@ def _hybrid_step(rank, world_size):
         init_distributed,
     )
     from nemo_moe_metrics.moe.aux_loss import aux_loss_metrics
-    from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 
     recipe = load_recipe(RECIPE, [ONE_RANK])
     model_cfg, megatron_cfg = recipe.policy.model, recipe.policy.megatron_cfg
@@ -62,7 +62,7 @@ def _hybrid_step(rank, world_size):
         ],
     }
     # One training step: router counts and aux losses.
-    collector = ExpertLoadCollector.attach(model)
+    collector = attach_collector(model)
     s = model_cfg.seq_length
     tokens = torch.randint(0, model_cfg.vocab_size, (MICRO_BATCH, s))
     pos = torch.arange(s).expand(MICRO_BATCH, s)

@@ -171,7 +171,7 @@ class _Chunk(torch.nn.Module):
 
 
 def test_router_without_a_known_score_function_gets_no_health_keys_and_one_warning():
-    from nemo_moe_metrics import ExpertLoadCollector, register_router
+    from nemo_moe_metrics import attach_collector, register_router
 
     register_router(
         _OpaqueRouter,
@@ -179,7 +179,7 @@ def test_router_without_a_known_score_function_gets_no_health_keys_and_one_warni
             0, out[2].reshape(-1), torch.ones(out[2].numel(), dtype=torch.int64)), out[0].shape[0]),
     )  # fmt: skip
     chunk = _Chunk(_OpaqueRouter())
-    collector = ExpertLoadCollector.attach(chunk)
+    collector = attach_collector(chunk)
     with pytest.warns(RuntimeWarning, match="no moe/...router_\\* keys .*_OpaqueRouter|layers.0"):
         tracker = collector.enable_health(NEAR_TIE_GAP)
     x = torch.randn(5, 6)
@@ -381,9 +381,9 @@ def test_a_router_naming_its_score_function_is_read_and_bad_groups_are_skipped()
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
+    from nemo_moe_metrics import attach_collector
     from nemo_moe_metrics.adapters.hf_health import hf_health
     from nemo_moe_metrics.moe import router_health as rh
-    from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 
     class NamedSigmoid(Qwen3MoeTopKRouter):  # a generic family telling its score function
         score_function = "sigmoid"
@@ -398,7 +398,7 @@ def test_a_router_naming_its_score_function_is_read_and_bad_groups_are_skipped()
     router = OddGroups(cfg)
     router.config = cfg
     chunk = _Chunk(MoEBlock(router))
-    collector = ExpertLoadCollector.attach(chunk)
+    collector = attach_collector(chunk)
     with pytest.warns(RuntimeWarning, match="the groups must divide the experts"):
         tracker = collector.enable_health(NEAR_TIE_GAP)
     chunk(torch.randn(5, 16))

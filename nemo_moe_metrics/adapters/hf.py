@@ -33,19 +33,22 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from nemo_moe_metrics.adapters import hf_health
+from nemo_moe_metrics.adapters.family import ModelFacts, ModelFamily
 from nemo_moe_metrics.adapters.hf_fields import (
+    config_num_experts,
     config_topk,
     experts_num,
     is_experts_module,
     routing_args,
 )
+from nemo_moe_metrics.flops.registry import get_flops_estimator
 from nemo_moe_metrics.moe.router_spec import (
     RouterSpec,
     count_experts,
@@ -308,3 +311,109 @@ def aux_loss_kind(chunks: list[nn.Module]) -> str | None:
                 return None
             return "doge" if own.__module__.endswith(".modeling_doge") else "switch"
     return None
+
+
+# -- configs and the family ---------------------------------------------------------------------
+def _pretrained_config_type() -> type | None:
+    # A PretrainedConfig means transformers is imported already: nothing is imported here.
+    transformers = sys.modules.get("transformers")
+    return transformers.PretrainedConfig if transformers is not None else None
+
+
+def _from_dict(config: Any) -> Any:
+    """A ``config.json`` dict (with ``model_type``) as its transformers config class."""
+    if isinstance(config, Mapping) and "model_type" in config:
+        from transformers import AutoConfig
+
+        data = {k: v for k, v in config.items() if k != "model_type"}
+        return AutoConfig.for_model(config["model_type"], **data)
+    return config
+
+
+def owns_config(config: Any) -> bool:
+    """A transformers ``PretrainedConfig``, or its ``config.json`` as a dict with model_type."""
+    if isinstance(config, Mapping):
+        return "model_type" in config
+    pretrained = _pretrained_config_type()
+    return pretrained is not None and isinstance(config, pretrained)
+
+
+def hf_facts(config: Any) -> ModelFacts:
+    """Experts, layers, top-k and model type of a transformers config (or config.json dict)."""
+    config = _from_dict(config)
+    text = config.get_text_config()  # composite configs (qwen3_5_moe) keep it inside
+    experts = config_num_experts(text)
+    # Whether the model computes a load-balancing loss is read from the model at attach.
+    aux = "hf" if experts else None
+    layers = int(getattr(text, "num_hidden_layers", None) or getattr(text, "n_layers", 0) or 0)
+    model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None)
+    return ModelFacts(experts, layers, 1, aux, "hf", model_type, topk=config_topk(text))
+
+
+def _own_hf_config(chunks: list[Any]) -> Any:
+    """The transformers config the model itself carries (``model.config``, also under DDP's
+    ``.module``), or None."""
+    pretrained = _pretrained_config_type()
+    if pretrained is None or not chunks:
+        return None
+    for module in (chunks[0], getattr(chunks[0], "module", None)):
+        own = getattr(module, "config", None)
+        if isinstance(own, pretrained):
+            return own
+    return None
+
+
+def checked_hf_config(chunks: list[Any], config: Any) -> Any:
+    """The config ``attach`` reads for a transformers model.
+
+    ``config`` itself when it is the model's own or describes the same model type. Another
+    family's config with the same experts and experts per token is set aside for the model's own
+    config, with a warning; one that contradicts the model's (expert count, top-k) is an error.
+    """
+    own = _own_hf_config(chunks)
+    if own is None or config is own:
+        return config
+    given = _from_dict(config)
+    if not isinstance(given, _pretrained_config_type()):
+        return config  # another kind of config: the families say what they accept
+    theirs, ours = given.get_text_config(), own.get_text_config()
+    said = {
+        "experts": (config_num_experts(theirs), config_num_experts(ours)),
+        "experts per token": (config_topk(theirs), config_topk(ours)),
+    }
+    wrong = [f"{what} {a} (the model: {b})" for what, (a, b) in said.items() if a != b]
+    if wrong:
+        raise ValueError(
+            f"PolicyMetrics.attach: the config ({theirs.model_type}) contradicts the model "
+            f"({ours.model_type}): {', '.join(wrong)}; pass the model's own config: "
+            "attach(model, model.config)"
+        )
+    if theirs.model_type != ours.model_type:
+        warnings.warn(
+            f"PolicyMetrics.attach: the config is a {theirs.model_type} config but the model is "
+            f"{ours.model_type}; its experts and experts per token agree, and the model's own "
+            "config (model.config) is used instead (layers, FLOPs): pass that one",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return own
+    return config
+
+
+def _aux_loss_sources(chunks: list[nn.Module], blocks: dict[int, str]) -> tuple[str | None, list]:
+    kind = aux_loss_kind(chunks)
+    return kind, (router_logit_sources(chunks, blocks) if kind else [])
+
+
+FAMILY = ModelFamily(
+    name="hf",
+    owns_config=owns_config,
+    facts=hf_facts,
+    router_spec=spec_for,
+    flops=lambda config, vocab_size, model: get_flops_estimator(
+        config, vocab_size=vocab_size, model=model
+    ),
+    as_built=checked_hf_config,
+    aux_loss_sources=_aux_loss_sources,
+    bias_from_modules=True,
+)

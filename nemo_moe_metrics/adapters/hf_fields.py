@@ -3,7 +3,7 @@
 The config fields that hold the routed experts and experts per token (they differ by family),
 whether a module follows transformers' experts interface, how many experts it holds, and the
 ids and weights an experts call was given. Used by the router adapter (``adapters.hf``), the health
-readers (``adapters.hf_health``), the model facts (``adapters.facts``) and the FLOP estimate
+readers (``adapters.hf_health``), the model facts (``adapters.hf``) and the FLOP estimate
 read from a built model (``flops``).
 """
 

@@ -11,7 +11,12 @@ from typing import Any
 
 from torch import nn
 
+from nemo_moe_metrics.adapters.family import ModelFacts, ModelFamily, router_by_class
+from nemo_moe_metrics.flops.megatron import is_megatron_config
+from nemo_moe_metrics.flops.registry import get_flops_estimator
 from nemo_moe_metrics.megatron import compat
+from nemo_moe_metrics.megatron.layout import config_as_built
+from nemo_moe_metrics.moe.aux_loss import moe_layer_indices
 from nemo_moe_metrics.moe.router_health import SCORE_FUNCTIONS, RouterScoring
 from nemo_moe_metrics.moe.router_spec import HealthSource, RouterSpec
 from nemo_moe_metrics.moe.routing import indices_to_map
@@ -125,3 +130,44 @@ SPEC = RouterSpec(
 )
 #: the router class this spec reads, by qualified name (nothing is imported to recognise it)
 ROUTER_CLASS = "megatron.core.transformer.moe.router.TopKRouter"
+
+
+def owns_config(config: Any) -> bool:
+    """A megatron-core ``TransformerConfig``, or any config with ``num_layers`` (the family
+    asked last: transformers and torchtitan configs are recognised first)."""
+    return hasattr(config, "num_layers")
+
+
+def megatron_facts(config: Any) -> ModelFacts:
+    """Experts, layers, expert parallelism, top-k and expert bias of a ``TransformerConfig``."""
+    experts = int(getattr(config, "num_moe_experts", None) or 0)
+    ep = int(getattr(config, "expert_model_parallel_size", 1) or 1)
+    bias = bool(experts and getattr(config, "moe_router_enable_expert_bias", False))
+    topk = int(getattr(config, "moe_router_topk", 0) or 0) or None
+    aux = "megatron" if experts else None
+    return ModelFacts(
+        experts, int(config.num_layers), ep, aux, "megatron", expert_bias=bias, topk=topk
+    )
+
+
+def _as_built(chunks: list[nn.Module], config: Any) -> Any:
+    # The model decides: a hybrid model's pattern and the layers that hold routers.
+    return config_as_built(chunks, config) if is_megatron_config(config) else config
+
+
+def _moe_layers(config: Any) -> tuple[list[int], int]:
+    # Decoder MoE layers only: engines return routes for the decoder's routers.
+    layers = [i for i in moe_layer_indices(config) if i < int(config.num_layers)]
+    return layers, int(config.moe_router_topk)
+
+
+FAMILY = ModelFamily(
+    name="megatron",
+    owns_config=owns_config,
+    facts=megatron_facts,
+    router_spec=router_by_class({ROUTER_CLASS: SPEC}),
+    flops=lambda config, vocab_size, model: get_flops_estimator(config, vocab_size=vocab_size),
+    as_built=_as_built,
+    whole_on_every_rank=False,
+    moe_layers=_moe_layers,
+)

@@ -1,26 +1,46 @@
-"""Which spec reads which router: the built-in families, registered classes, and the model walk.
+"""The model families, which one a config or a module belongs to, and the router walk.
 
-A module is a router when its class (or a class it inherits from) was registered with
-:func:`register_router`, is a built-in family's router class (megatron-core, torchtitan; by
-qualified name, so nothing is imported to recognise them), or is a transformers MoE module
-(``adapters.hf``). :func:`find_routers` walks model chunks and returns what the collector
-(``moe.collector``) hooks.
+:data:`FAMILIES` lists one :class:`~nemo_moe_metrics.adapters.family.ModelFamily` per adapter
+module; everything below loops over it. A module is a router when its class (or a class it
+inherits from) was registered with :func:`register_router`, or a family's ``router_spec``
+recognises it (megatron-core's and torchtitan's router classes by qualified name, so nothing is
+imported to recognise them; transformers MoE modules by their interface). :func:`find_routers`
+walks model chunks and returns what the collector (``moe.collector``) hooks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from torch import nn
 
 from nemo_moe_metrics.adapters import hf, megatron, torchtitan
+from nemo_moe_metrics.adapters.family import ModelFacts, ModelFamily
+from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 from nemo_moe_metrics.moe.router_spec import CountsFn, RouterSpec
 
-_BUILTIN: dict[str, RouterSpec] = {
-    megatron.ROUTER_CLASS: megatron.SPEC,
-    torchtitan.ROUTER_CLASS: torchtitan.SPEC,
-}
+#: Every model family, asked in this order (megatron last: it takes any config with num_layers).
+FAMILIES: tuple[ModelFamily, ...] = (torchtitan.FAMILY, hf.FAMILY, megatron.FAMILY)
 _REGISTERED: dict[type, RouterSpec] = {}
+
+
+def family_of(config: Any) -> ModelFamily:
+    """The family whose config ``config`` is; TypeError naming what is accepted otherwise."""
+    for family in FAMILIES:
+        if family.owns_config(config):
+            return family
+    raise TypeError(
+        f"PolicyMetrics.attach(model, config): config is a {type(config).__name__}; pass the "
+        "model's megatron-core TransformerConfig or its transformers PretrainedConfig "
+        "(model.config, or its config.json as a dict with model_type), or a torchtitan "
+        "model config (e.g. DeepSeekV3Model.Config)"
+    )
+
+
+def model_facts(config: Any) -> ModelFacts:
+    """What ``config`` says the metrics need: experts, layers, expert parallelism, top-k."""
+    return family_of(config).facts(config)
 
 
 def register_router(
@@ -56,10 +76,11 @@ def spec_for(module: nn.Module) -> RouterSpec | None:
     for cls in type(module).__mro__:
         if cls in _REGISTERED:
             return _REGISTERED[cls]
-        spec = _BUILTIN.get(f"{cls.__module__}.{cls.__qualname__}")
+    for family in FAMILIES:
+        spec = family.router_spec(module)
         if spec is not None:
             return spec
-    return hf.spec_for(module)
+    return None
 
 
 def find_routers(
@@ -85,3 +106,31 @@ def find_routers(
             routers.append((name, module, spec))
             parents[id(module)] = modules.get(name.rpartition(".")[0]) if name else None
     return routers, parents
+
+
+def attach_collector(
+    model_chunks: nn.Module | Iterable[nn.Module], *, num_layers: int | None = None
+) -> ExpertLoadCollector | None:
+    """Hook every MoE layer in the chunks; None (and no hooks at all) when there is none.
+
+    Multi-token-prediction layers are counted as global layers ``num_layers + j`` (megatron
+    numbers its MTP routers so itself; for models numbered by module name, pass ``num_layers``,
+    the main decoder's layer count). A matched module nested inside another (an experts module
+    wrapping another experts module) is counted once, at the outer one.
+    """
+    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
+        raise TypeError("attach_collector() takes an nn.Module or a list of nn.Module chunks")
+    routers, parents = find_routers(chunks)
+    return ExpertLoadCollector.hook(chunks, routers, parents, num_layers=num_layers)
+
+
+__all__ = [
+    "FAMILIES",
+    "attach_collector",
+    "family_of",
+    "find_routers",
+    "model_facts",
+    "register_router",
+    "spec_for",
+]

@@ -15,16 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from nemo_moe_metrics.adapters.family import ModelFacts, ModelFamily, router_by_class
+from nemo_moe_metrics.flops.torchtitan import is_torchtitan_config, torchtitan_flops_estimator
 from nemo_moe_metrics.moe.router_health import SCORE_FUNCTIONS, RouterScoring
 from nemo_moe_metrics.moe.router_spec import HealthSource, RouterSpec, count_experts
-
-
-def is_torchtitan_config(config: Any) -> bool:
-    """A torchtitan model config (a dataclass from the torchtitan package with ``layers``)."""
-    module = type(config).__module__ or ""
-    return module.split(".")[0] == "torchtitan" and isinstance(
-        getattr(config, "layers", None), list | tuple
-    )
 
 
 def moe_layer_configs(config: Any) -> list[tuple[int, Any]]:
@@ -36,9 +30,8 @@ def moe_layer_configs(config: Any) -> list[tuple[int, Any]]:
     ]
 
 
-def torchtitan_model_facts(config: Any) -> tuple[int, int, bool, int | None]:
-    """``(routed experts per MoE layer, decoder layers, expert bias on, experts per token)`` of
-    a torchtitan config."""
+def torchtitan_facts(config: Any) -> ModelFacts:
+    """Experts, layers, top-k and expert bias of a torchtitan ``Decoder.Config``."""
     moes = moe_layer_configs(config)
     experts = {int(moe.num_experts) for _, moe in moes}
     if len(experts) > 1:
@@ -47,7 +40,10 @@ def torchtitan_model_facts(config: Any) -> tuple[int, int, bool, int | None]:
     # top_k sits on the router's config (MoE.Config.router) in 0.3.0
     topks = {getattr(moe, "top_k", None) or getattr(moe.router, "top_k", None) for _, moe in moes}
     topk = topks.pop() if len(topks) == 1 else None
-    return (experts.pop() if experts else 0), len(config.layers), bias, topk
+    experts_per_layer = experts.pop() if experts else 0
+    return ModelFacts(
+        experts_per_layer, len(config.layers), 1, None, "torchtitan", expert_bias=bias, topk=topk
+    )
 
 
 def _counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
@@ -102,3 +98,14 @@ SPEC = RouterSpec(
 )
 #: the router class this spec reads, by qualified name (nothing is imported to recognise it)
 ROUTER_CLASS = "torchtitan.models.common.moe.TokenChoiceTopKRouter"
+
+
+FAMILY = ModelFamily(
+    name="torchtitan",
+    owns_config=is_torchtitan_config,
+    facts=torchtitan_facts,
+    router_spec=router_by_class({ROUTER_CLASS: SPEC}),
+    flops=lambda config, vocab_size, model: torchtitan_flops_estimator(
+        config, vocab_size=vocab_size
+    ),
+)

@@ -17,7 +17,7 @@ from nemo_moe_metrics.extras import install_hint
 from nemo_moe_metrics.flops import deepseek, hf_defaults, hf_dense, hf_moe, megatron, qwen_hybrid
 from nemo_moe_metrics.flops.core import FlopsEstimator
 from nemo_moe_metrics.flops.errors import NotInTransformersError, UnknownModelTypeError
-from nemo_moe_metrics.flops.torchtitan import torchtitan_flops_estimator
+from nemo_moe_metrics.flops.torchtitan import is_torchtitan_config, torchtitan_flops_estimator
 
 Factory = Callable[[Mapping[str, Any]], FlopsEstimator]
 
@@ -126,9 +126,6 @@ def get_flops_estimator(
     costed, not the encoders) built on the meta device (no memory, well under a second even
     for 671B parameters).
     """
-    # Imported here: the adapter imports torch, and the formulas of this package need none.
-    from nemo_moe_metrics.adapters.torchtitan import is_torchtitan_config
-
     if is_torchtitan_config(config):  # read layer by layer, not through a config dict
         return torchtitan_flops_estimator(config, vocab_size=vocab_size)
     data = normalise_config(config, vocab_size=vocab_size)

@@ -20,6 +20,14 @@ from nemo_moe_metrics.flops.core import FlopsEstimator, Layer, ModelShape
 TORCHTITAN_FAMILIES = ("deepseek_v3", "qwen3", "qwen3_moe")
 
 
+def is_torchtitan_config(config: Any) -> bool:
+    """A torchtitan model config (a dataclass from the torchtitan package with ``layers``)."""
+    module = type(config).__module__ or ""
+    return module.split(".")[0] == "torchtitan" and isinstance(
+        getattr(config, "layers", None), list | tuple
+    )
+
+
 def _attention(cfg: Any, hidden: int):
     if getattr(cfg, "wkv_a", None) is not None:
         return mla_attention(

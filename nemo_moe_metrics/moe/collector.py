@@ -4,11 +4,11 @@ It knows no model family: each router comes with its :class:`~nemo_moe_metrics.m
 RouterSpec` (``nemo_moe_metrics.adapters`` finds them). How counting works (details and limits:
 docs/en/expert_load.md):
 
-- ``ExpertLoadCollector.attach(model_chunks)`` finds every known router (megatron-core
-  ``TopKRouter``, torchtitan's ``TokenChoiceTopKRouter``, every Hugging Face experts module
-  through transformers' shared experts interface, or a class given to ``register_router``;
-  ``adapters.registry``) and adds one forward hook per MoE layer plus a pre/post hook pair on
-  each model chunk. Multi-token-prediction layers count as layers ``num_layers + j``.
+- ``attach_collector(model_chunks)`` (``adapters.registry``) finds every known router
+  (megatron-core ``TopKRouter``, torchtitan's ``TokenChoiceTopKRouter``, every Hugging Face
+  experts module through transformers' shared experts interface, or a class given to
+  ``register_router``) and :meth:`ExpertLoadCollector.hook` adds one forward hook per MoE layer
+  plus a pre/post hook pair on each model chunk. Multi-token-prediction layers count as layers ``num_layers + j``.
 - The chunk hooks mark a *training forward*: the chunk is in ``train()`` mode, autograd is on at
   the chunk's entry and we are not inside a backward pass. Routers count only inside such a
   forward. This is what makes activation recomputation safe: megatron's ``full`` recompute runs
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -213,24 +213,22 @@ class ExpertLoadCollector:
                 getattr(a, name).copy_(value)
 
     @classmethod
-    def attach(
-        cls, model_chunks: nn.Module | Iterable[nn.Module], *, num_layers: int | None = None
+    def hook(
+        cls,
+        chunks: list[nn.Module],
+        routers: list[tuple[str, nn.Module, RouterSpec]],
+        parents: dict[int, nn.Module | None],
+        *,
+        num_layers: int | None = None,
     ) -> ExpertLoadCollector | None:
-        """Hook every MoE layer in the chunks; None (and no hooks at all) when there is none.
+        """Hook the ``routers`` found in ``chunks`` (``adapters.registry.find_routers``: the
+        collector knows no family); None, and no hooks at all, when there is none.
 
         Multi-token-prediction layers are counted as global layers ``num_layers + j`` (megatron
         numbers its MTP routers so itself; for models numbered by module name, pass
-        ``num_layers``, the main decoder's layer count). A matched module nested inside another
-        (an experts module wrapping another experts module) is counted once, at the outer one.
+        ``num_layers``, the main decoder's layer count). ``attach_collector(model_chunks)``
+        finds the routers and calls this.
         """
-        # The public entry point: finding the routers is the adapters' job (imported here, on
-        # use, because the adapters sit above the collector).
-        from nemo_moe_metrics.adapters.registry import find_routers
-
-        chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
-        if not chunks or not all(isinstance(c, nn.Module) for c in chunks):
-            raise TypeError("attach() takes an nn.Module or a list of nn.Module model chunks")
-        routers, parents = find_routers(chunks)
         if not routers:
             return None
         return cls(chunks, routers, num_layers=num_layers, parents=parents)

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from nemo_moe_metrics.adapters.facts import ModelFacts
+from nemo_moe_metrics.adapters.family import ModelFacts
 from nemo_moe_metrics.durable import write_text_durably
 from nemo_moe_metrics.run_dir.names import RUN_FILE
 

@@ -26,7 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from nemo_moe_metrics.adapters.facts import ModelFacts
+from nemo_moe_metrics.adapters.family import ModelFacts
 from nemo_moe_metrics.config import LoggerConfig
 from nemo_moe_metrics.run_dir.lock import RunDirLock
 from nemo_moe_metrics.run_dir.names import linked_run_files, links_refusal
