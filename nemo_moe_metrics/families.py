@@ -18,7 +18,6 @@ A new family is one class here (or in its own module) and one line in ``metrics.
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +29,7 @@ from torch import nn
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import MetricsConfig
 from nemo_moe_metrics.host_read import Pending, collective_device, done
+from nemo_moe_metrics.megatron import compat
 from nemo_moe_metrics.moe import aux_loss
 from nemo_moe_metrics.moe.balance import ExpertLoads as BalanceLoads
 from nemo_moe_metrics.moe.balance import expert_load_metrics
@@ -377,13 +377,6 @@ def _input_rows_and_width(args: tuple, kwargs: dict) -> tuple[int, int] | None:
     return int(found.shape[0]), int(found.shape[1])
 
 
-def _context_parallel_size() -> int:
-    ps = sys.modules.get("megatron.core.parallel_state")  # only if in use
-    if ps is None or not ps.model_parallel_is_initialized():
-        return 1
-    return int(ps.get_context_parallel_world_size())
-
-
 class Throughput(MetricFamily):
     """Step time, tokens and FLOPs (``train_perf/``), from a :class:`StepMeter`."""
 
@@ -454,7 +447,7 @@ class Throughput(MetricFamily):
         if rows_and_width is None:  # e.g. a middle pipeline stage (no token input)
             return
         rows, width = rows_and_width
-        if _context_parallel_size() == 1:  # a CP rank's input holds part of each sequence
+        if compat.context_parallel_size() == 1:  # a CP rank's input holds part of each sequence
             self.meter.note_positions(rows * width)
         if count != rows and rows > 1:
             self.meter.reject(

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -44,6 +43,7 @@ from nemo_moe_metrics.adapters.registry import attach_collector, family_of, mode
 from nemo_moe_metrics.config import MetricsConfig
 from nemo_moe_metrics.flops import UnknownModelTypeError, resolve_peak_flops
 from nemo_moe_metrics.host_read import read_once
+from nemo_moe_metrics.megatron import compat
 from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 from nemo_moe_metrics.moe.expert_bias import ExpertBiasTracker
 from nemo_moe_metrics.moe.hf_aux_loss import HFAuxLossAccumulator
@@ -259,10 +259,8 @@ class PolicyMetrics:
             if estimator is not None:
                 peak = resolve_peak_flops(device_name, self.cfg.peak_flops_per_gpu)
                 self._routed_flops_per_token = routed_flops_per_token(estimator)
-        data_group = None  # world: every rank a data-parallel replica (DDP, FSDP)
-        ps = sys.modules.get("megatron.core.parallel_state")  # only if in use
-        if dist.is_initialized() and ps is not None and ps.model_parallel_is_initialized():
-            data_group = ps.get_data_parallel_group(with_context_parallel=False)
+        # None: every rank a data-parallel replica (DDP, FSDP)
+        data_group = compat.data_parallel_group() if dist.is_initialized() else None
         device = (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         )

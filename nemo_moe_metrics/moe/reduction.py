@@ -18,7 +18,6 @@ model).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_moe_metrics.host_read import Pending, collective_device, read_once
+from nemo_moe_metrics.megatron import compat
 from nemo_moe_metrics.moe import router_health, routing
 from nemo_moe_metrics.moe.balance import ExpertLoads
 
@@ -134,28 +134,16 @@ def check_signatures(signatures: list[Signature]) -> Layout:
     )
 
 
-def _megatron_parallel_state():
-    # Only consult megatron when the program already uses it (importing it is slow).
-    ps = sys.modules.get("megatron.core.parallel_state")
-    if ps is not None and ps.model_parallel_is_initialized():
-        return ps
-    return None
-
-
 def default_stage() -> int:
     """This rank's pipeline stage from megatron-core's parallel state, else 0."""
-    ps = _megatron_parallel_state()
-    return ps.get_pipeline_model_parallel_rank() if ps is not None else 0
+    return compat.pipeline_stage()
 
 
 def default_contribute(collector: Any) -> bool:
     """False on tensor-parallel replicas (TP rank > 0 without sequence parallel): count once."""
-    ps = _megatron_parallel_state()
-    if ps is None or collector is None or collector.sequence_parallel:
+    if collector is None or collector.sequence_parallel:
         return True
-    return (
-        ps.get_tensor_model_parallel_world_size() == 1 or ps.get_tensor_model_parallel_rank() == 0
-    )
+    return not compat.tensor_parallel_replica()
 
 
 def _world(group: Any) -> tuple[int, int]:

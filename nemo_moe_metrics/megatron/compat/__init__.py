@@ -32,7 +32,7 @@ What differs, and how it is answered here:
 
 The adapter is one package, one module per subject: :mod:`.tracker` (the aux-loss tracker, its
 reduction and report), :mod:`.hybrid` (hybrid models), :mod:`.routers` (router ids, replay,
-logits). Import the names from here. Which layers are MoE (hybrid symbols, ``moe_layer_freq``) is
+logits), :mod:`.parallel` (megatron's parallel state, read only where the program uses it). Import the names from here. Which layers are MoE (hybrid symbols, ``moe_layer_freq``) is
 no release difference: :mod:`nemo_moe_metrics.layer_pattern`.
 """
 
@@ -44,6 +44,13 @@ from nemo_moe_metrics.megatron.compat.hybrid import (
     local_hybrid_stack_spec,
     locally_supported_symbols,
     model_hybrid_pattern,
+)
+from nemo_moe_metrics.megatron.compat.parallel import (
+    context_parallel_size,
+    data_parallel_group,
+    parallel_state,
+    pipeline_stage,
+    tensor_parallel_replica,
 )
 from nemo_moe_metrics.megatron.compat.routers import (
     capture_router_choice,
@@ -79,6 +86,8 @@ __all__ = [
     "capture_router_logits",
     "clear_router_replay",
     "clear_tracker",
+    "context_parallel_size",
+    "data_parallel_group",
     "drop_tracker_entry",
     "hybrid_model_class",
     "is_megatron_router",
@@ -89,6 +98,8 @@ __all__ = [
     "megatron_reported_aux_losses",
     "megatron_routers",
     "model_hybrid_pattern",
+    "parallel_state",
+    "pipeline_stage",
     "pop_router_choice",
     "pop_router_logits",
     "put_tracker_entry",
@@ -101,5 +112,6 @@ __all__ = [
     "router_replay_supported",
     "router_tracker_index",
     "set_router_replay",
+    "tensor_parallel_replica",
     "tracker_values",
 ]
