@@ -21,6 +21,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks import fault_injection as fi  # noqa: E402
 from nemo_moe_metrics.config import LoggerConfig  # noqa: E402
 from nemo_moe_metrics.sinks import SinkWriteError, build_sinks  # noqa: E402
+from nemo_moe_metrics.sinks.base import SinkBase  # noqa: E402
 from nemo_moe_metrics.sinks.tensorboard import logged_steps  # noqa: E402
 
 pytestmark = pytest.mark.one_line
@@ -66,7 +67,7 @@ def test_tensorboard_jsonl_and_run_json_keep_every_step_before_an_io_error(disk)
     assert yaml.safe_load((run_dir / "recipe.yaml").read_text()) == {"name": "io_error"}
 
 
-class _CopyingSink:
+class _CopyingSink(SinkBase):
     """A sink that copies a temporary file into its run directory, as W&B does, on a full disk."""
 
     def __init__(self, run_dir: Path) -> None:
@@ -74,6 +75,9 @@ class _CopyingSink:
 
     def wants_tables(self, step: int) -> bool:
         return False
+
+    def location(self) -> str:
+        return str(self.run_dir / "wandb")
 
     def log(self, metrics: dict, step: int) -> None:
         import errno

@@ -18,7 +18,7 @@ import numbers
 import os
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from nemo_moe_metrics.expert_table import ExpertTable
 from nemo_moe_metrics.metric_names import TABLE_COLUMNS
@@ -40,7 +40,40 @@ class Sink(Protocol):
         ...
 
 
-class NullSink:
+class SinkBase:
+    """The optional capabilities a sink declares, with their defaults; every sink of this
+    package subclasses it. A plain object with ``log`` and ``close`` is a sink too: the fan-out
+    gives it these defaults (every table, no alert records, its type name in messages)."""
+
+    #: the fan-out passes the step's alert records to ``log`` as a third argument
+    records_alerts: ClassVar[bool] = False
+
+    def wants_tables(self, step: int) -> bool:
+        """Whether this sink takes the step's tables (off its cadence they are not even
+        checked when no sink takes them)."""
+        return True
+
+    def location(self) -> str:
+        """The file or folder this sink writes, for messages (its type name when none)."""
+        return type(self).__name__
+
+
+class _PlainSink(SinkBase):
+    """The declared defaults for a sink that is not a :class:`SinkBase`."""
+
+    def __init__(self, sink: Sink) -> None:
+        self._name = type(sink).__name__
+
+    def location(self) -> str:
+        return self._name
+
+
+def capabilities(sink: Sink) -> SinkBase:
+    """What ``sink`` declares: itself when it is a :class:`SinkBase`, else the defaults."""
+    return sink if isinstance(sink, SinkBase) else _PlainSink(sink)
+
+
+class NullSink(SinkBase):
     """A sink that drops everything: used on ranks other than 0 and when logging is off."""
 
     def wants_tables(self, step: int) -> bool:
@@ -170,13 +203,9 @@ def finite_or_none(value: float | int) -> float | int | None:
     return value
 
 
-def _wants_tables(sink: object, step: int) -> bool:
-    """Whether ``sink`` takes tables at ``step``; a sink without ``wants_tables`` takes them."""
-    wants = getattr(sink, "wants_tables", None)
-    if wants is None:
-        return True
+def _wants_tables(sink: SinkBase, step: int) -> bool:
     try:
-        return bool(wants(step))
+        return bool(sink.wants_tables(step))
     except Exception:  # a sink's bug must not cost the others their table
         return True
 
@@ -193,27 +222,17 @@ class SinkWriteError(OSError):
         return str(self.strerror)
 
 
-def sink_file(sink: object) -> str:
-    """The file or folder a sink writes, for messages (its type name when it has none)."""
-    for owner in (sink, getattr(sink, "store", None)):
-        for attr in ("path", "log_dir", "run_dir"):
-            value = getattr(owner, attr, None)
-            if value is not None:
-                return str(value)
-    return type(sink).__name__
-
-
-def _failed_file(err: OSError, sink: object) -> str:
+def _failed_file(err: OSError, sink: SinkBase) -> str:
     """The file that could not be written: a copy's destination (``filename2``, e.g. W&B
     copying a temporary file into the run directory) when it is the sink's, else ``filename``."""
-    own = sink_file(sink)
+    own = sink.location()
     target = getattr(err, "filename2", None)
     if target and os.path.abspath(str(target)).startswith(os.path.abspath(own).rstrip("/")):
         return str(target)
     return str(err.filename or own)
 
 
-def _fatal_write_error(sink: object, err: OSError, last_step: int | None) -> SinkWriteError:
+def _fatal_write_error(sink: SinkBase, err: OSError, last_step: int | None) -> SinkWriteError:
     name = errno.errorcode.get(err.errno or 0, str(err.errno))
     what = err.strerror or str(err)
     saved = (
@@ -232,17 +251,19 @@ def _fatal_write_error(sink: object, err: OSError, last_step: int | None) -> Sin
 class StepMonitor(Protocol):
     """Looks at each step before the sinks do; returns extra metrics to log with it.
 
-    A monitor may also keep ``last_alerts``: the step's alerts (objects with ``record()``),
-    which the fan-out hands to the sinks that record them (``records_alerts = True``: the
-    JSONL sink, see :mod:`nemo_moe_metrics.sinks.alerts`).
+    ``last_alerts``: the observed step's alerts (objects with ``record()``), which the fan-out
+    hands to the sinks that record them (``records_alerts = True``: the JSONL sink, see
+    :mod:`nemo_moe_metrics.sinks.alerts`).
     """
+
+    last_alerts: Sequence[Any]
 
     def observe(self, metrics: Mapping[str, MetricValue], step: int) -> Mapping[str, int | float]:
         """Judge one step (e.g. print alerts); the returned keys are added to the step."""
         ...
 
 
-class MultiSink:
+class MultiSink(SinkBase):
     """Fan one step out to several sinks; a failing sink warns once and never stops the others,
     except when it cannot write for lack of space or a disk error (:data:`FATAL_WRITE_ERRNOS`):
     then the other sinks are closed (flushing what they hold) and :class:`SinkWriteError`,
@@ -274,16 +295,16 @@ class MultiSink:
             extra = self._guarded(self.monitor, "observe", metrics, step)
             if extra:
                 metrics = {**metrics, **extra}
-                alerts = [a.record() for a in getattr(self.monitor, "last_alerts", ())]
+                alerts = [a.record() for a in self.monitor.last_alerts]
         if (
             isinstance(metrics, Mapping)
             and any(is_table(k) for k in metrics)
-            and not any(_wants_tables(sink, step) for sink in self.sinks)
+            and not any(_wants_tables(capabilities(sink), step) for sink in self.sinks)
         ):
             metrics = {k: v for k, v in metrics.items() if not is_table(k)}
         clean = validate_metrics(metrics, step)
         for sink in self.sinks:
-            if alerts and getattr(sink, "records_alerts", False):
+            if alerts and capabilities(sink).records_alerts:
                 self._guarded(sink, "log", clean, int(step), alerts)
             else:
                 self._guarded(sink, "log", clean, int(step))
@@ -302,7 +323,7 @@ class MultiSink:
             return getattr(sink, method)(*args)
         except OSError as err:
             if err.errno in FATAL_WRITE_ERRNOS and not self._closed:
-                fatal = _fatal_write_error(sink, err, self._last_step)
+                fatal = _fatal_write_error(capabilities(sink), err, self._last_step)
                 self.close()  # flush what the others hold; failures while closing only warn
                 raise fatal from err
             self._warn_once(sink, method, err)

@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from nemo_moe_metrics.run_dir.names import METRICS_FILE as METRICS_FILE
-from nemo_moe_metrics.sinks.base import Metrics, finite_or_none, is_table
+from nemo_moe_metrics.sinks.base import Metrics, SinkBase, finite_or_none, is_table
 
 #: The reserved field of a line that holds the step's alert records (sinks/alerts.py).
 ALERTS_FIELD = "alerts"
 
 
-class JsonlSink:
+class JsonlSink(SinkBase):
     """Append ``{"step": n, ...scalars}`` lines to ``path``; NaN/inf are written as ``null``.
 
     A step's alerts (from the alert monitor) follow its metrics in the same line, under the
@@ -55,6 +55,10 @@ class JsonlSink:
     def wants_tables(self, step: int) -> bool:
         """Never: tables go to the expert-load store."""
         return False
+
+    def location(self) -> str:
+        """The JSONL file."""
+        return str(self.path)
 
     def log(self, metrics: Metrics, step: int, alerts: Sequence[Mapping[str, Any]] = ()) -> None:
         """Write one line of scalars for ``step`` (then its ``alerts``, when there are any) and

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_moe_metrics.metric_names import TABLE_COLUMNS
-from nemo_moe_metrics.sinks.base import Metrics, split_tables
+from nemo_moe_metrics.sinks.base import Metrics, SinkBase, split_tables
 
 MLFLOW_DB = "mlflow.db"
 MLFLOW_ARTIFACTS_DIR = "mlflow_artifacts"
@@ -37,7 +37,7 @@ def table_artifact_path(key: str) -> str:
     return key.rsplit("/", 1)[-1]
 
 
-class MlflowSink:
+class MlflowSink(SinkBase):
     """One MLflow run per sink; ``run_id`` given with ``resume`` continues that run."""
 
     def __init__(

@@ -17,7 +17,7 @@ import numpy as np
 
 from nemo_moe_metrics.expert_table import ExpertTable
 from nemo_moe_metrics.metric_names import EXPERT_LOADS
-from nemo_moe_metrics.sinks.base import Metrics
+from nemo_moe_metrics.sinks.base import Metrics, SinkBase
 from nemo_moe_metrics.sinks.store_format import (
     MAGIC,
     StoreError,
@@ -239,7 +239,7 @@ def table_to_counts_and_widths(
     return layer_ids, counts, widths
 
 
-class ExpertLoadSink:
+class ExpertLoadSink(SinkBase):
     """A sink that writes each ``table_every``-th step's ``moe/expert_loads`` to the store."""
 
     def __init__(self, path: Path, *, table_every: int = 1, fsync: bool = True) -> None:
@@ -251,6 +251,10 @@ class ExpertLoadSink:
     def wants_tables(self, step: int) -> bool:
         """Whether ``step`` is on the table cadence."""
         return step % self.table_every == 0
+
+    def location(self) -> str:
+        """The store file."""
+        return str(self.store.path)
 
     def log(self, metrics: Metrics, step: int) -> None:
         """Append the step's counts when it has a table and ``step`` is on the cadence."""

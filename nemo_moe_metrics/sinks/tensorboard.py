@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from nemo_moe_metrics.durable import fsync_dir, fsync_path
-from nemo_moe_metrics.sinks.base import Metrics, split_tables
+from nemo_moe_metrics.sinks.base import Metrics, SinkBase, split_tables
 
 
-class TensorBoardSink:
+class TensorBoardSink(SinkBase):
     """Write every scalar metric with ``add_scalar``; flush and fsync each step so a crash or a
     disk error loses nothing logged before it."""
 
@@ -41,6 +41,10 @@ class TensorBoardSink:
     def wants_tables(self, step: int) -> bool:
         """Never: TensorBoard gets scalars only."""
         return False
+
+    def location(self) -> str:
+        """The event file (the folder when it cannot be told)."""
+        return str(self.path)
 
     def log(self, metrics: Metrics, step: int) -> None:
         """Add one point per scalar key; skip tables (they live in the store and W&B)."""

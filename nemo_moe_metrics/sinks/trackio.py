@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nemo_moe_metrics.sinks.base import Metrics, split_tables
+from nemo_moe_metrics.sinks.base import Metrics, SinkBase, split_tables
 
 TRACKIO_DIR = "trackio"
 #: trackio's environment variable for its store (read once, at its first import)
@@ -32,7 +32,7 @@ def trackio_store(run_dir: Path) -> Path:
     return Path(run_dir).resolve() / TRACKIO_DIR
 
 
-class TrackioSink:
+class TrackioSink(SinkBase):
     """One trackio run per sink, project ``project``, in ``<run_dir>/trackio``."""
 
     def __init__(

@@ -14,10 +14,10 @@ import numpy as np
 
 from nemo_moe_metrics.expert_table import ExpertTable
 from nemo_moe_metrics.metric_names import TABLE_COLUMNS
-from nemo_moe_metrics.sinks.base import Metrics, split_tables
+from nemo_moe_metrics.sinks.base import Metrics, SinkBase, split_tables
 
 
-class WandbSink:
+class WandbSink(SinkBase):
     """One W&B run per sink; ``mode`` is ``offline`` (no account needed), ``online`` or ``disabled``."""
 
     def __init__(
@@ -48,6 +48,7 @@ class WandbSink:
         self._wandb = wandb
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        self._dir = run_dir / "wandb"  # where wandb.init(dir=run_dir) keeps its runs
         self.run = wandb.init(
             mode=mode,
             dir=str(run_dir),
@@ -66,6 +67,10 @@ class WandbSink:
     def wants_tables(self, step: int) -> bool:
         """Whether ``step`` is on this sink's table cadence."""
         return step % self.table_every == 0
+
+    def location(self) -> str:
+        """The run directory's ``wandb/`` folder (W&B copies its files into it)."""
+        return str(self._dir)
 
     def log(self, metrics: Metrics, step: int) -> None:
         """Log scalars (and tables when ``step`` is a multiple of ``table_every``) for ``step``."""
