@@ -265,6 +265,11 @@ class DPOConfig(StrictModel):
 
     beta: float = Field(0.1, gt=0)
 
+    @staticmethod
+    def response_length(seq_length: int) -> int:
+        """Response tokens per synthetic preference pair: a quarter of the context (at least one)."""
+        return max(1, seq_length // 4)
+
 
 class GRPOConfig(StrictModel):
     """``grpo``: group-relative policy optimisation settings.

@@ -15,7 +15,7 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from nemo_moe_metrics.config import ConfigError, Recipe
+from nemo_moe_metrics.config import ConfigError, DPOConfig, Recipe
 
 MODEL = "policy.model"
 MCFG = "policy.megatron_cfg"
@@ -152,14 +152,12 @@ def layout_problems(
                 "training.min_seq_length or raise seq_length"
             )
     elif recipe.algorithm == "dpo":
-        from nemo_moe_metrics.algorithms.dpo import dpo_response_length
-
         if gbs % 2 or mbs % 2:
             problems.append(
                 f"policy.train_global_batch_size={gbs} and policy.train_micro_batch_size={mbs} "
                 "must both be even for DPO (a microbatch holds whole chosen/rejected pairs)"
             )
-        response = dpo_response_length(seq)
+        response = DPOConfig.response_length(seq)
         if seq - response < 2:
             problems.append(
                 f"{MODEL}.seq_length={seq} leaves no room for a prompt before DPO's "

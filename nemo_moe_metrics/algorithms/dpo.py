@@ -13,14 +13,9 @@ import torch.nn.functional as F
 from nemo_moe_metrics import metric_names as names
 from nemo_moe_metrics.algorithms.common import LogFn, merge_step_metrics, rank_batch_size
 from nemo_moe_metrics.algorithms.data import SequenceBatch, dpo_batch, generator
-from nemo_moe_metrics.config import Recipe
+from nemo_moe_metrics.config import DPOConfig, Recipe
 
 REF_LOGPROBS = "ref_logprobs"
-
-
-def dpo_response_length(seq_length: int) -> int:
-    """Response tokens per sequence: a quarter of the context (at least one)."""
-    return max(1, seq_length // 4)
 
 
 def make_dpo_loss(beta: float):
@@ -59,7 +54,7 @@ def run_dpo(recipe: Recipe, worker, log_fn: LogFn, start_step: int = 0) -> None:
             per_rank // 2,
             model_cfg.seq_length,
             train_cfg.min_seq_length,
-            dpo_response_length(model_cfg.seq_length),
+            DPOConfig.response_length(model_cfg.seq_length),
             model_cfg.vocab_size,
             g,
         )
@@ -69,4 +64,4 @@ def run_dpo(recipe: Recipe, worker, log_fn: LogFn, start_step: int = 0) -> None:
         log_fn(merge_step_metrics({}, result), step)
 
 
-__all__ = ["dpo_response_length", "make_dpo_loss", "run_dpo"]
+__all__ = ["make_dpo_loss", "run_dpo"]

@@ -10,6 +10,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nemo_moe_metrics.config import MegatronConfig, ModelConfig
+from nemo_moe_metrics.extras import require
+from nemo_moe_metrics.megatron import compat
 from nemo_moe_metrics.megatron.cpu_shims import apply_cpu_shims, cuda_available
 
 
@@ -21,8 +23,6 @@ def init_distributed(
     Under torchrun the environment names the world; without it a single-rank group is made, so
     the same code runs in a plain ``python`` process. CPU uses gloo, CUDA uses NCCL.
     """
-    from nemo_moe_metrics.extras import require
-
     require("megatron.core", "megatron", "the megatron-core policy worker")
     from megatron.core import parallel_state, tensor_parallel
 
@@ -98,8 +98,6 @@ def build_transformer_config(model: ModelConfig, megatron_cfg: MegatronConfig):
             moe_token_dispatcher_type="allgather" if not cuda_available() else "alltoall",
             moe_grouped_gemm=False,
         )
-        from nemo_moe_metrics.megatron import compat
-
         moe.update(compat.router_replay_kwargs(megatron_cfg.moe_enable_routing_replay))
     recompute: dict = {}
     if megatron_cfg.recompute_granularity == "full":
@@ -152,8 +150,6 @@ def build_hybrid_model(model: ModelConfig, megatron_cfg: MegatronConfig):
     Layer ``i`` of the pattern is the stack's layer ``i``: a router in an ``E`` layer has
     ``layer_number = i + 1`` and reports as global layer ``i``. Call init_distributed first.
     """
-    from nemo_moe_metrics.megatron import compat
-
     if model.hybrid_layer_pattern is None:
         raise ValueError("build_hybrid_model needs policy.model.hybrid_layer_pattern")
     if megatron_cfg.pipeline_model_parallel_size != 1:

@@ -29,6 +29,8 @@ from typing import Any
 
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.sinks.jsonl import METRICS_FILE, cut_after, read_tail
+from nemo_moe_metrics.sinks.store import StoreError, cut_store_from, scan_store, store_path
+from nemo_moe_metrics.sinks.tensorboard import logged_steps
 
 
 @dataclass(frozen=True)
@@ -113,8 +115,6 @@ def prepare_resume(run_dir: Path, *, table_every: int = 1) -> tuple[ResumeState,
     cannot be continued (no step in ``metrics.jsonl`` while the store or TensorBoard hold
     some, or an ``expert_loads.bin`` that is not a store).
     """
-    from nemo_moe_metrics.sinks.store import StoreError, cut_store_from, scan_store, store_path
-
     run_dir = Path(run_dir)
     jsonl, store = run_dir / METRICS_FILE, store_path(run_dir)
     try:
@@ -213,8 +213,6 @@ def _span(steps: list[int]) -> str:
 
 def _refuse_without_jsonl(run_dir: Path, stored: list[Any]) -> None:
     """No complete line in ``metrics.jsonl``: fine for a run that logged nothing anywhere."""
-    from nemo_moe_metrics.sinks.tensorboard import logged_steps
-
     held = []
     if stored:
         held.append(f"expert_loads.bin (steps {stored[0].step}–{stored[-1].step})")

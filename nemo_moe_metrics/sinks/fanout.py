@@ -3,7 +3,7 @@
 Only construction: which backends, in which order, and what a backend that cannot start does
 (warns once and is left out). Whether a directory may be written, resumed or cleared, and
 ``run.json``, belong to the run directory's owner (:mod:`nemo_moe_metrics.run_dir.session`).
-Heavy backends (TensorBoard, W&B, MLflow, trackio) are imported only when turned on.
+Each backend's library (TensorBoard, W&B, MLflow, trackio) is imported only when its sink starts.
 """
 
 from __future__ import annotations
@@ -14,9 +14,14 @@ from typing import Any
 
 from nemo_moe_metrics.config import LoggerConfig
 from nemo_moe_metrics.run_dir.names import TENSORBOARD_DIR
+from nemo_moe_metrics.sinks.alerts import AlertMonitor
 from nemo_moe_metrics.sinks.base import MultiSink, Sink
 from nemo_moe_metrics.sinks.jsonl import METRICS_FILE, JsonlSink
+from nemo_moe_metrics.sinks.mlflow import MlflowSink
 from nemo_moe_metrics.sinks.store import ExpertLoadSink, store_path
+from nemo_moe_metrics.sinks.tensorboard import TensorBoardSink
+from nemo_moe_metrics.sinks.trackio import TrackioSink
+from nemo_moe_metrics.sinks.wandb import WandbSink
 
 
 def make_sinks(
@@ -40,7 +45,11 @@ def make_sinks(
         jsonl.append(JsonlSink(run_dir / METRICS_FILE))
         sinks.append(ExpertLoadSink(store_path(run_dir), table_every=logger_cfg.table_every))
     if logger_cfg.tensorboard_enabled:
-        _try_add(sinks, "TensorBoard", lambda: _tensorboard(run_dir / TENSORBOARD_DIR, next_step))
+        _try_add(
+            sinks,
+            "TensorBoard",
+            lambda: TensorBoardSink(run_dir / TENSORBOARD_DIR, purge_step=next_step),
+        )
     if logger_cfg.wandb_enabled and logger_cfg.wandb_mode != "disabled":
         _try_add(sinks, "W&B", lambda: _wandb(run_dir, logger_cfg, run_name, config, run_id))
     mlflow = None
@@ -51,24 +60,15 @@ def make_sinks(
             lambda: _mlflow(run_dir, logger_cfg, run_name, config, mlflow_run_id),
         )
     if logger_cfg.trackio_enabled:
-        _try_add(sinks, "trackio", lambda: _trackio(run_dir, run_name, config, resume))
+        _try_add(
+            sinks,
+            "trackio",
+            lambda: TrackioSink(run_dir, run_name=run_name, config=config, resume=resume),
+        )
     # The JSONL goes last: a step it holds is complete in every sink (what resume relies on).
-    return MultiSink(sinks + jsonl, monitor=_alert_monitor(logger_cfg)), mlflow
-
-
-def _alert_monitor(logger_cfg: LoggerConfig) -> Any:
     # Rank 0 only: alerts read the logged numbers, nothing else.
-    if not logger_cfg.alerts.enabled:
-        return None
-    from nemo_moe_metrics.sinks.alerts import AlertMonitor
-
-    return AlertMonitor(logger_cfg.alerts)
-
-
-def _tensorboard(log_dir: Path, purge_step: int | None) -> Sink:
-    from nemo_moe_metrics.sinks.tensorboard import TensorBoardSink
-
-    return TensorBoardSink(log_dir, purge_step=purge_step)
+    monitor = AlertMonitor(logger_cfg.alerts) if logger_cfg.alerts.enabled else None
+    return MultiSink(sinks + jsonl, monitor=monitor), mlflow
 
 
 def _wandb(
@@ -78,8 +78,6 @@ def _wandb(
     config: dict[str, Any] | None,
     run_id: str,
 ) -> Sink:
-    from nemo_moe_metrics.sinks.wandb import WandbSink
-
     return WandbSink(
         run_dir,
         mode=cfg.wandb_mode,
@@ -99,8 +97,6 @@ def _mlflow(
     config: dict[str, Any] | None,
     run_id: str | None,
 ) -> Any:
-    from nemo_moe_metrics.sinks.mlflow import MlflowSink
-
     return MlflowSink(
         run_dir,
         run_name=run_name,
@@ -111,12 +107,6 @@ def _mlflow(
         run_id=run_id,
         resume=cfg.resume,
     )
-
-
-def _trackio(run_dir: Path, run_name: str, config: dict[str, Any] | None, resume: bool) -> Any:
-    from nemo_moe_metrics.sinks.trackio import TrackioSink
-
-    return TrackioSink(run_dir, run_name=run_name, config=config, resume=resume)
 
 
 _FLAGS = {"W&B": "wandb", "TensorBoard": "tensorboard", "MLflow": "mlflow", "trackio": "trackio"}

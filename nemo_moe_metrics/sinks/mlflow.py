@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nemo_moe_metrics.extras import check_extra, require
 from nemo_moe_metrics.metric_names import TABLE_COLUMNS
 from nemo_moe_metrics.sinks.base import Metrics, SinkBase, split_tables
 
@@ -61,8 +62,6 @@ class MlflowSink(SinkBase):
             raise ValueError(f"table_every must be an int >= 1, got {table_every!r}")
         self.table_every = table_every
         # Imported here: mlflow is optional and takes seconds to import.
-        from nemo_moe_metrics.extras import check_extra, require
-
         check_extra("mlflow", "the MLflow sink (logger.mlflow_enabled)")
         tracking = require("mlflow.tracking", "mlflow", "the MLflow sink (logger.mlflow_enabled)")
         entities = require("mlflow.entities", "mlflow", "the MLflow sink (logger.mlflow_enabled)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from nemo_moe_metrics.durable import fsync_dir, fsync_path
+from nemo_moe_metrics.extras import check_extra
 from nemo_moe_metrics.sinks.base import Metrics, SinkBase, split_tables
 
 
@@ -19,10 +20,8 @@ class TensorBoardSink(SinkBase):
     def __init__(self, log_dir: Path, *, purge_step: int | None = None) -> None:
         """``purge_step``: a resumed run's first step; events at or after it that an earlier
         process wrote are hidden, so a step is never shown twice."""
-        # Imported here: torch.utils.tensorboard pulls in tensorboard, which is slow to import.
-        from nemo_moe_metrics.extras import check_extra
-
         check_extra("tensorboard", "the TensorBoard sink (logger.tensorboard_enabled)")
+        # Imported here: torch.utils.tensorboard pulls in tensorboard, which is slow to import.
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = Path(log_dir)

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from nemo_moe_metrics.extras import require
 from nemo_moe_metrics.sinks.base import Metrics, SinkBase, split_tables
 
 TRACKIO_DIR = "trackio"
@@ -48,8 +49,6 @@ class TrackioSink(SinkBase):
         store = trackio_store(run_dir)
         if "trackio" not in sys.modules:
             os.environ[TRACKIO_DIR_ENV] = str(store)
-        from nemo_moe_metrics.extras import require
-
         trackio = require("trackio", "trackio", "the trackio sink (logger.trackio_enabled)")
         utils = require("trackio.utils", "trackio", "the trackio sink (logger.trackio_enabled)")
         if Path(utils.TRACKIO_DIR).resolve() != store:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from nemo_moe_metrics.expert_table import ExpertTable
+from nemo_moe_metrics.extras import require
 from nemo_moe_metrics.metric_names import TABLE_COLUMNS
 from nemo_moe_metrics.sinks.base import Metrics, SinkBase, split_tables
 
@@ -41,8 +42,6 @@ class WandbSink(SinkBase):
         # serialisations); big runs can send it every N steps. Scalars always go every step.
         self.table_every = table_every
         # Imported here: wandb is heavy and optional for users who log elsewhere.
-        from nemo_moe_metrics.extras import require
-
         wandb = require("wandb", "wandb", "the W&B sink (logger.wandb_enabled)")
 
         self._wandb = wandb
