@@ -180,36 +180,46 @@ def check_run_dir(run_dir: Path, *, option: str, create: bool = False) -> Path:
     return run_dir
 
 
-def check_picture_dir(out_dir: Path, names: Iterable[str], *, option: str = "--out") -> Path:
+def check_picture_dir(out_dir: Path, names: Iterable[str]) -> Path:
     """``out_dir`` when pictures called ``names`` may be written into it (made when it does
     not exist): in a directory that holds anything but a run's (or an earlier report's)
     entries, no picture replaces a file of the same name; no picture replaces a link."""
     out_dir = Path(out_dir)
-    where = f"{option} {out_dir}"
+    where = f"cannot write the pictures into {out_dir}"
     if os.path.lexists(out_dir) and not out_dir.is_dir():
-        raise OutputError(f"{where} is a file, not a directory; name a directory for the pictures")
+        raise OutputError(f"{where}: it is a file, not a directory")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         probe = out_dir / ".nemo_moe_metrics_write_test"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
-        raise OutputError(
-            f"{where}: cannot write the pictures there ({err.strerror or err}); choose a "
-            "writable directory"
-        ) from None
+        raise OutputError(f"{where}: {err.strerror or err}; choose a writable directory") from None
     own = _is_run_dir(out_dir)
     for name in names:
         path = out_dir / name
         if path.is_symlink():
             raise OutputError(
-                f"{where}: {path} is a symbolic link (to {_link_target(path)}): a picture is "
-                "never written over a link; remove it (rm leaves its target alone) or choose "
+                f"{where}: {path} is a symbolic link (to {_link_target(path)}) and a picture is "
+                "never written over one; remove it (rm leaves its target alone) or choose "
                 "another directory"
             )
         if os.path.lexists(path) and not own:
             raise OutputError(
-                f"{where}: {path} exists in a directory that holds files no report wrote, and a "
+                f"{where}: {path} exists, and {out_dir} holds files no report wrote, so the "
                 "picture would replace it; choose a new or empty directory (or move the file)"
             )
+        if os.path.lexists(path) and not _is_png(path):
+            raise OutputError(
+                f"{where}: {path} exists and is no picture a report drew (not a PNG file), so "
+                "it is not replaced; move it, or choose a new or empty directory"
+            )
     return out_dir
+
+
+def _is_png(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return path.is_file() and f.read(8) == b"\x89PNG\r\n\x1a\n"
+    except OSError:
+        return False

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from nemo_moe_metrics.config import ConfigError
-from nemo_moe_metrics.run_dir import Holder
+from nemo_moe_metrics.run_dir import Holder, RunDirLock, read_earlier_lock
 from nemo_moe_metrics.run_files import (
     LOCK_FILE,
     METRICS_FILE,
@@ -62,6 +62,18 @@ def check_before_lock(run_dir: Path, *, resume: bool = False, overwrite: bool = 
     _refuse_links(run_dir)
     if not resume:
         _refuse_foreign(run_dir, entries, overwrite)
+    # What prepare_run_dir would refuse without the lock's help, refused before the lock file
+    # exists, so a refusal leaves no .run.lock in a directory that holds no run. (A live run
+    # holding the lock is left to the lock, which names it.)
+    old = [name for name in entries if name != LOCK_FILE]
+    if RunDirLock.probe(run_dir) is not None:
+        return
+    if resume and old and not logged_run(run_dir):
+        foreign = [name for name in old if not is_run_file(name)]
+        what = f"files no run wrote ({_shown(foreign)})" if foreign else "a run that logged no step"
+        raise ConfigError(f"--resume: {run_dir} holds {what}; drop --resume to start a new run")
+    if old and not resume and not _proven(run_dir, read_earlier_lock(run_dir)):
+        raise ConfigError(_unproven(run_dir, old))
 
 
 def prepare_run_dir(
@@ -90,11 +102,7 @@ def prepare_run_dir(
             f"--resume: {run_dir} holds a run that logged no step; drop --resume to start a new run"
         )
     if old and not resume and not _proven(run_dir, earlier_lock):
-        raise ConfigError(
-            f"{run_dir} holds {_shown(old)}, named like a run's files but with no mark of a "
-            f"run (no {LOCK_FILE} or {RUN_FILE} of nemo-moe-metrics, no logged step), so "
-            f"they are not deleted: remove them yourself, or {ELSEWHERE}"
-        )
+        raise ConfigError(_unproven(run_dir, old))
     try:
         refuse_logged_run(
             run_dir,
@@ -223,6 +231,14 @@ def _has_run_json(run_dir: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and "run_id" in data and "run_name" in data
+
+
+def _unproven(run_dir: Path, old: list[str]) -> str:
+    return (
+        f"{run_dir} holds {_shown(old)}, named like a run's files but with no mark of a "
+        f"run (no {LOCK_FILE} or {RUN_FILE} of nemo-moe-metrics, no logged step), so "
+        f"they are not deleted: remove them yourself, or {ELSEWHERE}"
+    )
 
 
 def _shown(names: list[str]) -> str:

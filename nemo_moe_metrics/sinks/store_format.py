@@ -117,9 +117,12 @@ class RecordHeader:
         :mod:`nemo_moe_metrics.limits`, a step above 2**53-1), or None: said, never decoded, so
         no table its header declares is ever allocated."""
         if self.step > MAX_STEP:
-            return f"a record names step {self.step:,}, above 2**53-1 (no run logs that many)"
+            return (
+                f"a record names step {self.step:,}, above 2**53-1 (no run logs that many): it "
+                "is skipped unread"
+            )
         try:
-            check_shape(self.layers, self.experts, f"step {self.step}", "the record is skipped")
+            check_shape(self.layers, self.experts, f"step {self.step}", "it is skipped unread")
         except LimitError as err:
             return str(err)
         return None

@@ -167,7 +167,7 @@ def _index(
     superseded: list[int] = []
     refused = [e for e in scan.entries if e.refusal]
     for e in refused[:3]:
-        say(f"{e.refusal}: skipped, nothing of it read")
+        say(str(e.refusal))
     if len(refused) > 3:
         say(f"{len(refused) - 3} more record(s) above the limits skipped")
     for e in scan.entries:
