@@ -200,6 +200,13 @@ def read_sglang_dump(path: Path) -> SglangDump:
             f"{path}: layer {la} expert {e} sums to {float(floats[la, e]):.3e} tokens over the "
             f"{passes} passes, above the 2**53 a stored count may hold; dump a shorter window"
         )
+    layer_sums = floats.sum(dim=1)
+    if layer_sums.numel() and float(layer_sums.max()) >= COUNT_BOUND:
+        la = int(torch.argmax(layer_sums))
+        raise SglangDumpError(
+            f"{path}: layer {la}'s counts sum to {float(layer_sums[la]):.3e} tokens over the "
+            f"{passes} passes, above the 2**53 a stored step may hold; dump a shorter window"
+        )
     counts = count.sum(dim=0, dtype=torch.int64).numpy()  # exact: every sum is below 2**53
     return SglangDump(path, (passes, layers, experts), counts)
 

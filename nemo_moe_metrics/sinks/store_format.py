@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics.limits import MAX_STEP, LimitError, check_shape
+from nemo_moe_metrics.limits import COUNT_BOUND, MAX_STEP, LimitError, check_shape
 
 STORE_FILE = "expert_loads.bin"
 #: The rollout engine's own expert loads: a second store of the same format beside training's
@@ -347,6 +347,15 @@ def decode_record(
     for k in range(e.itemsize - 2, -1, -1):
         flat <<= 8
         flat |= planes[k]
+    if e.itemsize == 8 and counts.size:
+        # Every count is below 2**53; so must a layer's step be, or its row sums could wrap.
+        rows = counts.sum(axis=1, dtype=np.float64)
+        if rows.max() >= COUNT_BOUND:
+            row = int(np.argmax(rows))
+            raise StoreCountError(
+                f"step {e.step}: layer {int(layer_ids[row])}'s counts sum to {rows[row]:.4g} "
+                "tokens, above 2**53-1 (no step routes that many): the record is skipped"
+            )
     return layer_ids, counts, widths
 
 

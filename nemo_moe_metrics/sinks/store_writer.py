@@ -17,7 +17,13 @@ from typing import Any
 import numpy as np
 
 from nemo_moe_metrics.expert_table import ExpertTable
-from nemo_moe_metrics.limits import MAX_STEP, LimitError, check_shape, first_over
+from nemo_moe_metrics.limits import (
+    COUNT_BOUND,
+    MAX_STEP,
+    LimitError,
+    check_shape,
+    first_over,
+)
 from nemo_moe_metrics.metric_names import EXPERT_LOADS
 from nemo_moe_metrics.sinks.base import Metrics
 from nemo_moe_metrics.sinks.store_format import (
@@ -152,6 +158,13 @@ class ExpertLoadStore:
                 f"step {step}: layer {int(ids[row])} expert {expert} has a count of "
                 f"{int(arr[row, expert]):,}, above 2**53-1 (no step routes that many tokens; "
                 "larger counts would not read back exactly)"
+            )
+        rows = arr.sum(axis=1, dtype=np.float64) if arr.size else np.zeros(0)
+        if rows.size and rows.max() >= COUNT_BOUND:
+            row = int(np.argmax(rows))
+            raise StoreError(
+                f"step {step}: layer {int(ids[row])}'s counts sum to {rows[row]:.4g} tokens, "
+                "above 2**53-1 (no step routes that many; sums of them would not stay exact)"
             )
         try:
             check_shape(*arr.shape, f"step {step}", "store fewer layers or experts per step")
