@@ -44,7 +44,8 @@ __all__ = ["SglangDump", "SglangDumpError", "ingest_sglang_dump", "read_sglang_d
 
 _KNOWN_KEYS = {"logical_count", "rank", "average_utilization_rate_over_window"}
 _ZIP_MAGIC = b"PK\x03\x04"
-_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.<>]+)")
+# How torch names the global its weights-only unpickler refused (two wordings so far).
+_GLOBAL = re.compile(r"(?:Unsupported global: |unsupported )GLOBAL ([\w.<>]+)")
 _FIX = "dump it with SGLang's /dump_expert_distribution_record and --expert-distribution-recorder-mode stat"
 
 
@@ -132,8 +133,11 @@ def _load(path: Path) -> Any:
                 f"refused before anything in it ran; only tensors and plain containers are "
                 f"read. {_FIX}"
             ) from None
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise SglangDumpError(f"{what}: it cannot be loaded safely ({first}); {_FIX}") from None
+        # Not torch's own words: they advise weights_only=False, which would run the code.
+        raise SglangDumpError(
+            f"{what}: it holds more than tensors and plain containers, so it was refused "
+            f"before anything in it ran; {_FIX}"
+        ) from None
     except Exception as err:  # noqa: BLE001  # torch's readers raise many kinds on bad input
         first = str(err).strip().splitlines()[0] if str(err).strip() else "no detail"
         raise SglangDumpError(

@@ -68,11 +68,14 @@ def check_before_lock(run_dir: Path, *, resume: bool = False, overwrite: bool = 
     old = [name for name in entries if name != LOCK_FILE]
     if RunDirLock.probe(run_dir) is not None:
         return
-    if resume and old and not logged_run(run_dir):
+    earlier = read_earlier_lock(run_dir)
+    if resume and old and not (logged_run(run_dir) and _proven(run_dir, earlier)):
         foreign = [name for name in old if not is_run_file(name)]
         what = f"files no run wrote ({_shown(foreign)})" if foreign else "a run that logged no step"
+        if not foreign and logged_run(run_dir):  # records, but none of them a run's
+            what = f"{_shown(old)}, with no mark of a run ({LOCK_FILE}, {RUN_FILE} or a step)"
         raise ConfigError(f"--resume: {run_dir} holds {what}; drop --resume to start a new run")
-    if old and not resume and not _proven(run_dir, read_earlier_lock(run_dir)):
+    if old and not resume and not _proven(run_dir, earlier):
         raise ConfigError(_unproven(run_dir, old))
 
 
