@@ -54,9 +54,11 @@ def test_a_record_declaring_16384_x_16384_is_skipped_in_bounded_memory(huge_run,
 
 def test_the_writer_keeps_a_record_above_the_limits_and_never_writes_one(huge_run, tmp_path):
     before = fingerprint(huge_run)
-    with ExpertLoadStore(store_path(huge_run), fsync=False) as store:  # opens, cuts nothing
-        with pytest.raises(StoreError, match="NEMO_MOE_METRICS_MAX_CELLS"):
-            store.append(5, range(600), np.zeros((600, 600), np.int64))
+    with (
+        ExpertLoadStore(store_path(huge_run), fsync=False) as store,  # opens, cuts nothing
+        pytest.raises(StoreError, match="NEMO_MOE_METRICS_MAX_CELLS"),
+    ):
+        store.append(5, range(600), np.zeros((600, 600), np.int64))
     assert fingerprint(huge_run) == before
     skipped: list[str] = []
     steps = [s.step for s in read_expert_loads(store_path(huge_run), skipped=skipped)]
