@@ -198,8 +198,8 @@ class Timeline:
             before = _experts_text(self.widths, self.heat.shape[1] if self.heat is not None else 0)
             raise ReportError(
                 f"step {int(block.steps[0])} has MoE layers {_short(ids)} x {now} experts but "
-                f"step {self.steps[0]} had {_short(self.layer_ids)} x {before}; the model "
-                "changed within the run: report each part on its own with --steps FIRST:LAST"
+                f"step {self.steps[0]} had {_short(self.layer_ids)} x {before}; the "
+                "model changed within the run: report each part on its own with --steps FIRST:LAST"
             )
         first = self.steps[0] if self.steps else int(block.steps[0])
         try:
