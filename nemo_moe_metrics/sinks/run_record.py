@@ -56,15 +56,11 @@ ELSEWHERE = "choose another directory (--output-dir DIR, or the override name=NE
 def check_before_lock(run_dir: Path, *, resume: bool = False, overwrite: bool = False) -> None:
     """Refuse, before its lock file is created in it, a directory that is not a run's (entries
     a run does not write, or links among its own)."""
-    if resume and overwrite:
-        raise ConfigError("--resume and --overwrite exclude each other; pass one of them")
-    entries = _entries(run_dir)
-    _refuse_links(run_dir)
-    if not resume:
-        _refuse_foreign(run_dir, entries, overwrite)
+    entries = _check_entries(run_dir, resume=resume, overwrite=overwrite)
     # What prepare_run_dir would refuse without the lock's help, refused before the lock file
     # exists, so a refusal leaves no .run.lock in a directory that holds no run. (A live run
-    # holding the lock is left to the lock, which names it.)
+    # holding the lock is left to the lock, which names it. Never called holding the lock:
+    # probing from the process that holds it would drop its POSIX lock.)
     old = [name for name in entries if name != LOCK_FILE]
     if RunDirLock.probe(run_dir) is not None:
         return
@@ -77,6 +73,18 @@ def check_before_lock(run_dir: Path, *, resume: bool = False, overwrite: bool = 
         raise ConfigError(f"--resume: {run_dir} holds {what}; drop --resume to start a new run")
     if old and not resume and not _proven(run_dir, earlier):
         raise ConfigError(_unproven(run_dir, old))
+
+
+def _check_entries(run_dir: Path, *, resume: bool, overwrite: bool) -> list[str]:
+    """The directory's entries, after refusing links among a run's own and (unless resuming)
+    entries a run does not write."""
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other; pass one of them")
+    entries = _entries(run_dir)
+    _refuse_links(run_dir)
+    if not resume:
+        _refuse_foreign(run_dir, entries, overwrite)
+    return entries
 
 
 def prepare_run_dir(
@@ -92,7 +100,7 @@ def prepare_run_dir(
     (:attr:`~nemo_moe_metrics.run_dir.RunDirLock.previous`), whose mark says a run started here. Call it
     holding the directory's lock (the lock file is kept), then mark the lock
     (:meth:`~nemo_moe_metrics.run_dir.RunDirLock.mark_run`) before the run starts."""
-    check_before_lock(run_dir, resume=resume, overwrite=overwrite)
+    _check_entries(run_dir, resume=resume, overwrite=overwrite)  # held: no probe of the lock
     entries = _entries(run_dir)
     old = [name for name in entries if name != LOCK_FILE]
     logged = logged_run(run_dir) if old else []
