@@ -139,10 +139,17 @@ def _is_run_dir(directory: Path) -> bool:
     return bool(entries) and all(is_run_file(name) for name in entries)
 
 
-def check_run_dir(run_dir: Path, *, option: str, create: bool = False) -> Path:
+def check_run_dir(
+    run_dir: Path,
+    *,
+    option: str,
+    create: bool = False,
+    fix: str = "name the run directory (or a new path, where the command may start one)",
+) -> Path:
     """``run_dir`` when a command may write a run's own file into it: a run directory (only a
     run's entries, none of them a link); with ``create``, also a path that does not exist yet
-    or an empty directory (made here). Else :class:`OutputError` naming what is in the way."""
+    or an empty directory (made here). Else :class:`OutputError` naming what is in the way
+    and ``fix``, the way on."""
     run_dir = Path(run_dir)
     where = f"{option} {run_dir}"
     if os.path.lexists(run_dir) and not run_dir.is_dir():
@@ -168,8 +175,7 @@ def check_run_dir(run_dir: Path, *, option: str, create: bool = False) -> Path:
         )
         raise OutputError(
             f"{where} is not a run directory: it holds {shown}, which no run writes, and a "
-            "command writes only into a run's own directory; name the run directory (or a "
-            "new path, where the command may start one)"
+            f"command writes only into a run's own directory; {fix}"
         )
     links = linked_run_files(run_dir)
     if links:

@@ -179,7 +179,11 @@ def _outputs(args: argparse.Namespace) -> dict[str, Path]:
         seen[key] = opt
         check_new_file(path, option=opt, force=args.force)
     if args.sweep and "--sweep-out" not in named:
-        run_dir = check_run_dir(args.run_dir, option="the run directory (for the sweep picture)")
+        run_dir = check_run_dir(
+            args.run_dir,
+            option="the run directory (for the sweep picture)",
+            fix="name the picture with --sweep-out FILE.png",
+        )
         named["--sweep-out"] = run_dir / SWEEP_FILE
         if (run_dir / SWEEP_FILE).is_symlink():
             raise OutputError(

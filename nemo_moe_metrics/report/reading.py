@@ -107,12 +107,13 @@ def _step(value: Any) -> int:
     real one, as a restart from before the first step)."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int | bytes):
+    if isinstance(value, bool) or not isinstance(value, int | bytes | str):
         raise _Unreadable(f"step {value!r} is not a whole number")
     try:
         step = int(value)
     except ValueError:
-        raise _Unreadable(f"step {value.decode(errors='replace')!r} is not a number") from None
+        shown = value.decode(errors="replace") if isinstance(value, bytes) else value
+        raise _Unreadable(f"step {shown!r} is not a number") from None
     if not 0 <= step <= MAX_STEP:
         raise _Unreadable(f"step {step} is outside 0..2**53-1, so no step a run logs")
     return step
