@@ -29,7 +29,10 @@ loop device that starts failing writes, :class:`FailingDisk`) checks that JSONL,
 and ``run.json`` keep every step logged before a real disk I/O error; ``--hostile-names``
 checks that recipe names that would leave ``--output-dir`` (``..``, ``/abs``, ``""``) are
 refused by ``check`` and ``run`` with nothing written, and that a user's own file in the run
-directory survives ``run`` and ``run --overwrite``.
+directory survives ``run`` and ``run --overwrite``; ``--hostile-inputs`` runs issue 52's
+cases (``benchmarks/hostile_inputs.py``: outputs ``placement`` and ``ingest`` do not own,
+sizes and counts that used to cost gigabytes or wrap, one-line input errors), each through the
+real CLI with the user's files checked byte for byte and the bounded cases' peak memory.
 
 After each fault no process of the job may be left (checked by pid, within 15 s). After the
 last round a final ``--resume`` trains to ``training.max_steps``; then every step must be in
@@ -515,6 +518,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hostile-names", action="store_true", help="also check names that leave --output-dir"
     )
+    parser.add_argument(
+        "--hostile-inputs",
+        action="store_true",
+        help="also run issue 52's hostile inputs (benchmarks/hostile_inputs.py)",
+    )
     parser.add_argument("--max-steps", type=int, default=0, help="default: 6 per round + 4")
     parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args(argv)
@@ -536,6 +544,14 @@ def main(argv: list[str] | None = None) -> int:
         extra_ok &= all(report["hostile_names"].values())
         for case, ok in report["hostile_names"].items():
             print(f"hostile name {case:<28} {'refused, nothing touched' if ok else 'NOT MET'}")
+    if args.hostile_inputs:
+        from benchmarks.hostile_inputs import check_hostile_inputs
+
+        report["hostile_inputs"] = check_hostile_inputs(Path(tempfile.mkdtemp(prefix="nmm_hi_")))
+        for case, r in report["hostile_inputs"].items():
+            extra_ok &= r["ok"]
+            peak = f", peak {r['peak_mb']:.0f} MB" if r["peak_mb"] is not None else ""
+            print(f"hostile input {case:<44} {'met' if r['ok'] else 'NOT MET'}{peak}")
     if args.io_error:
         report["io_error"] = check_io_error()
         if report["io_error"] is None:

@@ -427,10 +427,15 @@ class Recipe(StrictModel):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
 
-    @field_validator("name")
+    @field_validator("name", mode="before")
     @classmethod
-    def _check_name(cls, name: str) -> str:
-        return check_run_name(name)  # the run directory's name: it must not leave --output-dir
+    def _check_name(cls, name: Any) -> Any:
+        # `name=` (an empty override) is YAML's null: say what an empty name is, not its type.
+        if name is None:
+            name = ""
+        if isinstance(name, str):
+            return check_run_name(name)  # the run directory's name: it must not leave --output-dir
+        return name
 
     @model_validator(mode="after")
     def _check_router_replay(self) -> Recipe:
@@ -494,6 +499,39 @@ def recipe_from_dict(
         raise ConfigError(recipe_error_text(err, source, overrides, file_errors)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping (YAML says keys are
+    unique; PyYAML keeps the last silently, so a flag set twice would hide the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"key {key!r} appears twice in one mapping (lines {seen[key]} and {line}); "
+                    "keep one of them",
+                    key_node.start_mark,
+                )
+            if isinstance(key, str | int | float | bool):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error in one line: the problem and its line (not PyYAML's quoted excerpt)."""
+    problem = getattr(err, "problem", None)
+    mark = getattr(err, "problem_mark", None)
+    if not problem:
+        return " ".join(str(err).split())
+    context = getattr(err, "context", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return f"{context + ': ' if context else ''}{problem}{where}"
+
+
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Load a YAML recipe, apply dotted overrides, and validate it.
 
@@ -503,10 +541,19 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"recipe file not found: {path}")
+    raw = path.read_bytes()
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise ConfigError(
+            f"recipe {path} is not UTF-8 text: byte {raw[err.start]:#04x} on line {line}; save "
+            "it as UTF-8 (YAML recipes are UTF-8)"
+        ) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506  # a SafeLoader
     except yaml.YAMLError as err:
-        raise ConfigError(f"recipe {path} is not valid YAML: {err}") from None
+        raise ConfigError(f"recipe {path} is not valid YAML: {_yaml_problem(err)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"recipe {path} must be a mapping at the top level")
     overrides = list(overrides or [])

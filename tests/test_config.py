@@ -157,3 +157,43 @@ def test_python_api_config_errors_are_one_line_each_without_pydantic_links():
         str(err.value)
         == "invalid MetricsConfig:\n  peak_flops_per_gpu: Input should be greater than 0"
     )
+
+
+# --- issue 52: a recipe's input errors, one line each, through `check` -------------------------
+
+_TINY = Path(__file__).resolve().parent.parent / "examples" / "configs" / "sft_moe_tiny.yaml"
+
+
+def _check_error(capsys, argv: list[str]) -> str:
+    from nemo_moe_metrics.cli import main
+
+    assert main(["check", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Input should be" not in err, err
+    return err
+
+
+def test_a_key_given_twice_in_a_recipe_is_named_with_both_lines(tmp_path, capsys):
+    recipe = tmp_path / "dup.yaml"
+    text = _TINY.read_text()
+    recipe.write_text(text + "\nname: other\n")
+    first = 1 + text.splitlines().index(
+        next(ln for ln in text.splitlines() if ln.startswith("name:"))
+    )
+    last = len(text.splitlines()) + 2
+    err = _check_error(capsys, [str(recipe)])
+    assert f"key 'name' appears twice in one mapping (lines {first} and {last})" in err, err
+    assert str(recipe) in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_recipe_that_is_not_utf8_is_named_with_the_byte_and_line(tmp_path, capsys):
+    recipe = tmp_path / "latin1.yaml"
+    recipe.write_bytes(_TINY.read_bytes() + "# r\xe9sum\xe9\n".encode("latin-1"))
+    lines = len(_TINY.read_bytes().splitlines()) + 1
+    err = _check_error(capsys, [str(recipe)])
+    assert f"recipe {recipe} is not UTF-8 text: byte 0xe9 on line {lines}" in err, err
+
+
+def test_an_empty_name_override_says_what_an_empty_name_is(capsys):
+    err = _check_error(capsys, [str(_TINY), "name="])
+    assert "override 'name=': '' names no directory of its own" in err, err

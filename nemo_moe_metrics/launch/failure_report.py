@@ -3,7 +3,9 @@ ranks' last words when torchrun itself died, a full disk, and where the logs are
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -44,6 +46,8 @@ def failure_report(
             lines.append(f"  then, because of it: {said[0].splitlines()[0]}")
     elif said and not said[0].startswith("no Python exception"):
         lines += said
+    elif log and _ranks_finished(log):
+        lines.append(_launcher_failed(run_dir, log, launch_log))
     elif full:
         lines.append(full)  # the ranks' own errors may be what could not be written
         full = None
@@ -61,6 +65,23 @@ def failure_report(
             lines.append(f"job status: {hint}")
     lines.append(f"launcher log: {launch_log}")
     return "\n".join(lines)
+
+
+def _ranks_finished(log: Path) -> bool:
+    """Whether torchrun's log says every rank ended well (then the launcher failed after)."""
+    return any("WorkerState.SUCCEEDED" in line for line in _tail(log, 40))
+
+
+def _launcher_failed(run_dir: Path, log: Path, launch_log: Path) -> str:
+    """Every rank finished, then nemo-run failed: the error its log names, and where."""
+    found = re.findall(r"\[Errno (\d+)\]", "\n".join(_tail(launch_log, 200)))
+    code = int(found[-1]) if found else 0
+    why = f": {os.strerror(code)} ({errno.errorcode.get(code, '?')})" if code else ""
+    return (
+        f"no rank failed: every rank finished its steps ({log} says the worker group "
+        f"succeeded); then the launcher (nemo-run) failed writing its job state in "
+        f"{run_dir / NEMORUN_DIR} or {launch_log}{why}"
+    )
 
 
 def _tail(path: Path, n: int) -> list[str]:

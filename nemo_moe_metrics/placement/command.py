@@ -5,16 +5,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from nemo_moe_metrics.limits import check_step
 from nemo_moe_metrics.placement.engines import sglang_init_expert_location, vllm_eplb_config
 from nemo_moe_metrics.placement.loads import WindowLoads, window_loads
 from nemo_moe_metrics.placement.plan import PlacementPlan, SweepRow, build_plan, sweep
-from nemo_moe_metrics.placement.sglang_dump import SglangDumpError, ingest_sglang_dump
+from nemo_moe_metrics.placement.sglang_dump import ingest_sglang_dump
 from nemo_moe_metrics.report.placement import SWEEP_FILE, draw_sweep
+from nemo_moe_metrics.run_dir.outputs import (
+    OutputError,
+    check_new_file,
+    check_run_dir,
+    write_new_file,
+)
 from nemo_moe_metrics.sinks.store import StoreError
 
 __all__ = ["add_ingest_parser", "add_placement_parser", "parse_window", "plan_text", "sweep_text"]
@@ -57,10 +65,34 @@ def add_placement_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep-max", type=int, default=None, help="largest R of --sweep (E)")
     p.add_argument("--out", type=Path, default=None, metavar="PLAN.json", help="write the plan")
     p.add_argument(
+        "--sglang-out",
+        type=Path,
+        default=None,
+        metavar="FILE.json",
+        help="write SGLang's --init-expert-location file of the plan",
+    )
+    p.add_argument(
+        "--vllm-out",
+        type=Path,
+        default=None,
+        metavar="FILE.json",
+        help="write vLLM's --eplb-config (the number of redundant experts)",
+    )
+    p.add_argument(
+        "--sweep-out",
+        type=Path,
+        default=None,
+        metavar="FILE.png",
+        help=f"where --sweep draws its picture (default: {SWEEP_FILE} in the run directory)",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="replace files the --*-out options name that exist"
+    )
+    p.add_argument(
         "--sglang-layers",
         type=int,
         default=None,
-        help="decoder layers of the model, for PLAN.sglang.json (last planned layer + 1)",
+        help="decoder layers of the model, for --sglang-out (last planned layer + 1)",
     )
     p.set_defaults(func=_cmd_placement)
 
@@ -87,7 +119,7 @@ def plan_text(plan: PlacementPlan, loads: WindowLoads, phase: str, max_layers: i
     worst = int(np.argmin(before))
     out = [
         f"{phase} loads, steps {loads.first}–{loads.last} ({loads.steps} logged, "
-        f"{int(loads.weight.sum()):,} expert-tokens): {layers} MoE layers x {experts} experts",
+        f"{loads.total:,} expert-tokens): {layers} MoE layers x {experts} experts",
         f"layout: {g} GPUs on {plan.nodes} node(s), {plan.groups} expert group(s): "
         f"{plan.policy} policy; {r} redundant experts = {experts + r} physical, "
         f"{(experts + r) // g} per GPU",
@@ -123,13 +155,47 @@ def sweep_text(rows: list[SweepRow], layer_ids: np.ndarray) -> str:
     return "\n".join(out)
 
 
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, separators=(",", ":")) + "\n")
+def _json_bytes(data: dict) -> bytes:
+    return (json.dumps(data, separators=(",", ":")) + "\n").encode()
+
+
+def _outputs(args: argparse.Namespace) -> dict[str, Path]:
+    """The files this run of ``placement`` writes, by option, each checked by the output rule
+    (:mod:`nemo_moe_metrics.run_dir.outputs`) before anything is computed."""
+    named = {
+        opt: getattr(args, opt.lstrip("-").replace("-", "_"))
+        for opt in ("--out", "--sglang-out", "--vllm-out", "--sweep-out")
+    }
+    named = {opt: path for opt, path in named.items() if path is not None}
+    if "--sweep-out" in named and not args.sweep:
+        raise OutputError("--sweep-out names the picture of --sweep; pass --sweep too")
+    if args.sglang_layers is not None and "--sglang-out" not in named:
+        raise OutputError("--sglang-layers shapes the --sglang-out file; pass --sglang-out too")
+    seen: dict[str, str] = {}
+    for opt, path in named.items():
+        key = os.path.abspath(path)
+        if key in seen:
+            raise OutputError(f"{opt} and {seen[key]} name the same file {path}; name two files")
+        seen[key] = opt
+        check_new_file(path, option=opt, force=args.force)
+    if args.sweep and "--sweep-out" not in named:
+        run_dir = check_run_dir(
+            args.run_dir,
+            option="the run directory (for the sweep picture)",
+            fix="name the picture with --sweep-out FILE.png",
+        )
+        named["--sweep-out"] = run_dir / SWEEP_FILE
+        if (run_dir / SWEEP_FILE).is_symlink():
+            raise OutputError(
+                f"{run_dir / SWEEP_FILE} is a symbolic link: nothing is written over one; "
+                "remove it, or name the picture with --sweep-out FILE.png"
+            )
+    return named
 
 
 def _cmd_placement(args: argparse.Namespace) -> int:
     try:
+        outputs = _outputs(args)
         loads = window_loads(args.run_dir, args.phase, *args.steps)
         source = {
             "run": str(args.run_dir),
@@ -157,20 +223,21 @@ def _cmd_placement(args: argparse.Namespace) -> int:
             if args.sweep
             else None
         )
-        sglang = sglang_init_expert_location(plan, args.sglang_layers) if args.out else None
-    except (ValueError, StoreError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        sglang = (
+            sglang_init_expert_location(plan, args.sglang_layers)
+            if "--sglang-out" in outputs
+            else None
+        )
+    except (ValueError, StoreError, OSError) as err:
+        print(f"error: {_one_line(err)}", file=sys.stderr)
         return 2
     for text in loads.skipped:
         print(f"skipped: {text}")
     print(plan_text(plan, loads, args.phase))
+    files: dict[str, bytes] = {}
     if rows is not None:
         print(sweep_text(rows, loads.layer_ids))
-        picture = (args.out.parent if args.out else Path(args.run_dir)) / SWEEP_FILE
-        title = f"{args.phase} loads, G={args.ep_size}"
-        today = float(plan.balancedness_before.mean())
-        print(draw_sweep(picture, rows, loads.layer_ids, title, today))
-    if args.out is not None:
+    if "--out" in outputs:
         data = plan.to_json()
         if rows is not None:
             data["sweep"] = [
@@ -181,36 +248,56 @@ def _cmd_placement(args: argparse.Namespace) -> int:
                 }
                 for r in rows
             ]
-        stem = args.out.with_suffix("")
-        files = {
-            args.out: data,
-            Path(f"{stem}.sglang.json"): sglang,
-            Path(f"{stem}.vllm_eplb_config.json"): vllm_eplb_config(plan.redundant_experts),
-        }
-        for path, content in files.items():
-            _write_json(path, content)
-        print(
-            f"wrote {args.out}; {stem}.sglang.json (SGLang --init-expert-location, with "
-            f"--ep-num-redundant-experts {plan.redundant_experts}); {stem}.vllm_eplb_config.json "
-            "(vLLM --enable-eplb --eplb-config: vLLM places the experts itself)"
-        )
+        files["--out"] = _json_bytes(data)
+    if sglang is not None:
+        files["--sglang-out"] = _json_bytes(sglang)
+    if "--vllm-out" in outputs:
+        files["--vllm-out"] = _json_bytes(vllm_eplb_config(plan.redundant_experts))
+    try:
+        for opt, data in files.items():
+            write_new_file(outputs[opt], data, force=args.force)
+            print(f"wrote {outputs[opt]} ({_WHAT[opt].format(r=plan.redundant_experts)})")
+        if rows is not None:
+            picture = outputs["--sweep-out"]
+            title = f"{args.phase} loads, G={args.ep_size}"
+            today = float(plan.balancedness_before.mean())
+            print(draw_sweep(picture, rows, loads.layer_ids, title, today))
+    except (OSError, ValueError) as err:
+        print(f"error: {_one_line(err)}", file=sys.stderr)
+        return 2
     return 0
 
 
+#: What each file is, as ``placement`` says when it wrote one.
+_WHAT = {
+    "--out": "the plan",
+    "--sglang-out": "SGLang --init-expert-location, with --ep-num-redundant-experts {r}",
+    "--vllm-out": "vLLM --enable-eplb --eplb-config: vLLM places the experts itself",
+}
+
+
+def _one_line(err: BaseException) -> str:
+    """An error as one line, naming the file (a path, never a descriptor number)."""
+    if isinstance(err, OSError) and not isinstance(err, OutputError):
+        where = err.filename if isinstance(err.filename, str) else ""
+        text = f"{where + ': ' if where else ''}{err.strerror or err}"
+    else:
+        text = str(err)
+    return " ".join(text.split())
+
+
 def _cmd_ingest(args: argparse.Namespace) -> int:
-    if args.step < 0:
-        print(f"error: --step must be >= 0, got {args.step}", file=sys.stderr)
-        return 2
     try:
+        check_step(args.step, "--step")
         dump, dropped = ingest_sglang_dump(args.dump, args.run, args.step)
-    except (SglangDumpError, StoreError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except (ValueError, StoreError, OSError) as err:
+        print(f"error: {_one_line(err)}", file=sys.stderr)
         return 2
-    passes, layers, experts = dump.logical_count.shape
+    passes, layers, experts = dump.shape
     note = f"; layers without tokens left out: {dropped}" if dropped else ""
     print(
         f"stored {args.dump.name} as rollout step {args.step} of {args.run}: {passes} passes, "
         f"{layers - len(dropped)} MoE layers x {experts} experts, "
-        f"{int(dump.logical_count.sum()):,} expert-tokens{note}"
+        f"{dump.total:,} expert-tokens{note}"
     )
     return 0

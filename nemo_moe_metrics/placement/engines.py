@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from nemo_moe_metrics.limits import LAYERS
 from nemo_moe_metrics.placement.plan import PlacementPlan
 
 __all__ = ["sglang_init_expert_location", "vllm_eplb_config"]
@@ -37,6 +38,7 @@ def sglang_init_expert_location(plan: PlacementPlan, num_layers: int | None = No
             f"--sglang-layers {num_layers} does not cover the planned layers (up to "
             f"{max(ids)}); pass the model's number of decoder layers"
         )
+    LAYERS.check(num_layers, f"--sglang-layers {num_layers}", "pass the model's decoder layers")
     physical = plan.physical_to_logical.shape[1]
     experts = plan.weight.shape[1]
     trivial = (np.arange(physical) % experts).tolist()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nemo_moe_metrics.limits import SUM_BOUND
 from nemo_moe_metrics.sinks.store import read_expert_load_blocks, store_path
 
 __all__ = ["WindowLoads", "window_loads"]
@@ -30,6 +31,11 @@ class WindowLoads:
     first: int
     last: int
     skipped: list[str]
+
+    @property
+    def total(self) -> int:
+        """Every expert-token of the window, summed exactly (Python integers: no wrap)."""
+        return sum(int(row.sum()) for row in self.weight)
 
 
 def _sum_block(steps: np.ndarray, ids: np.ndarray, counts: np.ndarray, widths: np.ndarray):
@@ -77,9 +83,17 @@ def window_loads(
                 )
             acc = totals.get(layer)
             if acc is None:
-                totals[layer] = summed[row, :width].astype(np.int64)
+                acc = totals[layer] = summed[row, :width].astype(np.int64)
             else:
                 acc += summed[row, :width]
+            # Each count is below 2**53 (the store refuses more), so a block of 64 steps adds
+            # less than 2**59: a layer kept below 2**62 cannot wrap on the next block.
+            if float(acc.sum(dtype=np.float64)) >= SUM_BOUND:
+                raise ValueError(
+                    f"{path}: layer {layer}'s tokens summed over steps {lo}–{b_last} pass 2**62 "
+                    f"at step {b_last} (more than any run routes); plan from a window of "
+                    "fewer steps (--steps) or check the store's counts"
+                )
     if not totals:
         span = f"steps {first if first is not None else '…'}–{last if last is not None else '…'}"
         raise ValueError(f"no stored {phase} step in {span} of {path}; widen --steps")

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from nemo_moe_metrics.limits import PER_GPU, REDUNDANCY, LimitError
 from nemo_moe_metrics.placement.eplb import (
     check_layout,
     rebalance_experts,
@@ -34,6 +35,8 @@ __all__ = [
     "SweepRow",
     "balancedness",
     "build_plan",
+    "check_ep_size",
+    "check_redundancy",
     "contiguous_placement",
     "extend_placement",
     "monotone_placements",
@@ -82,13 +85,42 @@ def balancedness(loads: np.ndarray) -> np.ndarray:
     return out
 
 
-def contiguous_placement(num_layers: int, num_experts: int, num_gpus: int) -> np.ndarray:
-    """Today's placement without redundant experts: expert ``e`` on GPU ``e // (E/G)``."""
-    if num_experts % num_gpus:
+def check_ep_size(num_experts: int, num_gpus: int) -> None:
+    """ValueError naming ``--ep-size`` unless ``num_gpus`` divides ``num_experts`` (expert
+    parallelism needs it; checked before anything else about the layout, so that no other
+    suggestion leads to a size this refuses)."""
+    if num_gpus < 1 or num_experts % num_gpus:
+        divisors = [g for g in range(1, num_experts + 1) if num_experts % g == 0]
+        shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
         raise ValueError(
             f"{num_experts} experts do not divide over --ep-size {num_gpus} GPUs (expert "
-            f"parallelism needs it); pass a divisor of {num_experts}"
+            f"parallelism needs it); pass a divisor of {num_experts}: {shown}"
         )
+
+
+def check_redundancy(num_experts: int, num_gpus: int, redundant: int, option: str) -> None:
+    """Bound the redundant experts ``option`` asks for before any plan is computed: at most
+    :data:`~nemo_moe_metrics.limits.REDUNDANCY` per logical expert and
+    :data:`~nemo_moe_metrics.limits.PER_GPU` per GPU (a plan computes one EPLB placement per
+    redundant expert per GPU); ValueError naming the limit and its variable."""
+    if redundant < 0:
+        raise ValueError(f"{option} must be >= 0, got {redundant}")
+    for limit, per, unit in (
+        (REDUNDANCY, num_experts, f"{num_experts} experts"),
+        (PER_GPU, num_gpus, f"{num_gpus} GPUs"),
+    ):
+        most = limit.value * per
+        if redundant > most:
+            raise LimitError(
+                f"{option} {redundant:,} is above the limit of {most:,} ({limit.value} "
+                f"{limit.what} x {unit}; {limit.why}); pass at most {most:,}, or raise the "
+                f"limit with {limit.env}=N"
+            )
+
+
+def contiguous_placement(num_layers: int, num_experts: int, num_gpus: int) -> np.ndarray:
+    """Today's placement without redundant experts: expert ``e`` on GPU ``e // (E/G)``."""
+    check_ep_size(num_experts, num_gpus)
     return np.broadcast_to(np.arange(num_experts), (num_layers, num_experts)).copy()
 
 
@@ -280,8 +312,8 @@ def build_plan(
     """EPLB's plan for ``weight [L, E]`` and the contiguous placement it replaces."""
     weight = np.asarray(weight)
     layers, experts = weight.shape
-    if redundant_experts < 0:
-        raise ValueError(f"--redundant-experts must be >= 0, got {redundant_experts}")
+    check_ep_size(experts, ep_size)
+    check_redundancy(experts, ep_size, redundant_experts, "--redundant-experts")
     physical = experts + redundant_experts
     check_layout(experts, physical, groups, nodes, ep_size)
     before = contiguous_placement(layers, experts, ep_size)
@@ -313,10 +345,10 @@ class SweepRow:
 
 def sweep_redundancies(num_experts: int, ep_size: int, most: int | None = None) -> list[int]:
     """``R = 0, G, 2G, ...`` up to ``most`` (default: ``E``, one extra copy per expert on
-    average)."""
-    most = num_experts if most is None else most
-    if most < 0:
-        raise ValueError(f"--sweep-max must be >= 0, got {most}")
+    average, or as far as :data:`~nemo_moe_metrics.limits.PER_GPU` allows ``G`` GPUs)."""
+    most = min(num_experts, PER_GPU.value * max(ep_size, 1)) if most is None else most
+    check_ep_size(num_experts, ep_size)
+    check_redundancy(num_experts, ep_size, most, "--sweep-max")
     return list(range(0, most + 1, ep_size))
 
 

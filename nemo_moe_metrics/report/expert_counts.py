@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.report.reading import Line, Window, read_line
+from nemo_moe_metrics.limits import COUNT_BOUND, first_over
+from nemo_moe_metrics.report.reading import Line, ReportError, Window, read_line
 from nemo_moe_metrics.report.timeline import prepare_block
 from nemo_moe_metrics.sinks.store import (
     read_expert_load_blocks,
@@ -66,7 +67,21 @@ def jsonl_table_counts(
             rows = read_line(f, line).get(mn.EXPERT_LOADS)
             if not rows:
                 continue
-            layer_ids, counts, widths = table_to_counts_and_widths(rows)
+            try:
+                layer_ids, counts, widths = table_to_counts_and_widths(rows)
+            except (OverflowError, ValueError, TypeError) as err:
+                raise ReportError(
+                    f"{path}: the moe/expert_loads table of step {line.step} is not "
+                    f"one of counts ({err})"
+                ) from None
+            if first_over(counts) is not None or (
+                counts.size and counts.sum(axis=1, dtype=np.float64).max() >= COUNT_BOUND
+            ):
+                raise ReportError(
+                    f"{path}: the moe/expert_loads table of step {line.step} holds a count "
+                    "outside 0..2**53-1 (or a layer summing above it); no step routes that many: "
+                    "report the steps around it with --steps FIRST:LAST"
+                )
             uniform = int(widths.min()) == counts.shape[1]
             if uniform and num_experts and counts.shape[1] < num_experts:
                 counts = np.pad(counts, ((0, 0), (0, num_experts - counts.shape[1])))

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.limits import MAX_STEP
 from nemo_moe_metrics.run_dir.names import METRICS_FILE as METRICS_FILE
 from nemo_moe_metrics.run_dir.names import RUN_FILE as RUN_FILE
 from nemo_moe_metrics.sinks.alerts import recorded_alerts
@@ -63,16 +64,25 @@ class Line:
     has_alerts: bool = False
 
 
+class _Unreadable(ValueError):
+    """A line that is no step record; the message says why, in a few words."""
+
+
 def _parse_line(raw: bytes, offset: int) -> Line:
-    """Step, tokens, seconds of one line; ValueError/KeyError/TypeError when it is torn."""
+    """Step, tokens, seconds of one line; :class:`_Unreadable` (or ValueError, KeyError,
+    TypeError) when it is torn or no step record."""
     line = raw.rstrip()
     if not (line.startswith(b"{") and line.endswith(b"}")):
-        raise ValueError("not a whole JSON object")
+        raise _Unreadable("not a whole JSON object (torn by a crash?)")
+    try:
+        line.decode("utf-8")  # later readers json.loads the line: it must be text
+    except UnicodeDecodeError as err:
+        raise _Unreadable(f"not UTF-8 text (byte {line[err.start]:#04x} at {err.start})") from None
     if line.startswith(_STEP_PREFIX):
         # The JSONL sink's layout: {"step":N,"key":value,...} with no spaces. Finding three
         # keys costs microseconds where json.loads of a 1,000-key line costs a millisecond.
         comma = line.find(b",")
-        step = int(line[len(_STEP_PREFIX) : comma if comma >= 0 else len(line) - 1])
+        step = _step(line[len(_STEP_PREFIX) : comma if comma >= 0 else len(line) - 1])
         return Line(
             step,
             offset,
@@ -83,13 +93,30 @@ def _parse_line(raw: bytes, offset: int) -> Line:
         )
     record = json.loads(line)  # written by something else: parse it properly
     return Line(
-        int(record["step"]),
+        _step(record["step"]),
         offset,
         record.get(mn.TOKENS),
         record.get(mn.SECONDS),
         mn.EXPERT_LOADS in record,
         "alerts" in record,
     )
+
+
+def _step(value: Any) -> int:
+    """A line's step: a whole number in 0..2**53-1 (a negative step would supersede every
+    real one, as a restart from before the first step)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int | bytes | str):
+        raise _Unreadable(f"step {value!r} is not a whole number")
+    try:
+        step = int(value)
+    except ValueError:
+        shown = value.decode(errors="replace") if isinstance(value, bytes) else value
+        raise _Unreadable(f"step {shown!r} is not a number") from None
+    if not 0 <= step <= MAX_STEP:
+        raise _Unreadable(f"step {step} is outside 0..2**53-1, so no step a run logs")
+    return step
 
 
 def _drop_restarted(records: list[Any], step: int) -> list[int]:
@@ -119,6 +146,7 @@ def scan_jsonl(
     later line logged again) is said in ``skipped`` when given, else in a warning."""
     lines: list[Line] = []
     torn: list[int] = []
+    why: list[str] = []
     offset = 0
     said: list[str] = []
     with path.open("rb") as f:
@@ -128,8 +156,10 @@ def scan_jsonl(
                 continue
             try:
                 line = _parse_line(raw, start)
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError) as err:
                 torn.append(number)  # a line cut short by a crash; the completed ones are good
+                if isinstance(err, _Unreadable) and len(why) < 3:
+                    why.append(f"line {number}: {err}")
                 continue
             dropped = _drop_restarted(lines, line.step)
             if dropped:
@@ -141,10 +171,8 @@ def scan_jsonl(
             lines.append(line)
     if torn:
         shown = ", ".join(map(str, torn[:5])) + (", ..." if len(torn) > 5 else "")
-        said.insert(
-            0,
-            f"{path.name}: skipped {len(torn)} unreadable line(s) (line {shown}: torn by a crash?)",
-        )
+        reasons = "; ".join(why) if why else f"line {shown}: torn by a crash?"
+        said.insert(0, f"{path.name}: skipped {len(torn)} unreadable line(s) ({reasons})")
     for text in said:
         if skipped is not None:
             skipped.append(text)

@@ -45,6 +45,8 @@ from nemo_moe_metrics.report.reading import (
 )
 from nemo_moe_metrics.report.router_health_section import router_health_report_lines
 from nemo_moe_metrics.report.timeline import Timeline
+from nemo_moe_metrics.run_dir.names import PICTURES
+from nemo_moe_metrics.run_dir.outputs import OutputError, check_picture_dir
 from nemo_moe_metrics.sinks.alerts import summarize_alerts
 from nemo_moe_metrics.sinks.store import (
     FILE_HEADER_SIZE,
@@ -167,7 +169,7 @@ def render_report(
             f"no logged step in {window_text(steps)}; the log has steps {seen[0]}..{seen[1]}"
         )
     if draw:
-        _make_out_dir(out_dir)
+        _make_out_dir(out_dir, run_dir)
     first, last = lines_[0].step, lines_[-1].step
     span = f"step {first}" if first == last else f"steps {first}–{last} ({len(lines_)} logged)"
     out = [f"run {run.name}: {span}"]
@@ -363,21 +365,16 @@ def _runs_below(folder: Path, limit: int) -> list[Path]:
     return found[:limit]
 
 
-def _make_out_dir(out_dir: Path) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ReportError(
-            f"cannot write the pictures into {out_dir}: it is a file, not a directory"
-        )
+def _make_out_dir(out_dir: Path, run_dir: Path) -> None:
+    """The run directory, or an ``--out DIR`` checked by the output rule (no picture replaces
+    a file of a directory that is not a run's or an earlier report's, nor a link)."""
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / ".nemo_moe_metrics_write_test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as err:
-        raise ReportError(
-            f"cannot write the pictures into {out_dir}: {err.strerror or err}; "
-            "choose a writable directory"
-        ) from None
+        if out_dir.resolve() == run_dir.resolve():
+            check_picture_dir(out_dir, [])
+        else:
+            check_picture_dir(out_dir, PICTURES)
+    except OutputError as err:
+        raise ReportError(str(err)) from None
 
 
 def _draw(draw: bool, render: Any, *args: Any, **kwargs: Any) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from nemo_moe_metrics.limits import SUM_BOUND
 from nemo_moe_metrics.moe.load_over_steps import (
     DeadStreaks,
     entropy_from_counts,
@@ -20,6 +21,22 @@ from nemo_moe_metrics.report.reading import ReportError
 _MAX_BINS = 512
 # ... and at most this much memory for them, whatever the model's shape.
 _BIN_BYTES = 256 << 20
+
+
+class _Overflow(ValueError):
+    """A sum of counts over steps that passed 2**62: ``row`` (a layer's row) and ``step``."""
+
+    def __init__(self, row: int, step: int) -> None:
+        super().__init__(row, step)
+        self.row, self.step = row, step
+
+
+def _room(sums: np.ndarray, step: int) -> None:
+    """:class:`_Overflow` when a layer's row of ``sums [L, E]`` reached 2**62: one more
+    block (each count below 2**53, a block of steps below 2**59) could then wrap int64."""
+    rows = sums.sum(axis=-1, dtype=np.float64)
+    if rows.size and rows.max() >= SUM_BOUND:
+        raise _Overflow(int(np.argmax(rows)), step)
 
 
 class StepBins:
@@ -73,10 +90,17 @@ class StepBins:
             self.last[b] = steps[i + n - 1]
             self.size[b] += n
             i += n
+            _room(self.sums[b], int(self.last[b]))
 
     def _halve(self) -> None:
         h = self.n // 2
         self.sums[:h] = self.sums[0::2] + self.sums[1::2]
+        for b in range(h):
+            _room(self.sums[b], int(self.last[2 * b + 1]))
+        self._merge_steps(h)
+
+    def _merge_steps(self, h: int) -> None:
+
         self.first[:h] = self.first[0::2]
         self.last[:h] = self.last[1::2]
         self.size[:h] = self.size[0::2] + self.size[1::2]
@@ -173,10 +197,22 @@ class Timeline:
             now = _experts_text(block.widths, counts.shape[2])
             before = _experts_text(self.widths, self.heat.shape[1] if self.heat is not None else 0)
             raise ReportError(
-                f"step {int(block.steps[0])} has MoE layers {ids} x {now} experts but step "
-                f"{self.steps[0]} had {self.layer_ids} x {before}; the "
+                f"step {int(block.steps[0])} has MoE layers {_short(ids)} x {now} experts but "
+                f"step {self.steps[0]} had {_short(self.layer_ids)} x {before}; the "
                 "model changed within the run: report each part on its own with --steps FIRST:LAST"
             )
+        first = self.steps[0] if self.steps else int(block.steps[0])
+        try:
+            self._accumulate(block)
+        except _Overflow as err:
+            raise ReportError(
+                f"layer {ids[err.row]}'s tokens summed over steps {first}–{err.step} pass 2**62 "
+                "(more than any run routes): report a shorter window with --steps FIRST:LAST, "
+                "or check the store's counts"
+            ) from None
+
+    def _accumulate(self, block: Block) -> None:
+        ids, counts = block.layer_ids, block.counts
         self.moi.extend(block.moi)
         if self._prev is not None:
             self.drift.append(js_from_shares(*self._prev, *block.first))
@@ -185,6 +221,7 @@ class Timeline:
         if self.keep_sum:
             summed = counts.sum(axis=0)
             self.heat = summed if self.heat is None else self.heat + summed
+            _room(self.heat, int(block.steps[-1]))
         else:
             self.heat = counts[-1].copy()
         assert self.bins is not None and self.streaks is not None
@@ -204,5 +241,14 @@ def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
     return a is b or (a is not None and b is not None and np.array_equal(a, b))
 
 
+def _short(values: Any, most: int = 8) -> str:
+    """``[1, 2, 3, ..., 94] (94)``: a list shown in a bounded line, whatever its length."""
+    values = [int(v) for v in values]
+    if len(values) <= most:
+        return str(values)
+    head = ", ".join(map(str, values[: most - 1]))
+    return f"[{head}, ..., {values[-1]}] ({len(values)})"
+
+
 def _experts_text(widths: np.ndarray | None, n_experts: int) -> str:
-    return str(n_experts) if widths is None else str(widths.tolist())
+    return str(n_experts) if widths is None else _short(widths.tolist())

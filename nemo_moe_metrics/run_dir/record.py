@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from nemo_moe_metrics.config import ConfigError
-from nemo_moe_metrics.run_dir.lock import Holder
+from nemo_moe_metrics.run_dir.lock import Holder, RunDirLock, read_earlier_lock
 from nemo_moe_metrics.run_dir.names import (
     LOCK_FILE,
     METRICS_FILE,
@@ -56,12 +56,35 @@ ELSEWHERE = "choose another directory (--output-dir DIR, or the override name=NE
 def check_before_lock(run_dir: Path, *, resume: bool = False, overwrite: bool = False) -> None:
     """Refuse, before its lock file is created in it, a directory that is not a run's (entries
     a run does not write, or links among its own)."""
+    entries = _check_entries(run_dir, resume=resume, overwrite=overwrite)
+    # What prepare_run_dir would refuse without the lock's help, refused before the lock file
+    # exists, so a refusal leaves no .run.lock in a directory that holds no run. (A live run
+    # holding the lock is left to the lock, which names it. Never called holding the lock:
+    # probing from the process that holds it would drop its POSIX lock.)
+    old = [name for name in entries if name != LOCK_FILE]
+    if RunDirLock.probe(run_dir) is not None:
+        return
+    earlier = read_earlier_lock(run_dir)
+    if resume and old and not (logged_run(run_dir) and _proven(run_dir, earlier)):
+        foreign = [name for name in old if not is_run_file(name)]
+        what = f"files no run wrote ({_shown(foreign)})" if foreign else "a run that logged no step"
+        if not foreign and logged_run(run_dir):  # records, but none of them a run's
+            what = f"{_shown(old)}, with no mark of a run ({LOCK_FILE}, {RUN_FILE} or a step)"
+        raise ConfigError(f"--resume: {run_dir} holds {what}; drop --resume to start a new run")
+    if old and not resume and not _proven(run_dir, earlier):
+        raise ConfigError(_unproven(run_dir, old))
+
+
+def _check_entries(run_dir: Path, *, resume: bool, overwrite: bool) -> list[str]:
+    """The directory's entries, after refusing links among a run's own and (unless resuming)
+    entries a run does not write."""
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite exclude each other; pass one of them")
     entries = _entries(run_dir)
     _refuse_links(run_dir)
     if not resume:
         _refuse_foreign(run_dir, entries, overwrite)
+    return entries
 
 
 def prepare_run_dir(
@@ -77,7 +100,7 @@ def prepare_run_dir(
     (:attr:`~nemo_moe_metrics.run_dir.RunDirLock.previous`), whose mark says a run started here. Call it
     holding the directory's lock (the lock file is kept), then mark the lock
     (:meth:`~nemo_moe_metrics.run_dir.RunDirLock.mark_run`) before the run starts."""
-    check_before_lock(run_dir, resume=resume, overwrite=overwrite)
+    _check_entries(run_dir, resume=resume, overwrite=overwrite)  # held: no probe of the lock
     entries = _entries(run_dir)
     old = [name for name in entries if name != LOCK_FILE]
     logged = logged_run(run_dir) if old else []
@@ -90,11 +113,7 @@ def prepare_run_dir(
             f"--resume: {run_dir} holds a run that logged no step; drop --resume to start a new run"
         )
     if old and not resume and not _proven(run_dir, earlier_lock):
-        raise ConfigError(
-            f"{run_dir} holds {_shown(old)}, named like a run's files but with no mark of a "
-            f"run (no {LOCK_FILE} or {RUN_FILE} of nemo-moe-metrics, no logged step), so "
-            f"they are not deleted: remove them yourself, or {ELSEWHERE}"
-        )
+        raise ConfigError(_unproven(run_dir, old))
     try:
         refuse_logged_run(
             run_dir,
@@ -223,6 +242,14 @@ def _has_run_json(run_dir: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and "run_id" in data and "run_name" in data
+
+
+def _unproven(run_dir: Path, old: list[str]) -> str:
+    return (
+        f"{run_dir} holds {_shown(old)}, named like a run's files but with no mark of a "
+        f"run (no {LOCK_FILE} or {RUN_FILE} of nemo-moe-metrics, no logged step), so "
+        f"they are not deleted: remove them yourself, or {ELSEWHERE}"
+    )
 
 
 def _shown(names: list[str]) -> str:

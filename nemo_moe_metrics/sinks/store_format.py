@@ -51,6 +51,8 @@ from typing import Any
 
 import numpy as np
 
+from nemo_moe_metrics.limits import COUNT_BOUND, MAX_STEP, LimitError, check_shape
+
 STORE_FILE = "expert_loads.bin"
 #: The rollout engine's own expert loads: a second store of the same format beside training's
 #: (runs written before it have none; readers of a run without it see no rollout phase).
@@ -108,6 +110,22 @@ class RecordHeader:
     def newer(self) -> bool:
         """Written by a newer version (a flag this code does not know): not decoded."""
         return bool(self.flags & ~_KNOWN_FLAGS)
+
+    @property
+    def refusal(self) -> str | None:
+        """Why this whole record is not read although its header holds (a size above
+        :mod:`nemo_moe_metrics.limits`, a step above 2**53-1), or None: said, never decoded, so
+        no table its header declares is ever allocated."""
+        if self.step > MAX_STEP:
+            return (
+                f"a record names step {self.step:,}, above 2**53-1 (no run logs that many): it "
+                "is skipped unread"
+            )
+        try:
+            check_shape(self.layers, self.experts, f"step {self.step}", "it is skipped unread")
+        except LimitError as err:
+            return str(err)
+        return None
 
     @property
     def header_size(self) -> int:
@@ -235,18 +253,21 @@ def _find_all(data: bytes, tag: bytes) -> Iterator[int]:
         i = data.find(tag, i + 1)
 
 
-def scan_store(f: Any, size: int | None = None) -> StoreScan:
+def scan_store(f: Any, size: int | None = None, name: str | Path | None = None) -> StoreScan:
     """Walk the record headers of an open store (payloads are skipped by seeking, not read)
-    and say what is unreadable. Raises :class:`StoreError` when the file is not a store."""
+    and say what is unreadable. Raises :class:`StoreError` when the file is not a store
+    (naming ``name``, else the file's own name: a path, never a descriptor number)."""
     size = os.fstat(f.fileno()).st_size if size is None else size
     f.seek(0)
     head = f.read(len(MAGIC))
     if head != MAGIC:
         if MAGIC.startswith(head):  # empty, or the magic itself was torn
             return StoreScan([], len(head), torn_magic=bool(head))
+        given = getattr(f, "name", None) if name is None else name
+        shown = given if isinstance(given, str | Path) else "the file"
         raise StoreError(
-            f"{getattr(f, 'name', 'file')} is not an expert-load store (it does not start with "
-            f"{MAGIC!r}); point the reader at the {STORE_FILE} file of a run directory"
+            f"{shown} is not an expert-load store (it does not start with {MAGIC!r}); point "
+            f"the reader at the {STORE_FILE} file of a run directory, or move this file aside"
         )
     scan = StoreScan([], len(MAGIC))
     offset = len(MAGIC)
@@ -285,7 +306,7 @@ def decode_record(
     ``f`` is a binary file or a file descriptor (read with ``os.pread``: several threads may
     decode from one descriptor); the counts go into ``out`` (int64 ``[L, E]``) when given.
     """
-    if e.newer:
+    if e.newer or e.refusal:
         return None
     n = e.header_size + e.payload_bytes
     if isinstance(f, int):
@@ -316,6 +337,8 @@ def decode_record(
         if widths.size and (widths.min() < 1 or widths.max() > e.experts):
             return None
     planes = np.frombuffer(data, dtype=np.uint8, offset=n_ids + n_widths).reshape(e.itemsize, cells)
+    if e.itemsize == 8:
+        _check_counts(planes, e, layer_ids)
     counts = np.empty((e.layers, e.experts), dtype=np.int64) if out is None else out
     flat = counts.reshape(cells)
     # Undo the byte shuffle: count = sum of plane k << 8k (plane 0 holds the low bytes).
@@ -324,7 +347,37 @@ def decode_record(
     for k in range(e.itemsize - 2, -1, -1):
         flat <<= 8
         flat |= planes[k]
+    if e.itemsize == 8 and counts.size:
+        # Every count is below 2**53; so must a layer's step be, or its row sums could wrap.
+        rows = counts.sum(axis=1, dtype=np.float64)
+        if rows.max() >= COUNT_BOUND:
+            row = int(np.argmax(rows))
+            raise StoreCountError(
+                f"step {e.step}: layer {int(layer_ids[row])}'s counts sum to {rows[row]:.4g} "
+                "tokens, above 2**53-1 (no step routes that many): the record is skipped"
+            )
     return layer_ids, counts, widths
+
+
+class StoreCountError(StoreError):
+    """A record whose checksums hold but which stores a count of 2**53 or more (the writer
+    refuses them; a count of 2**64-1 would read back as -1): the reader skips it, naming
+    the step, the layer and the expert."""
+
+
+def _check_counts(planes: np.ndarray, e: RecordHeader, layer_ids: np.ndarray) -> None:
+    """Raise :class:`StoreCountError` when a count of 8-byte planes is 2**53 or more (a bit
+    above bit 52 set: plane 7, or plane 6's top three bits)."""
+    bad = (planes[7] != 0) | (planes[6] >= 0x20)
+    if not bad.any():
+        return
+    cell = int(np.argmax(bad))
+    value = sum(int(planes[k, cell]) << (8 * k) for k in range(8))
+    row, expert = divmod(cell, e.experts)
+    raise StoreCountError(
+        f"step {e.step}: layer {int(layer_ids[row])} expert {expert} holds a count of {value:,}, above "
+        "2**53-1 (no step routes that many tokens): the record is skipped"
+    )
 
 
 def encode_record(

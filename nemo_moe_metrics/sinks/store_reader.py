@@ -18,7 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics.sinks.store_format import RecordHeader, decode_record, scan_store
+from nemo_moe_metrics.sinks.store_format import (
+    RecordHeader,
+    StoreCountError,
+    decode_record,
+    scan_store,
+)
+
+# Counts one decoded block may hold (32 steps of 94 x 256 are 6 MB; a larger shape gets
+# fewer steps per block, never less than one).
+_BLOCK_BYTES = 64 << 20
 
 
 class _Stored(tuple):
@@ -85,10 +94,14 @@ def read_expert_loads(
         )
     say = _teller(path, skipped)
     with path.open("rb") as f:
-        timeline = _index(f, steps, say)
+        timeline = _index(f, steps, say, path)
         bad: list[int] = []
         for e in timeline:
-            decoded = decode_record(f, e)
+            try:
+                decoded = decode_record(f, e)
+            except StoreCountError as err:
+                say(str(err))
+                continue
             if decoded is None:
                 bad.append(e.step)
                 continue
@@ -114,7 +127,10 @@ def _teller(path: Path, skipped: list[str] | None) -> Callable[[str], None]:
     return say
 
 
-def _say_bad(say: Callable[[str], None], bad: list[int]) -> None:
+def _say_bad(say: Callable[[str], None], bad: list[int | str]) -> None:
+    for text in [b for b in bad if isinstance(b, str)]:
+        say(text)  # a count above the bound: named by step, layer and expert
+    bad = [b for b in bad if not isinstance(b, str)]
     if bad:
         say(
             f"skipped {len(bad)} damaged record(s) (a payload failing its checksum, or not "
@@ -137,16 +153,26 @@ def steps_text(steps: list[int], limit: int = 12) -> str:
     )
 
 
-def _index(f: Any, steps: slice | None, say: Callable[[str], None]) -> list[RecordHeader]:
-    """The records of the run as it finally went, in step order, restricted to ``steps``."""
-    scan = scan_store(f)
+def _index(
+    f: Any, steps: slice | None, say: Callable[[str], None], path: Path
+) -> list[RecordHeader]:
+    """The records of the run as it finally went, in step order, restricted to ``steps``;
+    records above the limits are said and left out before anything is allocated for them."""
+    scan = scan_store(f, name=path)
     if scan.torn_magic:
         say("the file is shorter than its 8-byte header (cut short before any record)")
     for gap in scan.gaps:
         say(gap.describe())
     timeline: list[RecordHeader] = []
     superseded: list[int] = []
+    refused = [e for e in scan.entries if e.refusal]
+    for e in refused[:3]:
+        say(str(e.refusal))
+    if len(refused) > 3:
+        say(f"{len(refused) - 3} more record(s) above the limits skipped")
     for e in scan.entries:
+        if e.refusal:
+            continue
         while timeline and timeline[-1].step >= e.step:
             superseded.append(timeline.pop().step)
         timeline.append(e)
@@ -200,17 +226,19 @@ def read_expert_load_blocks(
         raise FileNotFoundError(f"{path} not found (no expert-load store)")
     say = _teller(path, skipped)
     with path.open("rb") as f:
-        timeline = _index(f, steps, say)
-        # Blocks of records that share one shape (a change of shape starts a new block).
+        timeline = _index(f, steps, say, path)
+        # Blocks of records that share one shape (a change of shape starts a new block), each
+        # holding at most _BLOCK_BYTES of counts, whatever the shape.
         groups: list[list[RecordHeader]] = []
         for e in timeline:
             g = groups[-1] if groups else None
-            if g and len(g) < block and (g[0].layers, g[0].experts) == (e.layers, e.experts):
+            most = max(1, min(block, _BLOCK_BYTES // max(1, 8 * e.layers * e.experts)))
+            if g and len(g) < most and (g[0].layers, g[0].experts) == (e.layers, e.experts):
                 g.append(e)
             else:
                 groups.append([e])
         fd = f.fileno()
-        bad: list[int] = []
+        bad: list[int | str] = []
         if workers == 1:
             for g in groups:
                 decoded, b = _decode_block(fd, g, prepare, widths)
@@ -240,7 +268,7 @@ def _decode_block(
     entries: list[RecordHeader],
     prepare: Callable[..., Any] | None = None,
     with_widths: bool = False,
-) -> tuple[list[Any], list[int]]:
+) -> tuple[list[Any], list[int | str]]:
     """Decode records of one shape into ``[K, L, E]``; split where the layer ids or the
     layers' widths change."""
     e0 = entries[0]
@@ -250,9 +278,13 @@ def _decode_block(
     ids: np.ndarray | None = None
     widths: np.ndarray | None = None
     start = k = 0
-    bad: list[int] = []
+    bad: list[int | str] = []
     for e in entries:
-        decoded = decode_record(fd, e, counts[k])
+        try:
+            decoded = decode_record(fd, e, counts[k])
+        except StoreCountError as err:
+            bad.append(str(err))
+            continue
         if decoded is None:
             bad.append(e.step)
             continue

@@ -6,6 +6,7 @@ logged ``moe/expert_loads`` table into a record. The format is in
 
 from __future__ import annotations
 
+import errno
 import os
 import warnings
 from collections.abc import Sequence
@@ -16,10 +17,19 @@ from typing import Any
 import numpy as np
 
 from nemo_moe_metrics.expert_table import ExpertTable
+from nemo_moe_metrics.limits import (
+    COUNT_BOUND,
+    MAX_STEP,
+    LimitError,
+    check_shape,
+    first_over,
+)
 from nemo_moe_metrics.metric_names import EXPERT_LOADS
 from nemo_moe_metrics.sinks.base import Metrics, SinkBase
 from nemo_moe_metrics.sinks.store_format import (
     MAGIC,
+    RecordHeader,
+    StoreCountError,
     StoreError,
     StoreScan,
     decode_record,
@@ -69,11 +79,20 @@ class ExpertLoadStore:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            # O_NOFOLLOW: a store is appended to, so a link in its place would change its target.
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            raise StoreError(
+                f"{self.path} is a symbolic link: the store is never written through one; "
+                "remove the link (rm leaves its target alone)"
+            ) from None
         try:
             with os.fdopen(os.dup(fd), "rb") as f:
                 size = os.fstat(fd).st_size
-                scan = scan_store(f, size)
+                scan = scan_store(f, size, name=self.path)
                 end = _cut_point(f, scan, size)
             for gap in scan.gaps:
                 if gap.before_step is not None:
@@ -114,6 +133,8 @@ class ExpertLoadStore:
             raise RuntimeError(f"append() after close() on {self.path}; open a new store")
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
             raise StoreError(f"step must be a non-negative int, got {step!r}")
+        if step > MAX_STEP:
+            raise StoreError(f"step {step:,} is above 2**53-1 (no run logs that many steps)")
         ids = np.asarray(layer_ids)
         arr = np.asarray(counts)
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
@@ -130,6 +151,25 @@ class ExpertLoadStore:
             )
         if arr.size and arr.min() < 0:
             raise StoreError("counts must be >= 0 (tokens per expert); got a negative count")
+        bad = first_over(arr)
+        if bad is not None:
+            row, expert = bad
+            raise StoreError(
+                f"step {step}: layer {int(ids[row])} expert {expert} has a count of "
+                f"{int(arr[row, expert]):,}, above 2**53-1 (no step routes that many tokens; "
+                "larger counts would not read back exactly)"
+            )
+        rows = arr.sum(axis=1, dtype=np.float64) if arr.size else np.zeros(0)
+        if rows.size and rows.max() >= COUNT_BOUND:
+            row = int(np.argmax(rows))
+            raise StoreError(
+                f"step {step}: layer {int(ids[row])}'s counts sum to {rows[row]:.4g} tokens, "
+                "above 2**53-1 (no step routes that many; sums of them would not stay exact)"
+            )
+        try:
+            check_shape(*arr.shape, f"step {step}", "store fewer layers or experts per step")
+        except LimitError as err:
+            raise StoreError(str(err)) from None
         if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
             raise StoreError(f"layer ids must be in 0..2**31-1, got {ids.tolist()}")
         record = encode_record(int(step), ids, arr, _checked_widths(widths, arr))
@@ -164,10 +204,19 @@ def _cut_point(f: Any, scan: StoreScan, size: int) -> int:
         entries
         and entries[-1].end == end
         and not entries[-1].newer
-        and decode_record(f, entries[-1]) is None
+        and not entries[-1].refusal  # whole, only above this reader's limits: kept
+        and _fails(f, entries[-1])
     ):
         end = entries.pop().offset
     return max(end, len(MAGIC))
+
+
+def _fails(f: Any, e: RecordHeader) -> bool:
+    """Whether a record fails its checksum or inflation (a count above the bound is whole)."""
+    try:
+        return decode_record(f, e) is None
+    except StoreCountError:
+        return False
 
 
 def cut_store_from(path: Path, step: int) -> list[int]:
@@ -175,7 +224,7 @@ def cut_store_from(path: Path, step: int) -> list[int]:
     them again); returns their steps. Records before a lower step stay (readers keep the
     latest timeline), and so does a record cut short (the next writer cuts it)."""
     with open(path, "r+b") as f:
-        scan = scan_store(f)
+        scan = scan_store(f, name=path)
         if scan.tail is not None:
             return []
         cut: list[int] = []
