@@ -25,7 +25,7 @@ from nemo_moe_metrics.metrics import PolicyMetrics
 from nemo_moe_metrics.preflight import preflight
 from nemo_moe_metrics.run_dir import TOKEN_ENV, RunDirLock
 from nemo_moe_metrics.run_files import RECIPE_FILE
-from nemo_moe_metrics.sinks import ResumeState, build_sinks, prepare_resume
+from nemo_moe_metrics.sinks import ResumeState, Sink, build_sinks, prepare_resume
 from nemo_moe_metrics.sinks.run_record import refuse_logged_run
 from nemo_moe_metrics.train_args import rank_argv
 
@@ -73,25 +73,7 @@ def _train(
     if state is not None and metrics is not None:
         metrics.resume_totals(state.total_tokens, state.total_seconds, state.total_flops)
     start_step = state.next_step if state is not None else 0
-    if rank == 0:
-        _refuse_a_logged_run(output_dir, recipe)  # before recipe.yaml: the old run stays whole
-        output_dir.mkdir(parents=True, exist_ok=True)
-        write_text_durably(output_dir / RECIPE_FILE, dump_recipe(recipe))
-        if state is not None and state.last_step is not None:
-            left = max(0, recipe.training.max_steps - start_step)
-            print(
-                f"resuming {output_dir} after step {state.last_step}: {left} step(s) left of "
-                f"training.max_steps={recipe.training.max_steps}",
-                flush=True,
-            )
-    sink = build_sinks(
-        recipe.logger,
-        output_dir,
-        run_name=recipe.name,
-        config=recipe.model_dump(mode="json"),
-        rank=rank,
-        resume_state=state,
-    )
+    sink = open_run(recipe, output_dir, state, rank)
     try:
         run_algorithm(recipe, worker, sink.log, start_step=start_step)
     except BaseException:
@@ -103,6 +85,32 @@ def _train(
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def open_run(recipe: Recipe, output_dir: Path, state: ResumeState | None, rank: int = 0) -> Sink:
+    """This run's records in ``output_dir``, opened by the process that logs (rank 0 under
+    torchrun, the driver under Ray): one run per directory, ``recipe.yaml``, the resume note,
+    then the sinks (``run.json`` among them); a ``NullSink`` on other ranks. The caller holds
+    the directory's lock (:func:`own_run_dir`)."""
+    if rank == 0:
+        _refuse_a_logged_run(output_dir, recipe)  # before recipe.yaml: the old run stays whole
+        output_dir.mkdir(parents=True, exist_ok=True)
+        write_text_durably(output_dir / RECIPE_FILE, dump_recipe(recipe))
+        if state is not None and state.last_step is not None:
+            left = max(0, recipe.training.max_steps - state.next_step)
+            print(
+                f"resuming {output_dir} after step {state.last_step}: {left} step(s) left of "
+                f"training.max_steps={recipe.training.max_steps}",
+                flush=True,
+            )
+    return build_sinks(
+        recipe.logger,
+        output_dir,
+        run_name=recipe.name,
+        config=recipe.model_dump(mode="json"),
+        rank=rank,
+        resume_state=state,
+    )
 
 
 def _refuse_a_logged_run(output_dir: Path, recipe: Recipe) -> None:
@@ -149,7 +157,7 @@ def _resume_state(output_dir: Path, rank: int, recipe: Recipe) -> ResumeState:
     return box[0]
 
 
-def _requeued_run_resumes(output_dir: Path) -> list[str]:
+def requeued_run_resumes(output_dir: Path) -> list[str]:
     """``["logger.resume=true"]`` when Slurm requeued this job and its first start logged steps.
 
     nemo-run submits with ``sbatch --requeue``: after a node failure or a preemption Slurm
@@ -168,6 +176,9 @@ def _requeued_run_resumes(output_dir: Path) -> list[str]:
             flush=True,
         )
     return ["logger.resume=true"]
+
+
+_requeued_run_resumes = requeued_run_resumes  # its older name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # One Slurm task per rank (srun without torchrun): the rank comes from Slurm.
         os.environ.update(rank_env_from_slurm(os.environ))
-        overrides = [*args.overrides, *_requeued_run_resumes(Path(args.output_dir))]
+        overrides = [*args.overrides, *requeued_run_resumes(Path(args.output_dir))]
         recipe = load_recipe(args.recipe, overrides)
         # Launched by torchrun (locally or on Slurm): the same checks `check` and `run` make.
         world = os.environ.get("WORLD_SIZE")
