@@ -138,6 +138,11 @@ def plan_placement(world_size: int, address: str, nodes: list[dict[str, Any]] | 
     if room >= world_size:
         return plan
     unit = "1 GPU and 1 CPU" if use_gpu else "1 CPU"
+    more = (
+        f"add nodes to the cluster (ray start --address {address} on each)"
+        if ":" in address
+        else "start a Ray cluster with more nodes and pass its address (--ray-address)"
+    )
     each = ", ".join(
         f"{n['node_ip']} {n['CPU']:g} CPU" + (f" {n['GPU']:g} GPU" if use_gpu else "")
         for n in nodes
@@ -146,8 +151,23 @@ def plan_placement(world_size: int, address: str, nodes: list[dict[str, Any]] | 
         f"the Ray cluster at {address} cannot hold {world_size} ranks of {unit} each: its "
         f"{len(nodes)} node(s) ({each or 'none alive'}) hold {room}, {world_size - room} "
         f"missing. Lower --nproc to {room or 1} (the recipe's parallel sizes must still divide "
-        f"it), or add nodes to the cluster (ray start --address {address} on each)"
+        f"it), or {more}"
     )
+
+
+def embedded_nodes() -> list[dict[str, Any]]:
+    """The one node an embedded local Ray would have: this machine's CPUs and GPUs."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    host = os.uname().nodename
+    return [{"node_id": "local", "node_ip": host, "CPU": float(os.cpu_count() or 1), "GPU": gpus}]
+
+
+def check_embedded(world_size: int) -> None:
+    """Refuse, before Ray starts, ranks that an embedded local Ray on this machine could not
+    hold (the same words as :func:`plan_placement`)."""
+    plan_placement(world_size, "this machine (an embedded local Ray)", embedded_nodes())
 
 
 @dataclass
@@ -198,7 +218,9 @@ __all__ = [
     "PlacementPlan",
     "RayClusterError",
     "RaySession",
+    "check_embedded",
     "connect",
+    "embedded_nodes",
     "import_ray",
     "place",
     "plan_placement",

@@ -34,7 +34,9 @@ from nemo_moe_metrics.durable import write_text_durably
 from nemo_moe_metrics.extras import MissingExtraError
 from nemo_moe_metrics.failures import record_failure, record_rank_failure
 from nemo_moe_metrics.launch.ray_cluster import (
+    ADDRESS_ENV,
     RaySession,
+    check_embedded,
     connect,
     import_ray,
     place,
@@ -76,6 +78,8 @@ def drive(
     """
     run_dir = Path(output_dir).resolve() / recipe.name
     import_ray()  # the extra, named, before anything starts
+    if not (address or os.environ.get(ADDRESS_ENV)):
+        check_embedded(nproc)  # refused before an embedded Ray starts
     session = connect(address)
     try:
         plan = plan_placement(nproc, session.address)  # refused here, before any actor

@@ -41,6 +41,7 @@ from nemo_moe_metrics.launch.progress import (
     read_new_lines,
     say,
 )
+from nemo_moe_metrics.launch.ray_cluster import ADDRESS_ENV, check_embedded
 from nemo_moe_metrics.preflight import preflight
 from nemo_moe_metrics.run_dir import TOKEN_ENV
 from nemo_moe_metrics.run_files import LAUNCH_LOG
@@ -116,6 +117,8 @@ def run_with_progress(
         )
     preflight(recipe, nproc)
     check_launch_extras(recipe)
+    if recipe.engine == "ray" and not (ray_address or os.environ.get(ADDRESS_ENV)):
+        check_embedded(nproc)  # what an embedded local Ray would hold, before it starts
     console = make_console(console)
     run_dir = Path(output_dir).resolve() / recipe.name
     with claim_run_dir(
