@@ -41,3 +41,30 @@ def main_job_run(tmp_path_factory):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return base / "runs" / "grpo_moe_tiny"
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """munged, slurmctld and two slurmd (n1, n2) on this host (tests/slurm_cluster.py), shared
+    by the Slurm modules of the session and stopped at its end. Without root or the Debian
+    packages it skips with the reason; NEMO_MOE_METRICS_REQUIRE_SLURM=1 (CI) fails instead."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from slurm_cluster import LocalSlurm, SlurmUnavailable
+
+    root = Path(tempfile.mkdtemp(prefix="nemo_moe_metrics_slurm_", dir="/tmp"))
+    cluster = LocalSlurm(root, nodes=2)
+    try:
+        cluster.start()
+    except SlurmUnavailable as err:
+        shutil.rmtree(root, ignore_errors=True)
+        if os.environ.get("NEMO_MOE_METRICS_REQUIRE_SLURM") == "1":
+            pytest.fail(
+                f"NEMO_MOE_METRICS_REQUIRE_SLURM=1 but the test Slurm cluster cannot start: {err}"
+            )
+        pytest.skip(f"no Slurm cluster here: {err}")
+    yield cluster
+    cluster.stop()
+    shutil.rmtree(root, ignore_errors=True)

@@ -19,11 +19,13 @@ runs on its first node after starting Ray there): the driver
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,15 +84,34 @@ def drive(
         check_embedded(nproc)  # refused before an embedded Ray starts
     session = connect(address)
     try:
-        plan = plan_placement(nproc, session.address)  # refused here, before any actor
-        lock = own_run_dir(run_dir)
-        try:
-            _drive(recipe, plan, run_dir, session, say)
-        finally:
-            lock.release()
+        # ray.init put its own SIGTERM handler (a crash report, then abort) in place of ours.
+        with stopping_signals_raise():
+            plan = plan_placement(nproc, session.address)  # refused here, before any actor
+            lock = own_run_dir(run_dir)
+            try:
+                _drive(recipe, plan, run_dir, session, say)
+            finally:
+                lock.release()
     finally:
         session.shutdown()
     return run_dir
+
+
+@contextlib.contextmanager
+def stopping_signals_raise() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP raise :class:`~nemo_moe_metrics.processes.Interrupted` in
+    the block, over whatever handler Ray installed (restored afterwards when Python can)."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise processes.Interrupted(signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in processes.SIGNAL_EXIT}
+    try:
+        yield
+    finally:
+        for sig, previous in old.items():
+            # None: a handler Python did not install (Ray's); the default ends the process.
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
 
 
 def _drive(recipe: Recipe, plan: Any, run_dir: Path, session: RaySession, say) -> None:
@@ -103,14 +124,15 @@ def _drive(recipe: Recipe, plan: Any, run_dir: Path, session: RaySession, say) -
             say(f"resume: {note}")
     start_step = state.next_step if state is not None else 0
     totals = (state.total_tokens, state.total_seconds, state.total_flops) if state else None
-    sink = open_run(recipe, run_dir, state)
+    earlier = _earlier_placements(run_dir) if state is not None else []
+    sink = open_run(recipe, run_dir, state)  # rewrites run.json: its ray section read before
     group = None
     try:
         placement = place(plan, recipe.ray.start_timeout_s)
         group = RayWorkerGroup(
             recipe, placement, totals=totals, start_step=start_step, env=actor_env()
         )
-        record_placement(run_dir, group, session)
+        record_placement(run_dir, group, session, earlier)
         say(
             f"driver: {plan.world_size} Ray actor(s) ({plan.strategy}, "
             f"{'GPU' if plan.use_gpu else 'CPU'}) on {len({w['node_id'] for w in group.where})} "
@@ -157,16 +179,26 @@ class DriverLog:
         self.last = time.perf_counter()
 
 
-def record_placement(run_dir: Path, group: Any, session: RaySession) -> None:
+def _earlier_placements(run_dir: Path) -> list[Any]:
+    """The ranks tables of the starts a resumed run had before (``run.json``'s ``ray``)."""
+    try:
+        earlier = json.loads((run_dir / RUN_FILE).read_text(encoding="utf-8")).get("ray") or {}
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [*earlier.get("earlier", []), *([earlier["ranks"]] if "ranks" in earlier else [])]
+
+
+def record_placement(
+    run_dir: Path, group: Any, session: RaySession, earlier: list[Any] | None = None
+) -> None:
     """Add where every rank runs to ``run.json`` (``ray``): the cluster, the strategy, and per
-    rank its node id and address, host, pid and GPUs; a resumed run keeps earlier starts'."""
+    rank its node id and address, host, pid and GPUs; ``earlier``: the ranks of the starts a
+    resumed run had before."""
     path = run_dir / RUN_FILE
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         meta = {}
-    earlier = meta.get("ray") or {}
-    starts = [*earlier.get("earlier", []), *([earlier["ranks"]] if "ranks" in earlier else [])]
     meta["engine"] = "ray"
     meta["ray"] = {
         "address": session.address,
@@ -175,7 +207,7 @@ def record_placement(run_dir: Path, group: Any, session: RaySession) -> None:
         "use_gpu": group.placement.plan.use_gpu,
         "nodes": len({w["node_id"] for w in group.where}),
         "ranks": group.ranks_table(),
-        **({"earlier": starts} if starts else {}),
+        **({"earlier": earlier} if earlier else {}),
     }
     write_text_durably(path, json.dumps(meta, indent=2, default=str))
 
@@ -218,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        with processes.signals_raise():
+        with stopping_signals_raise():
             run_dir = drive(recipe, args.nproc, run_root, address=args.ray_address)
     except processes.Interrupted as stop:
         print(
