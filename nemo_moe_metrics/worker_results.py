@@ -14,6 +14,7 @@ pickled as its three arrays (never as rows), so it crosses Ray's object store at
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -33,14 +34,22 @@ class WorkerResult:
 
     ``metrics``: the step's keys as the worker produced them (``PolicyMetrics.finish_step``'s
     ``moe/`` and ``train_perf/`` keys, and the worker's own ``train/`` keys), already reduced
-    over the workers' process group. ``node``: where the rank ran (a Ray node id or a host),
-    named when something goes wrong.
+    over the workers' process group; empty on the ranks that only vouch for them (every rank
+    but 0 by default: the dict is the same on every rank, so one copy crosses to the driver).
+    ``keys``: a digest of the step's key names, on every rank, to check they belong together.
+    ``node``: where the rank ran (a Ray node id or a host), named when something goes wrong.
     """
 
     rank: int
     step: int
     metrics: dict[str, Any] = field(default_factory=dict)
     node: str | None = None
+    keys: str = ""
+
+
+def key_digest(metrics: Mapping[str, Any]) -> str:
+    """A short digest of a step dict's key names (equal dicts of keys, equal digests)."""
+    return hashlib.blake2b("\n".join(sorted(metrics)).encode(), digest_size=8).hexdigest()
 
 
 def merge_step_metrics(own: Mapping[str, Any], worker: Mapping[str, Any]) -> dict[str, Any]:
@@ -57,18 +66,33 @@ def merge_step_metrics(own: Mapping[str, Any], worker: Mapping[str, Any]) -> dic
 
 
 def worker_result(
-    metrics: Mapping[str, Any], *, step: int, rank: int | None = None, node: str | None = None
+    metrics: Mapping[str, Any],
+    *,
+    step: int,
+    rank: int | None = None,
+    node: str | None = None,
+    full: bool | None = None,
 ) -> WorkerResult:
     """Wrap a worker's step dict for the trip to the driver.
 
     ``rank`` defaults to this process's torch.distributed rank (``RANK`` without a process
     group); ``node`` to the Ray node id when running in a Ray actor, else the host name.
+    ``full`` (default: rank 0 only) carries the dict itself; the other ranks send its keys'
+    digest, so at 1,024 ranks the driver receives one dict (the expert table once), not 1,024.
     """
     if rank is None:
         rank = _this_rank()
     if node is None:
         node = _this_node()
-    return WorkerResult(rank=int(rank), step=int(step), metrics=dict(metrics), node=node)
+    if full is None:
+        full = rank == 0
+    return WorkerResult(
+        rank=int(rank),
+        step=int(step),
+        metrics=dict(metrics) if full else {},
+        node=node,
+        keys=key_digest(metrics),
+    )
 
 
 def merge_worker_results(
@@ -77,9 +101,10 @@ def merge_worker_results(
     """One step's keys from every worker's result, plus the driver's own keys (``own``).
 
     The results must be one step's (the same ``step``), from distinct ranks, with the same
-    keys (``finish_step`` returns the same dict on every rank); the lowest rank's values are
-    taken as they are. A driver key that a worker also produced is an error, never a silent
-    overwrite. ValueError says which rank or key is wrong.
+    keys (``finish_step`` returns the same dict on every rank: their digests must agree); the
+    values of the lowest rank that sent its dict are taken as they are. A driver key that a
+    worker also produced is an error, never a silent overwrite. ValueError says which rank or
+    key is wrong.
     """
     got = sorted(results, key=lambda r: r.rank)
     if not got:
@@ -91,13 +116,23 @@ def merge_worker_results(
     ranks = [r.rank for r in got]
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"worker results with repeated ranks {ranks}: pass one result per rank")
-    first = got[0]
-    for other in got[1:]:
-        if set(other.metrics) != set(first.metrics):
-            differ = sorted(set(other.metrics) ^ set(first.metrics))[:5]
+    carriers = [r for r in got if r.metrics]
+    if not carriers:
+        raise ValueError(
+            f"none of ranks {ranks} sent its step dict (worker_result(..., full=True) on one "
+            "rank; by default rank 0 sends it): pass rank 0's result too"
+        )
+    first = carriers[0]
+    digest = first.keys or key_digest(first.metrics)
+    for other in got:
+        theirs = other.keys or (key_digest(other.metrics) if other.metrics else digest)
+        if theirs != digest:
+            differ = sorted(set(other.metrics) ^ set(first.metrics))[:5] if other.metrics else []
             raise ValueError(
-                f"rank {other.rank} returned other keys than rank {first.rank} ({differ}): every "
-                "rank of the group must call finish_step for the same step and return its dict"
+                f"rank {other.rank} returned other keys than rank {first.rank}"
+                + (f" ({differ})" if differ else "")
+                + ": every rank of the group must call finish_step for the same step and return "
+                "its dict"
             )
     return merge_step_metrics(own or {}, first.metrics)
 
@@ -135,6 +170,7 @@ def _this_node() -> str:
 __all__ = [
     "StepSink",
     "WorkerResult",
+    "key_digest",
     "log_worker_results",
     "merge_step_metrics",
     "merge_worker_results",

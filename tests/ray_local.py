@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from nemo_moe_metrics import processes
+from nemo_moe_metrics.launch.ray_slurm import active_nodes
 from nemo_moe_metrics.testing import free_port
 
 RAY = str(Path(sys.executable).parent / "ray")
@@ -58,11 +59,13 @@ class LocalRayCluster:
         )  # fmt: skip
         log.close()
 
-    def start(self, timeout_s: float = 180) -> LocalRayCluster:
-        """Start every node and wait until the cluster has them all alive."""
+    def start(self, timeout_s: float = 300) -> LocalRayCluster:
+        """Start the head, wait for it, then the other nodes, and wait until all are alive
+        (the worker nodes join a head whose GCS answers, as a Slurm job's do)."""
         self.root.mkdir(parents=True, exist_ok=True)
         try:
             self._start(["--head", f"--port={self.port}", "--include-dashboard=false"], "head")
+            self.wait_nodes(1, timeout_s)
             for i in range(1, self.nodes):
                 self._start([f"--address={self.address}"], f"node{i}")
             self.wait_nodes(self.nodes, timeout_s)
@@ -72,28 +75,17 @@ class LocalRayCluster:
         return self
 
     def wait_nodes(self, count: int, timeout_s: float) -> None:
-        """Wait until ``count`` nodes are alive (one small client process asks Ray)."""
-        code = (
-            "import ray, sys, time\n"
-            "ray.init(address=sys.argv[1], log_to_driver=False)\n"
-            "end = time.monotonic() + float(sys.argv[3])\n"
-            "while sum(n['Alive'] for n in ray.nodes()) < int(sys.argv[2]):\n"
-            "    assert time.monotonic() < end, ray.nodes()\n"
-            "    time.sleep(0.2)\n"
-        )
+        """Wait until ``count`` nodes are alive (``ray status``, as the Slurm job waits)."""
         deadline = time.monotonic() + timeout_s
-        while True:
+        said = ""
+        while time.monotonic() < deadline:
             dead = [p.args for p in self.procs if p.poll() is not None]
             assert not dead, f"ray start ended: {dead}; logs in {self.root}"
-            proc = subprocess.run(
-                [sys.executable, "-c", code, self.address, str(count), "20"],
-                capture_output=True, text=True, env={**os.environ, **self.env}, timeout=120,
-            )  # fmt: skip
-            if proc.returncode == 0:
+            alive, said = active_nodes(self.address, env={**os.environ, **self.env})
+            if alive >= count:
                 return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{count} Ray nodes not up: {proc.stderr[-2000:]}")
-            time.sleep(1)
+            time.sleep(0.5)
+        raise AssertionError(f"{count} Ray nodes not up after {timeout_s} s: {said}")
 
     def pids(self) -> list[int]:
         """Every process of the cluster (the ``ray start`` processes and what they started)."""

@@ -178,10 +178,13 @@ def test_the_merge_takes_the_groups_dict_once_and_refuses_mixed_results():
         WorkerResult,
         log_worker_results,
         merge_worker_results,
+        worker_result,
     )
 
     step = {"moe/max_over_ideal": 1.5, "train_perf/tokens": 96}
-    results = [WorkerResult(1, 4, dict(step), "b"), WorkerResult(0, 4, dict(step), "a")]
+    # Rank 0 sends the dict, the others its keys' digest (one copy crosses to the driver).
+    results = [worker_result(step, step=4, rank=r, node="n") for r in (1, 0)]
+    assert [bool(r.metrics) for r in results] == [False, True]
     assert merge_worker_results(results, {"train/reward": 0.5}) == {**step, "train/reward": 0.5}
     logged = []
 
@@ -195,6 +198,11 @@ def test_the_merge_takes_the_groups_dict_once_and_refuses_mixed_results():
         merge_worker_results([WorkerResult(0, 4, step), WorkerResult(1, 5, step)])
     with pytest.raises(ValueError, match="rank 1 returned other keys than rank 0"):
         merge_worker_results([WorkerResult(0, 4, step), WorkerResult(1, 4, {"moe/x": 1})])
+    other = worker_result({"moe/x": 1}, step=4, rank=1)  # a digest of other keys
+    with pytest.raises(ValueError, match="rank 1 returned other keys than rank 0"):
+        merge_worker_results([results[1], other])
+    with pytest.raises(ValueError, match="none of ranks \\[1\\] sent its step dict"):
+        merge_worker_results([results[0]])
     with pytest.raises(ValueError, match=r"both produced \['moe/max_over_ideal'\]"):
         merge_worker_results(results, {"moe/max_over_ideal": 2.0})
     with pytest.raises(ValueError, match="no worker results"):

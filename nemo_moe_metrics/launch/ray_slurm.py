@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -263,27 +264,47 @@ def nemo_run_ray_dry_run(
     return text.replace(tmp, "<job dir>")
 
 
+def ray_cli() -> str:
+    """The ``ray`` command of this environment (next to this interpreter), else the PATH's."""
+    beside = Path(sys.executable).parent / "ray"
+    return str(beside) if beside.is_file() else (shutil.which("ray") or "ray")
+
+
+def active_nodes(
+    address: str, timeout_s: float = 120.0, env: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """``(nodes alive, what ray status said)`` of the cluster at ``address``: 0 while its GCS
+    or its autoscaler state is not up yet. ``ray status`` reads it from the GCS alone (a
+    driver's ``ray.init`` would also need this node's raylet, which may not be up). ``env``:
+    the ``ray`` command's environment (default: this process's)."""
+    try:
+        proc = subprocess.run(
+            [ray_cli(), "status", f"--address={address}"],
+            capture_output=True, text=True, timeout=timeout_s, env=env,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return 0, f"ray status took over {timeout_s:g} s"
+    said = (proc.stdout + proc.stderr).strip()
+    if proc.returncode != 0 or "Active:" not in proc.stdout:
+        return 0, said.splitlines()[-1] if said else f"ray status exited {proc.returncode}"
+    active = proc.stdout.split("Active:", 1)[1].split("Pending:", 1)[0]
+    count = sum(
+        1 for line in active.splitlines() if line.strip().split(" ")[-1].startswith("node_")
+    )
+    return count, f"{count} node(s) active"
+
+
 def wait_nodes(count: int, timeout_s: float, address: str | None = None) -> int:
     """Wait until the Ray cluster at ``address`` (``RAY_ADDRESS``) has ``count`` nodes alive;
     0, or 1 with a line saying what is up."""
-    from nemo_moe_metrics.launch.ray_cluster import import_ray
-
-    ray = import_ray("the Ray job's wait for its nodes")
-    address = address or os.environ.get("RAY_ADDRESS")
+    address = address or os.environ.get("RAY_ADDRESS") or ""
     deadline = time.monotonic() + timeout_s
-    alive, said = 0, "no answer"
+    said = "no answer"
     while time.monotonic() < deadline:
-        try:
-            if not ray.is_initialized():
-                ray.init(address=address, log_to_driver=False)
-            alive = sum(bool(n.get("Alive")) for n in ray.nodes())
-            if alive >= count:
-                ray.shutdown()
-                print(f"Ray cluster at {address}: {alive} node(s) up", flush=True)
-                return 0
-            said = f"{alive} of {count} node(s) up"
-        except Exception as err:  # noqa: BLE001 - the head is still starting: ask again
-            said = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        alive, said = active_nodes(address, timeout_s=max(1.0, deadline - time.monotonic()))
+        if alive >= count:
+            print(f"Ray cluster at {address}: {alive} node(s) up", flush=True)
+            return 0
         time.sleep(1.0)
     print(
         f"error: the Ray cluster at {address} did not have {count} node(s) within "
