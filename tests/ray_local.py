@@ -27,6 +27,15 @@ RAY = str(Path(sys.executable).parent / "ray")
 RAY_PROCESS_NAMES = ("raylet", "gcs_server")
 
 
+def ray_port() -> int:
+    """A free port outside the ports Ray takes by default on a node (its workers' 10002-19999,
+    the client server's 10001): for a head's GCS or a node's agent."""
+    while True:
+        port = int(free_port())
+        if not 10000 <= port <= 19999:
+            return port
+
+
 def ray_env(token: str | None = None) -> dict[str, str]:
     """The environment of a token-protected Ray cluster and its clients."""
     return {
@@ -42,7 +51,7 @@ class LocalRayCluster:
     def __init__(self, root: Path, nodes: int = 2, cpus: int = 1) -> None:
         self.root = Path(root)
         self.nodes, self.cpus = nodes, cpus
-        self.port = int(free_port())
+        self.port = ray_port()
         self.address = f"127.0.0.1:{self.port}"
         self.procs: list[subprocess.Popen] = []
         self.env = {**ray_env(), "RAY_ADDRESS": self.address}
@@ -64,10 +73,15 @@ class LocalRayCluster:
         (the worker nodes join a head whose GCS answers, as a Slurm job's do)."""
         self.root.mkdir(parents=True, exist_ok=True)
         try:
-            self._start(["--head", f"--port={self.port}", "--include-dashboard=false"], "head")
+            # Ports of its own for every listener Ray would give a fixed default (10001,
+            # 52365): two nodes on one host, and other Ray clusters on it, must not collide.
+            head = ["--head", f"--port={self.port}", "--include-dashboard=false",
+                    f"--ray-client-server-port={ray_port()}"]  # fmt: skip
+            self._start([*head, f"--dashboard-agent-listen-port={ray_port()}"], "head")
             self.wait_nodes(1, timeout_s)
             for i in range(1, self.nodes):
-                self._start([f"--address={self.address}"], f"node{i}")
+                agent = f"--dashboard-agent-listen-port={ray_port()}"
+                self._start([f"--address={self.address}", agent], f"node{i}")
             self.wait_nodes(self.nodes, timeout_s)
         except BaseException:
             self.stop()

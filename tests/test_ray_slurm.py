@@ -15,9 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from ray_local import ray_port
 from test_ray import assert_same_numbers
-
-from nemo_moe_metrics.testing import free_port
 
 pytestmark = pytest.mark.one_line  # Slurm, Ray and the CLI (tests/test_slurm.py's reasoning)
 
@@ -58,7 +57,7 @@ def ray_job(slurm, tmp_path_factory):
     (base / "home").mkdir()
     env = {**os.environ, **slurm.env, "HOME": str(base / "home"), "PYTHONPATH": str(ROOT)}
     env.pop("RAY_ADDRESS", None)
-    port = int(free_port())
+    port = ray_port()
     proc = _ray_slurm(
         env, *JOB, "--ray-port", port, "--output-dir", base / "runs", "--job-dir",
         base / "jobs", "--submit", "--wait",
