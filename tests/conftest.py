@@ -68,3 +68,57 @@ def slurm():
     yield cluster
     cluster.stop()
     shutil.rmtree(root, ignore_errors=True)
+
+
+#: The SFT run of ``sft_torchrun_run`` (tests/test_launch_args.py checks its arguments arrive
+#: byte for byte; tests/test_ray_cluster.py compares the Ray engine's SFT with it).
+SFT_TORCHRUN_OVERRIDES = [
+    "policy.model.moe_layer_freq=[0,1,1,1]",
+    'logger.wandb_project=naïve 名前 "quoted" it\'s $HOME `x` \\back',
+    "training.max_steps=2",
+    "logger.tensorboard_enabled=false",
+    "logger.wandb_enabled=false",
+]
+
+
+@pytest.fixture(scope="session")
+def sft_torchrun_run(tmp_path_factory):
+    """``nemo-moe-metrics run examples/configs/sft_moe_tiny.yaml`` on 2 torchrun ranks, 2 steps,
+    with a list override, odd values and an output directory with a space, from an empty
+    working directory; ``(process, run directory, that working directory)``."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    cwd = tmp_path_factory.mktemp("sft_torchrun")
+    out = cwd / "out dir 'é'"
+    env = {**os.environ, "PYTHONPATH": str(root), "COLUMNS": "160"}
+    recipe = root / "examples" / "configs" / "sft_moe_tiny.yaml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_moe_metrics.cli", "run", str(recipe),
+         *SFT_TORCHRUN_OVERRIDES, "--output-dir", str(out)],
+        capture_output=True, text=True, env=env, cwd=cwd, timeout=280,
+    )  # fmt: skip
+    return proc, out / "sft_moe_tiny", cwd
+
+
+@pytest.fixture(scope="session")
+def dpo_torchrun_run(tmp_path_factory):
+    """``python recipes/local_torchrun.py examples/configs/dpo_moe_tiny.yaml`` on 2 ranks, 2
+    steps, per-layer logging on (as docs/en/training_loops.md runs it); ``(process, run
+    directory, home)``."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    base = tmp_path_factory.mktemp("dpo_torchrun")
+    (base / "home").mkdir()
+    env = {**os.environ, "HOME": str(base / "home"), "PYTHONPATH": str(root), "COLUMNS": "120"}
+    recipe = root / "examples" / "configs" / "dpo_moe_tiny.yaml"
+    proc = subprocess.run(
+        [sys.executable, "recipes/local_torchrun.py", str(recipe), "training.max_steps=2",
+         "policy.megatron_cfg.moe_per_layer_logging=true", "--nproc", "2", "--output-dir",
+         str(base / "runs")],
+        capture_output=True, text=True, env=env, timeout=240, cwd=root,
+    )  # fmt: skip
+    return proc, base / "runs" / "dpo_moe_tiny", base / "home"

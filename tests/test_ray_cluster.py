@@ -1,7 +1,8 @@
 """The Ray engine on a real two-node Ray cluster on this host (two raylets, 1 CPU each:
 ``tests/ray_local.py``), and its faults.
 
-- SFT and DPO on the cluster equal the same recipes under torchrun (every ``moe/`` and
+- SFT and DPO on the cluster equal the same recipes under torchrun (the suite's runs,
+  tests/conftest.py: every ``moe/`` and
   ``train_perf/`` key but the timed ones, the store's counts, the expert tables), with one
   actor per node through the placement group (``STRICT_SPREAD``) and each rank's node in
   ``run.json``;
@@ -37,7 +38,7 @@ pytestmark = pytest.mark.one_line  # as tests/test_ray.py
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "examples" / "configs"
 QUIET = ["logger.wandb_enabled=false", "logger.tensorboard_enabled=false"]
-STEPS = 3
+STEPS = 2  # as the torchrun runs of tests/conftest.py
 LONG = 400  # steps the interrupted runs of the fault chain ask for (they never get there)
 
 
@@ -67,24 +68,6 @@ def cluster(tmp_path_factory):
     ray_cluster.stop()
 
 
-def _torchrun(recipe: str, out: Path) -> Path:
-    """The torchrun path's ranks (``python -m nemo_moe_metrics.train`` under torchrun, 2 CPU
-    ranks, one thread each, as ``nemo-moe-metrics run`` starts them)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_port()), "-m", "nemo_moe_metrics.train", "--recipe",
-           str(CONFIGS / recipe), "--output-dir", str(out), f"training.max_steps={STEPS}", *QUIET]  # fmt: skip
-    env = _env(out.parent, OMP_NUM_THREADS="1", WANDB_MODE="offline")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
-
-
-def _port() -> int:
-    from nemo_moe_metrics.testing import free_port
-
-    return int(free_port())
-
-
 def _driver(cluster: LocalRayCluster | None, recipe: str, root: Path, *args: str, popen=False):
     """The Ray driver (``python -m nemo_moe_metrics.launch.ray_driver``) on the cluster (or an
     embedded Ray when ``cluster`` is None)."""
@@ -99,13 +82,22 @@ def _driver(cluster: LocalRayCluster | None, recipe: str, root: Path, *args: str
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=400)
 
 
+# The torchrun runs the suite makes anyway (tests/conftest.py), and the same recipes on Ray.
+SAME_AS = {
+    "sft": ("sft_torchrun_run", ["policy.model.moe_layer_freq=[0,1,1,1]"]),
+    "dpo": ("dpo_torchrun_run", ["policy.megatron_cfg.moe_per_layer_logging=true"]),
+}
+
+
 @pytest.fixture(scope="module", params=["sft", "dpo"])
 def same_recipe_both_engines(request, cluster, tmp_path_factory):
     algo = request.param
+    fixture, overrides = SAME_AS[algo]
+    proc, reference, _ = request.getfixturevalue(fixture)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     base = tmp_path_factory.mktemp(f"ray_{algo}")
-    recipe = f"{algo}_moe_tiny.yaml"
-    reference = _torchrun(recipe, base / "torchrun" / "run")
-    proc = _driver(cluster, recipe, base / "ray", f"training.max_steps={STEPS}", *QUIET)
+    args = (f"training.max_steps={STEPS}", *overrides, *QUIET)
+    proc = _driver(cluster, f"{algo}_moe_tiny.yaml", base / "ray", *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return algo, base / "ray" / f"{algo}_moe_tiny", reference
 
