@@ -120,7 +120,9 @@ def _alive_nodes() -> list[dict[str, Any]]:
     return nodes
 
 
-def plan_placement(world_size: int, address: str, nodes: list[dict[str, Any]] | None = None):
+def plan_placement(
+    world_size: int, address: str, nodes: list[dict[str, Any]] | None = None
+) -> PlacementPlan:
     """The bundles and strategy for ``world_size`` ranks; :class:`RayClusterError` naming what
     is missing when the cluster's nodes cannot hold them (``nodes``: for tests)."""
     nodes = _alive_nodes() if nodes is None else nodes

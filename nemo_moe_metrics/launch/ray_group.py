@@ -293,7 +293,9 @@ class RayWorkerGroup:
             )
         return [results[r] for r in ranks]
 
-    def _first_failure(self, errors: list[tuple[int, BaseException]], method: str):
+    def _first_failure(
+        self, errors: list[tuple[int, BaseException]], method: str
+    ) -> WorkerGroupError:
         described = []
         for rank, err in errors:
             kind, text, frame, raised_at = describe_ray_error(err)

@@ -152,7 +152,9 @@ def ray_sbatch_script(
     return "\n".join(lines) + "\n"
 
 
-def ray_dry_run(recipe_path: str | Path, overrides: list[str], output_dir: str | Path, **kw: Any):
+def ray_dry_run(
+    recipe_path: str | Path, overrides: list[str], output_dir: str | Path, **kw: Any
+) -> str:
     """The sbatch command and script :func:`submit_ray_job` would submit (nothing is written)."""
     from nemo_moe_metrics.launch.slurm_submit import fold_shell_line
 
