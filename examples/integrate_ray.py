@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_moe_metrics.launch.ray_cluster import connect
 
     # ray.init(): the cluster at --ray-address / RAY_ADDRESS, or an embedded local Ray whose
-    # token stays in this process's environment (nothing written to ~/.ray).
+    # token stays in this process's environment (nothing written to the home directory).
     session = connect(args.ray_address)
     # The workers import integrate_megatron.py and this package from this checkout.
     path = os.pathsep.join(filter(None, [str(EXAMPLES), str(EXAMPLES.parent), os.environ.get(

@@ -70,7 +70,7 @@ def connect(address: str | None = None) -> RaySession:
                 "unset for an embedded local Ray"
             ) from None
         return RaySession(embedded=False, address=str(ctx.address_info.get("gcs_address")))
-    # Newer Ray protects a new local cluster with a token it would save in ~/.ray/auth_token
+    # Newer Ray protects a new local cluster with a token it would save in the home directory
     # when it finds none; one in the environment (inherited by the processes it starts) is
     # found first, and protects the cluster alike.
     has_token = {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & set(os.environ)
