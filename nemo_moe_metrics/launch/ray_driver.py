@@ -31,6 +31,7 @@ from typing import Any
 
 from nemo_moe_metrics import metric_names as names
 from nemo_moe_metrics import processes
+from nemo_moe_metrics.algorithms import run_algorithm
 from nemo_moe_metrics.config import ConfigError, Recipe, load_recipe
 from nemo_moe_metrics.durable import write_text_durably
 from nemo_moe_metrics.extras import MissingExtraError
@@ -87,11 +88,7 @@ def drive(
         # ray.init put its own SIGTERM handler (a crash report, then abort) in place of ours.
         with stopping_signals_raise():
             plan = plan_placement(nproc, session.address)  # refused here, before any actor
-            lock = own_run_dir(run_dir)
-            try:
-                _drive(recipe, plan, run_dir, session, say)
-            finally:
-                lock.release()
+            _drive(recipe, plan, run_dir, session, say)
     finally:
         session.shutdown()
     return run_dir
@@ -114,18 +111,29 @@ def stopping_signals_raise() -> Iterator[None]:
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
 
 
-def _drive(recipe: Recipe, plan: Any, run_dir: Path, session: RaySession, say) -> None:
-    from nemo_moe_metrics.algorithms import run_algorithm
+def _open_run_dir(recipe: Recipe, run_dir: Path, say: Callable[[str], None]) -> tuple:
+    """The run directory, opened as a torchrun job's rank 0 opens it (train.py's public
+    functions: the one place to switch when the run-directory code gets one entry point):
+    ``(lock, resume state or None, sink, earlier starts' ranks)``."""
+    lock = own_run_dir(run_dir)
+    try:
+        state = None
+        if recipe.logger.resume:
+            state, notes = prepare_resume(run_dir, table_every=recipe.logger.table_every)
+            for note in notes:
+                say(f"resume: {note}")
+        earlier = _earlier_placements(run_dir) if state is not None else []
+        sink = open_run(recipe, run_dir, state)  # rewrites run.json: its ray section read before
+    except BaseException:
+        lock.release()
+        raise
+    return lock, state, sink, earlier
 
-    state = None
-    if recipe.logger.resume:
-        state, notes = prepare_resume(run_dir, table_every=recipe.logger.table_every)
-        for note in notes:
-            say(f"resume: {note}")
+
+def _drive(recipe: Recipe, plan: Any, run_dir: Path, session: RaySession, say) -> None:
+    lock, state, sink, earlier = _open_run_dir(recipe, run_dir, say)
     start_step = state.next_step if state is not None else 0
     totals = (state.total_tokens, state.total_seconds, state.total_flops) if state else None
-    earlier = _earlier_placements(run_dir) if state is not None else []
-    sink = open_run(recipe, run_dir, state)  # rewrites run.json: its ray section read before
     group = None
     try:
         placement = place(plan, recipe.ray.start_timeout_s)
@@ -145,6 +153,7 @@ def _drive(recipe: Recipe, plan: Any, run_dir: Path, session: RaySession, say) -
         if group is not None:
             group.kill()
         sink.close()
+        lock.release()
 
 
 class DriverLog:
