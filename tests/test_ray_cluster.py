@@ -11,8 +11,8 @@
 - the fault chain (SFT): an actor killed by ``kill -9`` ends the run naming its rank,
   node and how it died, while a second run of the live directory is refused; SIGTERM of a
   driver that started its own embedded Ray stops every actor and every Ray process it started
-  (checked by process list); ``--resume`` then trains to the end with every step exactly once
-  in ``metrics.jsonl`` and the store.
+  (checked by process list); the resumed driver then trains to the end with every step exactly
+  once in ``metrics.jsonl`` and the store.
 """
 
 from __future__ import annotations
@@ -217,9 +217,12 @@ def chain(cluster, tmp_path_factory):
     while still_running(snapshot) and time.monotonic() < deadline:
         time.sleep(0.1)
     seen["sigterm"]["left"] = still_running(snapshot)
-    # 3. --resume on the cluster, two more steps, to the end.
+    # 3. The driver alone on the cluster continues the run, two more steps, to the end (as a
+    # resubmitted Slurm job does; `run --resume` passes the driver the same logger.resume).
     seen["max_steps"] = len(_logged(run_dir)) + 2
-    seen["resumed"] = _run_cli(cluster, out, "--resume", steps=seen["max_steps"], popen=False)
+    seen["resumed"] = _driver(cluster, "sft_moe_tiny.yaml", out, "logger.table_every=1",
+                              f"training.max_steps={seen['max_steps']}", *QUIET,
+                              "logger.resume=true")  # fmt: skip
     seen["run_dir"] = run_dir
     return seen
 
