@@ -68,6 +68,12 @@ Measures (JSON keys, targets):
   report's 10,000-step run with a table every step (every step read; the sweep R = 0, 32, ...,
   256), the plan checked (``benchmarks/placement_bench.py``).
 
+- ``ray_step_ratio`` (<= 1.05): the step time of ``--engine ray`` (a driver over 2 Ray actors,
+  an embedded local Ray) over the torchrun path's (2 ranks) on the quick recipe
+  (``grpo_moe_tiny``), the median time between logged steps, torchrun measured before and
+  after; ``ray_table_transfer_ms_94x256`` (<= 5): one 94 x 256 expert table from an actor to
+  the driver, median round trip (``benchmarks/ray_bench.py``, ``details.ray``).
+
 Exits 1 if a correctness check of the measured path fails (the numbers would mean nothing);
 missed targets are reported, not fatal. Method and results: docs/en/performance.md.
 """
@@ -106,6 +112,7 @@ from benchmarks.harness import (  # noqa: E402
 )
 from benchmarks.long_run import report_bench, tiled_report_bench  # noqa: E402
 from benchmarks.placement_bench import placement_bench  # noqa: E402
+from benchmarks.ray_bench import ray_bench  # noqa: E402
 from benchmarks.routing_bench import router_health_bench, routing_bench  # noqa: E402
 from benchmarks.store_bench import store_bench  # noqa: E402
 from benchmarks.table_bench import table_step_bench  # noqa: E402
@@ -138,6 +145,8 @@ RESULT_KEYS = (
     "table_step_host_ms_94x256",
     "placement_seconds_10k_94x256",
     "trl_callback_overhead_ratio",
+    "ray_step_ratio",
+    "ray_table_transfer_ms_94x256",
 )
 TARGETS: dict[str, tuple[str, float]] = {
     "step_overhead_ratio": ("<=", 1.01),
@@ -165,6 +174,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "table_step_host_ms_94x256": ("<=", 3.0),
     "placement_seconds_10k_94x256": ("<=", 10.0),
     "trl_callback_overhead_ratio": ("<=", 1.02),
+    "ray_step_ratio": ("<=", 1.05),
+    "ray_table_transfer_ms_94x256": ("<=", 5.0),
 }
 FLOPS_FIXTURES = {"qwen3_moe": "qwen3-30b-a3b", "qwen3_5_moe": "qwen3.5-35b-a3b"}
 STEP_WORLD_SIZE = 1  # one rank, one thread: the other core absorbs the machine's other load
@@ -185,6 +196,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         health_pairs=40,
         attach_layers=94,
         trl=dict(blocks=24, windows_per_block=1),
+        ray=dict(steps=16, transfers=100),
     ),
     "quick": dict(
         bench=BenchConfig(warmup_pairs=1, pairs=40, export_repeats=30),
@@ -199,6 +211,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         health_pairs=40,
         attach_layers=94,
         trl=dict(blocks=16, windows_per_block=1),
+        ray=dict(steps=10, transfers=50),
     ),
     # Tiny model and few repeats: exercises every path in seconds; the numbers mean little.
     "smoke": dict(
@@ -227,6 +240,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         health_pairs=2,
         attach_layers=8,
         trl=dict(blocks=2, windows_per_block=1, model={}, logging_steps=2),
+        ray=dict(steps=4, transfers=3, bracket=False),
     ),
 }
 
@@ -540,6 +554,14 @@ def _format(result: dict[str, Any]) -> str:
             f"({trl['log_step_ms_on_median']:.0f} / {trl['log_step_ms_off_median']:.0f} ms, "
             "what logging_steps=1 costs)"
         )
+    ray = result["details"].get("ray")
+    if isinstance(ray, dict):
+        lines.append(
+            f"  ray: step {ray['ray_step_ms_median']:.0f} ms on Ray, "
+            f"{ray['torchrun_step_ms_median']:.0f} ms under torchrun (runs: "
+            + ", ".join(f"{t:.0f}" for t in ray["torchrun_step_ms_each_run"])
+            + f" ms); a no-op call {ray['no_op_call_ms']:.2f} ms"
+        )
     sites = result["details"]["host_reads"]["export_sites_on"]
     lines.append("  host reads added per step: " + (json.dumps(sites) if sites else "none"))
     failed = [k for k, ok in result["checks"].items() if not ok]
@@ -557,6 +579,15 @@ def _add_trl(result: dict[str, Any], preset: dict[str, Any]) -> None:
     result[key] = trl[key]
     result["met"][key] = _meets(trl[key], *TARGETS[key])
     result["details"]["trl"] = trl
+
+
+def _add_ray(result: dict[str, Any], preset: dict[str, Any]) -> None:
+    # The Ray engine's step time over torchrun's, and a 94 x 256 table's trip to the driver.
+    ray = ray_bench(**preset)
+    for key in ("ray_step_ratio", "ray_table_transfer_ms_94x256"):
+        result[key] = ray[key]
+        result["met"][key] = _meets(ray[key], *TARGETS[key])
+    result["details"]["ray"] = ray["details"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -630,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     table = table_step_bench(preset["store_repeats"])
     result = summarise(ranks, exports, flops, store, report, routing, health, attach, table)
     _add_trl(result, preset["trl"])
+    _add_ray(result, preset["ray"])
     result["machine"] = {
         **machine(),
         "load_average_1m_before": load_before[0],

@@ -169,6 +169,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         args.output_dir,
         resume=args.resume,
         overwrite=args.overwrite,
+        engine=args.engine,
+        ray_address=args.ray_address,
     )
 
 
@@ -255,13 +257,29 @@ def build_parser() -> argparse.ArgumentParser:
     flops.add_argument("--json", action="store_true", help="print {total, by_component} as JSON")
     flops.set_defaults(func=_cmd_flops)
     run = sub.add_parser(
-        "run", help="train a recipe on local torchrun ranks via nemo-run, with live progress"
+        "run",
+        help="train a recipe on local torchrun ranks via nemo-run (or Ray actors with "
+        "--engine ray), with live progress",
     )
     run.add_argument("recipe", help="YAML recipe, e.g. examples/configs/grpo_moe_tiny.yaml")
     run.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     run.add_argument("--nproc", type=int, default=2, help="ranks to launch (default 2)")
     run.add_argument(
         "--output-dir", default="runs", help="runs go to DIR/<recipe name>/ (default runs/)"
+    )
+    run.add_argument(
+        "--engine",
+        choices=("torchrun", "ray"),
+        default=None,
+        help="torchrun: every rank runs the loop (default: the recipe's engine key, torchrun); "
+        "ray: one driver runs it over Ray actors, one per rank (docs/en/ray.md)",
+    )
+    run.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="with --engine ray: a running Ray cluster (default: RAY_ADDRESS, else an embedded "
+        "local Ray started and stopped with the run)",
     )
     add_run_dir_flags(run)
     run.set_defaults(func=_cmd_run)

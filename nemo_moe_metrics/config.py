@@ -415,12 +415,36 @@ class LoggerConfig(StrictModel):
         return self.wandb_table_every or self.table_every
 
 
+class RayConfig(StrictModel):
+    """``ray``: how the Ray engine's driver waits for its workers (``engine: ray``)."""
+
+    start_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Seconds the driver waits for the placement group, the actors and their "
+        "process group to be up; then it stops them and names the ranks not ready.",
+    )
+    step_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Seconds one call of every worker (generate, log-probs, a training step) "
+        "may take; then the driver stops the run naming the ranks still busy and their nodes.",
+    )
+
+
 class Recipe(StrictModel):
     """A whole recipe: which algorithm, the policy with its flags, training and logging."""
 
     words_its_own_errors: ClassVar[bool] = True  # recipe_from_dict names file and override
     name: str = "run"
     algorithm: Literal["sft", "dpo", "grpo"] = "sft"
+    engine: Literal["torchrun", "ray"] = Field(
+        "torchrun",
+        description="torchrun: every rank runs the loop (SPMD), rank 0 logs. ray: one driver "
+        "runs the loop and calls a worker group of Ray actors, one per rank, as NeMo RL does "
+        "(docs/en/ray.md); nemo-moe-metrics run --engine ray sets it.",
+    )
+    ray: RayConfig = Field(default_factory=RayConfig)
     policy: PolicyConfig
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)

@@ -106,6 +106,19 @@ class ExpertTable(Sequence):
 
     __hash__ = None  # type: ignore[assignment]  # mutable rows view: like a list, unhashable
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled (Ray's object store, a spawned rank's result) as the three arrays only: the
+        # rows view, once built, is 3.5x their size and rebuilt on the other side when wanted.
+        return {"layer_ids": self.layer_ids, "counts": self.counts, "widths": self.widths}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.layer_ids, self.counts, self.widths = (
+            state["layer_ids"],
+            state["counts"],
+            state["widths"],
+        )
+        self._rows = None
+
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         return np.array(self.rows, dtype=dtype)
 

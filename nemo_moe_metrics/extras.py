@@ -4,7 +4,8 @@ The core install (``pip install nemo_moe_metrics``) is the metric library: torch
 and pyyaml. Everything heavier is an extra of the package, named in ``pyproject.toml``:
 
 - ``megatron``: megatron-core (reference policy worker, aux-loss tracker, CPU demo);
-- ``launch``: nemo-run (with its leptonai pin) and rich, for ``nemo-moe-metrics run`` and Slurm;
+- ``launch``: nemo-run (with its leptonai pin), rich and Ray, for ``nemo-moe-metrics run`` (its
+  ``--engine ray`` too) and Slurm;
 - ``wandb``, ``tensorboard``: those sinks; ``report``: matplotlib for the pictures;
 - ``hf``: transformers, for Hugging Face models (``examples/integrate_hf_fsdp.py``);
 - ``torchtitan``: torchtitan 0.3.0 models (``examples/integrate_torchtitan.py``): not an extra
@@ -28,7 +29,7 @@ from types import ModuleType
 # The top-level module each extra provides (what is looked for), by extra name.
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "megatron": ("megatron.core",),
-    "launch": ("nemo_run", "rich"),
+    "launch": ("nemo_run", "rich", "ray"),
     "wandb": ("wandb",),
     "tensorboard": ("tensorboard",),
     "report": ("matplotlib",),

@@ -41,11 +41,14 @@ class RankFailure:
     frame: str | None  # deepest frame in this package or the user's code: "path:line in func"
     raised_at: str | None  # deepest frame overall, when it is elsewhere (torch, megatron, ...)
     refused: bool = False  # the rank refused its command line (nothing was raised in training)
+    died: bool = False  # the rank's process ended without an exception (a Ray actor's death)
 
     def describe(self) -> str:
         """A few lines for the terminal."""
         if self.refused:
             return f"rank {self.rank} refused its arguments: {self.exception}"
+        if self.died:
+            return f"rank {self.rank} {self.exception}"
         lines = [f"rank {self.rank} raised {self.exception}"]
         if self.frame:
             lines.append(f"  at {self.frame}")
@@ -148,6 +151,12 @@ def _frames_text(frames: list[tuple[str, int, str]]) -> tuple[str | None, str | 
     return (fmt(own[-1]) if own else None), (fmt(frames[-1]) if frames else None)
 
 
+def frame_summary(frames: list[tuple[str, int, str]]) -> tuple[str | None, str | None]:
+    """``(deepest frame in this package or the user's code, deepest frame overall)`` of a
+    traceback's ``(file, line, function)`` frames, each as ``"path:line in func"``."""
+    return _frames_text(frames)
+
+
 def record_failure(err: BaseException, rank: int | None = None) -> None:
     """Append this rank's error to the file :data:`LAST_WORDS_ENV` names (when it is set):
     one JSON line with the rank, the time, ``Type: message`` and where it was raised."""
@@ -163,6 +172,23 @@ def record_failure(err: BaseException, rank: int | None = None) -> None:
         "exception": f"{type(err).__name__}: {err}"[:4000],
         "frame": frame,
         "raised_at": raised_at,
+    }
+    _append_line(path, line)
+
+
+def record_rank_failure(failure: RankFailure) -> None:
+    """Record (as :func:`record_failure`) a rank's failure that another process observed: a
+    Ray driver's, for an actor that raised or died (``failure.exception`` says how)."""
+    path = os.environ.get(LAST_WORDS_ENV)
+    if not path:
+        return
+    line = {
+        "rank": failure.rank,
+        "time": time.time(),
+        "exception": failure.exception[:4000],
+        "frame": failure.frame,
+        "raised_at": failure.raised_at,
+        "died": failure.died,
     }
     _append_line(path, line)
 
@@ -202,7 +228,7 @@ def read_failures(path: Path | None) -> list[RankFailure]:
                 row = json.loads(raw)
                 rows.append((float(row["time"]), RankFailure(
                     int(row["rank"]), str(row["exception"]), row.get("frame"),
-                    row.get("raised_at"), bool(row.get("refused")),
+                    row.get("raised_at"), bool(row.get("refused")), bool(row.get("died")),
                 )))  # fmt: skip
     return [f for _, f in sorted(rows, key=lambda r: r[0])]
 

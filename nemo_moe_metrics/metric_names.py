@@ -258,3 +258,18 @@ ALGORITHM_KEYS = (
     TRAIN_REJECTED_REWARD,
     TRAIN_PREFERENCE_ACCURACY,
 )
+
+# Keys a Ray driver adds to each step (engine: ray; docs/en/ray.md): wall seconds as the driver
+# sees them, Ray's calls and transfers included, and the tokens trained over the whole step.
+DRIVER_STEP_SECONDS = "driver/step_seconds"
+DRIVER_GENERATE_SECONDS = "driver/generate_seconds"
+DRIVER_SCORE_SECONDS = "driver/score_seconds"
+DRIVER_TRAIN_SECONDS = "driver/train_seconds"
+DRIVER_TOKENS_PER_SECOND = "driver/tokens_per_second"
+DRIVER_KEYS = (
+    DRIVER_STEP_SECONDS,
+    DRIVER_GENERATE_SECONDS,
+    DRIVER_SCORE_SECONDS,
+    DRIVER_TRAIN_SECONDS,
+    DRIVER_TOKENS_PER_SECOND,
+)

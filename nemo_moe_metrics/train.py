@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from nemo_moe_metrics import processes
+from nemo_moe_metrics.adapters.family import ModelFacts
 from nemo_moe_metrics.config import ConfigError, Recipe, dump_recipe, load_recipe
 from nemo_moe_metrics.durable import write_text_durably
 from nemo_moe_metrics.failures import record_failure, record_refusal
@@ -28,6 +29,7 @@ from nemo_moe_metrics.run_dir.names import RECIPE_FILE
 from nemo_moe_metrics.run_dir.record import logged_run, refuse_logged_run
 from nemo_moe_metrics.run_dir.resume import ResumeState, prepare_resume
 from nemo_moe_metrics.run_dir.session import build_sinks
+from nemo_moe_metrics.sinks.base import Sink
 from nemo_moe_metrics.train_args import rank_argv
 
 
@@ -79,24 +81,11 @@ def _train(
     if state is not None and metrics is not None:
         metrics.resume_totals(state.total_tokens, state.total_seconds, state.total_flops)
     start_step = state.next_step if state is not None else 0
-    if rank == 0:
-        _refuse_a_logged_run(output_dir, recipe)  # before recipe.yaml: the old run stays whole
-        output_dir.mkdir(parents=True, exist_ok=True)
-        write_text_durably(output_dir / RECIPE_FILE, dump_recipe(recipe))
-        if state is not None and state.last_step is not None:
-            left = max(0, recipe.training.max_steps - start_step)
-            print(
-                f"resuming {output_dir} after step {state.last_step}: {left} step(s) left of "
-                f"training.max_steps={recipe.training.max_steps}",
-                flush=True,
-            )
-    sink = build_sinks(
-        recipe.logger,
+    sink = open_recipe_run(
+        recipe,
         output_dir,
-        run_name=recipe.name,
-        config=recipe.model_dump(mode="json"),
-        rank=rank,
-        resume_state=state,
+        state,
+        rank,
         facts=metrics.facts if metrics is not None else None,
         lock=lock,  # rank 0 already owns the directory (own_run_dir)
     )
@@ -111,6 +100,43 @@ def _train(
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def open_recipe_run(
+    recipe: Recipe,
+    output_dir: Path,
+    state: ResumeState | None,
+    rank: int = 0,
+    *,
+    facts: ModelFacts | None = None,
+    lock: RunDirLock | None = None,
+) -> Sink:
+    """This run's records in ``output_dir``, opened by the process that logs (rank 0 under
+    torchrun, the driver under Ray): one run per directory, ``recipe.yaml``, the resume note,
+    then the sinks through :func:`~nemo_moe_metrics.run_dir.session.open_run` (``run.json``
+    among them); a ``NullSink`` on other ranks. ``lock``: the directory's lock the caller holds
+    (:func:`own_run_dir`)."""
+    if rank == 0:
+        _refuse_a_logged_run(output_dir, recipe)  # before recipe.yaml: the old run stays whole
+        output_dir.mkdir(parents=True, exist_ok=True)
+        write_text_durably(output_dir / RECIPE_FILE, dump_recipe(recipe))
+        if state is not None and state.last_step is not None:
+            left = max(0, recipe.training.max_steps - state.next_step)
+            print(
+                f"resuming {output_dir} after step {state.last_step}: {left} step(s) left of "
+                f"training.max_steps={recipe.training.max_steps}",
+                flush=True,
+            )
+    return build_sinks(
+        recipe.logger,
+        output_dir,
+        run_name=recipe.name,
+        config=recipe.model_dump(mode="json"),
+        rank=rank,
+        resume_state=state,
+        facts=facts,
+        lock=lock,
+    )
 
 
 def _refuse_a_logged_run(output_dir: Path, recipe: Recipe) -> None:
@@ -157,7 +183,7 @@ def _resume_state(output_dir: Path, rank: int, recipe: Recipe) -> ResumeState:
     return box[0]
 
 
-def _requeued_run_resumes(output_dir: Path) -> list[str]:
+def requeued_run_resumes(output_dir: Path) -> list[str]:
     """``["logger.resume=true"]`` when Slurm requeued this job and its first start logged steps.
 
     nemo-run submits with ``sbatch --requeue``: after a node failure or a preemption Slurm
@@ -202,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # One Slurm task per rank (srun without torchrun): the rank comes from Slurm.
         os.environ.update(rank_env_from_slurm(os.environ))
-        overrides = [*args.overrides, *_requeued_run_resumes(Path(args.output_dir))]
+        overrides = [*args.overrides, *requeued_run_resumes(Path(args.output_dir))]
         recipe = load_recipe(args.recipe, overrides)
         # Launched by torchrun (locally or on Slurm): the same checks `check` and `run` make.
         world = os.environ.get("WORLD_SIZE")

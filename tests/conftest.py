@@ -41,3 +41,84 @@ def main_job_run(tmp_path_factory):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return base / "runs" / "grpo_moe_tiny"
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """munged, slurmctld and two slurmd (n1, n2) on this host (tests/slurm_cluster.py), shared
+    by the Slurm modules of the session and stopped at its end. Without root or the Debian
+    packages it skips with the reason; NEMO_MOE_METRICS_REQUIRE_SLURM=1 (CI) fails instead."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from slurm_cluster import LocalSlurm, SlurmUnavailable
+
+    root = Path(tempfile.mkdtemp(prefix="nemo_moe_metrics_slurm_", dir="/tmp"))
+    cluster = LocalSlurm(root, nodes=2)
+    try:
+        cluster.start()
+    except SlurmUnavailable as err:
+        shutil.rmtree(root, ignore_errors=True)
+        if os.environ.get("NEMO_MOE_METRICS_REQUIRE_SLURM") == "1":
+            pytest.fail(
+                f"NEMO_MOE_METRICS_REQUIRE_SLURM=1 but the test Slurm cluster cannot start: {err}"
+            )
+        pytest.skip(f"no Slurm cluster here: {err}")
+    yield cluster
+    cluster.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+#: The SFT run of ``sft_torchrun_run`` (tests/test_launch_args.py checks its arguments arrive
+#: byte for byte; tests/test_ray_cluster.py compares the Ray engine's SFT with it).
+SFT_TORCHRUN_OVERRIDES = [
+    "policy.model.moe_layer_freq=[0,1,1,1]",
+    'logger.wandb_project=naïve 名前 "quoted" it\'s $HOME `x` \\back',
+    "training.max_steps=2",
+    "logger.tensorboard_enabled=false",
+    "logger.wandb_enabled=false",
+]
+
+
+@pytest.fixture(scope="session")
+def sft_torchrun_run(tmp_path_factory):
+    """``nemo-moe-metrics run examples/configs/sft_moe_tiny.yaml`` on 2 torchrun ranks, 2 steps,
+    with a list override, odd values and an output directory with a space, from an empty
+    working directory; ``(process, run directory, that working directory)``."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    cwd = tmp_path_factory.mktemp("sft_torchrun")
+    out = cwd / "out dir 'é'"
+    env = {**os.environ, "PYTHONPATH": str(root), "COLUMNS": "160"}
+    recipe = root / "examples" / "configs" / "sft_moe_tiny.yaml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_moe_metrics.cli", "run", str(recipe),
+         *SFT_TORCHRUN_OVERRIDES, "--output-dir", str(out)],
+        capture_output=True, text=True, env=env, cwd=cwd, timeout=280,
+    )  # fmt: skip
+    return proc, out / "sft_moe_tiny", cwd
+
+
+@pytest.fixture(scope="session")
+def dpo_torchrun_run(tmp_path_factory):
+    """``python recipes/local_torchrun.py examples/configs/dpo_moe_tiny.yaml`` on 2 ranks, 2
+    steps, per-layer logging on (as docs/en/training_loops.md runs it); ``(process, run
+    directory, home)``."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    base = tmp_path_factory.mktemp("dpo_torchrun")
+    (base / "home").mkdir()
+    env = {**os.environ, "HOME": str(base / "home"), "PYTHONPATH": str(root), "COLUMNS": "120"}
+    recipe = root / "examples" / "configs" / "dpo_moe_tiny.yaml"
+    proc = subprocess.run(
+        [sys.executable, "recipes/local_torchrun.py", str(recipe), "training.max_steps=2",
+         "policy.megatron_cfg.moe_per_layer_logging=true", "--nproc", "2", "--output-dir",
+         str(base / "runs")],
+        capture_output=True, text=True, env=env, timeout=240, cwd=root,
+    )  # fmt: skip
+    return proc, base / "runs" / "dpo_moe_tiny", base / "home"

@@ -161,7 +161,8 @@ def _layout_check_argv(args: list[str]) -> list[str]:
     while i < len(args):
         word = args[i]
         if word.startswith("--"):
-            takes_value = "=" not in word and word in ("--nproc", "--output-dir")
+            valued = ("--nproc", "--output-dir", "--engine", "--ray-address")
+            takes_value = "=" not in word and word in valued
             if word.split("=")[0] in CHECK_OPTIONS:
                 kept += args[i : i + 2] if takes_value else [word]
             i += 2 if takes_value else 1

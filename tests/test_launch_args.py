@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import SFT_TORCHRUN_OVERRIDES
 
 from nemo_moe_metrics.failures import LAST_WORDS_ENV, rank_failure_lines, read_failures
 from nemo_moe_metrics.train_args import ARGV_ENV, ARGV_FROM_ENV, rank_argv
@@ -28,30 +29,19 @@ pytestmark = pytest.mark.one_line  # CLI behaviour: the same on both megatron-co
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_list_override_odd_values_and_an_output_dir_with_a_space_run_to_the_end(tmp_path):
-    out = tmp_path / "out dir 'é'"
-    overrides = [
-        "policy.model.moe_layer_freq=[0,1,1,1]",
-        f"logger.wandb_project={ODD}",
-        "training.max_steps=2",
-        "logger.tensorboard_enabled=false",
-        "logger.wandb_enabled=false",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "160"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "nemo_moe_metrics.cli", "run", str(SFT), *overrides,
-         "--output-dir", str(out)],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=280,
-    )  # fmt: skip
+def test_a_list_override_odd_values_and_an_output_dir_with_a_space_run_to_the_end(
+    sft_torchrun_run,
+):
+    proc, run_dir, cwd = sft_torchrun_run  # conftest.py: the run, started from an empty cwd
+    assert SFT_TORCHRUN_OVERRIDES[1] == f"logger.wandb_project={ODD}"
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    run_dir = out / "sft_moe_tiny"
     recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text())  # what rank 0 parsed
     assert recipe["policy"]["model"]["moe_layer_freq"] == [0, 1, 1, 1]
     assert recipe["logger"]["wandb_project"] == ODD
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().split()]
     assert steps == [0, 1]
     # Nothing was written where a quoted path would have pointed (the caller's cwd).
-    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+    assert sorted(p.name for p in cwd.iterdir()) == [run_dir.parent.name]
 
 
 def test_rank_argv_returns_the_environment_list_unchanged():

@@ -9,16 +9,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from slurm_cluster import LocalSlurm, SlurmUnavailable
+from slurm_cluster import LocalSlurm
 
 from nemo_moe_metrics import metric_names as names
 from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
@@ -31,7 +29,6 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPE = "examples/configs/grpo_moe_tiny.yaml"
 STEPS = "training.max_steps=3"  # as the session's local main job (conftest.main_job_run)
 CLUSTER = ("--account", "local", "--partition", "debug", "--gpus-per-node", "0")
-REQUIRE = "NEMO_MOE_METRICS_REQUIRE_SLURM"
 # The jobs below, as docs/*/slurm.md shows them (paths and ports aside).
 ONE_NODE = (RECIPE, STEPS, *CLUSTER, "--nodes", "1", "--ranks-per-node", "2")
 TWO_NODES = (RECIPE, STEPS, *CLUSTER, "--nodes", "2", "--ranks-per-node", "1", "--launcher", "srun")
@@ -50,23 +47,6 @@ TIMED = {
     "train_perf/mfu",
 }
 REL = 1e-6  # the tolerance the local multi-rank tests use
-
-
-@pytest.fixture(scope="module")
-def slurm():
-    """munged, slurmctld and two slurmd (n1, n2) on this host, stopped after the module."""
-    root = Path(tempfile.mkdtemp(prefix="nemo_moe_metrics_slurm_", dir="/tmp"))
-    cluster = LocalSlurm(root, nodes=2)
-    try:
-        cluster.start()
-    except SlurmUnavailable as err:
-        shutil.rmtree(root, ignore_errors=True)
-        if os.environ.get(REQUIRE) == "1":
-            pytest.fail(f"{REQUIRE}=1 but the test Slurm cluster cannot start: {err}")
-        pytest.skip(f"no Slurm cluster here: {err}")
-    yield cluster
-    cluster.stop()
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def _slurm_py(cluster: LocalSlurm, base: Path, *args, timeout: float = 400):
@@ -538,18 +518,18 @@ def test_a_job_slurm_has_forgotten_is_reported_from_its_batch_log(slurm, tmp_pat
 
 
 def test_a_requeued_job_continues_only_a_run_it_logged(tmp_path, monkeypatch):
-    from nemo_moe_metrics.train import _requeued_run_resumes
+    from nemo_moe_metrics.train import requeued_run_resumes
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
-    assert _requeued_run_resumes(run_dir) == []
+    assert requeued_run_resumes(run_dir) == []
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    assert _requeued_run_resumes(run_dir) == []  # the first start logged nothing
+    assert requeued_run_resumes(run_dir) == []  # the first start logged nothing
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
-    assert _requeued_run_resumes(run_dir) == ["logger.resume=true"]
+    assert requeued_run_resumes(run_dir) == ["logger.resume=true"]
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
-    assert _requeued_run_resumes(run_dir) == []
+    assert requeued_run_resumes(run_dir) == []
 
 
 def test_a_controller_that_does_not_answer_is_asked_again_not_taken_for_a_finished_job(tmp_path):

@@ -10,20 +10,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nemo_moe_metrics.worker_results import merge_step_metrics
+
 LogFn = Callable[[dict[str, Any], int], None]
 
-
-def merge_step_metrics(own: dict[str, Any], worker: dict[str, Any]) -> dict[str, Any]:
-    """The loop's own keys plus the worker's dict, its keys unchanged; a clash is an error.
-
-    The worker's ``moe/`` and ``train_perf/`` keys go through exactly once, never re-prefixed.
-    """
-    clash = sorted(set(own) & set(worker))
-    if clash:
-        raise ValueError(f"loop and worker both produced {clash}; rename the loop's keys")
-    merged = dict(worker)
-    merged.update(own)
-    return merged
+__all__ = [
+    "LogFn",
+    "dp_mean",
+    "masked_sequence_mean",
+    "merge_step_metrics",
+    "rank_batch_size",
+]
 
 
 def rank_batch_size(recipe: Any, dp_size: int, *, whole: int = 1) -> int:

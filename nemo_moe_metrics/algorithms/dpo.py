@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from nemo_moe_metrics import metric_names as names
 from nemo_moe_metrics.algorithms.common import LogFn, merge_step_metrics, rank_batch_size
 from nemo_moe_metrics.algorithms.data import SequenceBatch, dpo_batch, generator
+from nemo_moe_metrics.algorithms.ranks import as_rank_group
 from nemo_moe_metrics.config import DPOConfig, Recipe
 
 REF_LOGPROBS = "ref_logprobs"
@@ -45,22 +46,25 @@ def run_dpo(recipe: Recipe, worker, log_fn: LogFn, start_step: int = 0) -> None:
             f"train_global_batch_size={gbs} and train_micro_batch_size={mbs} must both be even"
         )
     model_cfg, train_cfg = recipe.policy.model, recipe.training
-    per_rank = rank_batch_size(recipe, worker.dp_size, whole=2)
-    worker.snapshot_reference()
+    ranks = as_rank_group(worker)
+    per_rank = rank_batch_size(recipe, ranks.dp_size, whole=2)
+    ranks.snapshot_reference()
     loss_fn = make_dpo_loss(recipe.dpo.beta)
     for step in range(start_step, train_cfg.max_steps):
-        g = generator(train_cfg.seed, step, worker.dp_rank)
-        batch = dpo_batch(
-            per_rank // 2,
-            model_cfg.seq_length,
-            train_cfg.min_seq_length,
-            DPOConfig.response_length(model_cfg.seq_length),
-            model_cfg.vocab_size,
-            g,
-        )
-        with worker.reference_weights():
-            batch.extras[REF_LOGPROBS] = worker.logprobs(batch)
-        result = worker.train(batch, loss_fn)
+        batches = {
+            d: dpo_batch(
+                per_rank // 2,
+                model_cfg.seq_length,
+                train_cfg.min_seq_length,
+                DPOConfig.response_length(model_cfg.seq_length),
+                model_cfg.vocab_size,
+                generator(train_cfg.seed, step, d),
+            )
+            for d in ranks.dp_ranks
+        }
+        for d, ref in ranks.reference_logprobs(batches).items():
+            batches[d].extras[REF_LOGPROBS] = ref
+        result = ranks.train(batches, loss_fn)
         log_fn(merge_step_metrics({}, result), step)
 
 

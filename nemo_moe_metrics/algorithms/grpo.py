@@ -13,7 +13,6 @@ import torch
 from nemo_moe_metrics import metric_names as names
 from nemo_moe_metrics.algorithms.common import (
     LogFn,
-    dp_mean,
     masked_sequence_mean,
     merge_step_metrics,
     rank_batch_size,
@@ -25,6 +24,7 @@ from nemo_moe_metrics.algorithms.data import (
     generator,
     pad,
 )
+from nemo_moe_metrics.algorithms.ranks import as_rank_group
 from nemo_moe_metrics.config import Recipe
 
 ADVANTAGES = "advantages"
@@ -68,32 +68,39 @@ def run_grpo(recipe: Recipe, worker, log_fn: LogFn, start_step: int = 0) -> None
         )
     # The global batch is NeMo RL's num_prompts_per_step x num_generations_per_prompt over all
     # data-parallel ranks; each rank samples its share of the prompts, in whole groups.
-    per_rank = rank_batch_size(recipe, worker.dp_size, whole=cfg.num_generations)
+    ranks = as_rank_group(worker)
+    per_rank = rank_batch_size(recipe, ranks.dp_size, whole=cfg.num_generations)
     mcfg = recipe.policy.megatron_cfg
     wants_routes = mcfg.track_routing_consistency or mcfg.moe_enable_routing_replay
-    precision = {} if cfg.rollout_precision == "fp32" else {"precision": cfg.rollout_precision}
     for step in range(start_step, train_cfg.max_steps):
-        g = generator(train_cfg.seed, step, worker.dp_rank)
-        prompts = copy_prompts(
-            per_rank // cfg.num_generations, cfg.prompt_length, model_cfg.vocab_size, g
+        # One generator per data-parallel rank: its prompts, then its rollouts' samples.
+        gens = {d: generator(train_cfg.seed, step, d) for d in ranks.dp_ranks}
+        prompts = {
+            d: copy_prompts(
+                per_rank // cfg.num_generations, cfg.prompt_length, model_cfg.vocab_size, g
+            ).repeat_interleave(cfg.num_generations, dim=0)
+            for d, g in gens.items()
+        }
+        seqs = ranks.generate(
+            prompts, cfg.response_length, cfg.temperature, gens, precision=cfg.rollout_precision
         )
-        prompts = prompts.repeat_interleave(cfg.num_generations, dim=0)
-        seqs = worker.generate(
-            prompts, cfg.response_length, cfg.temperature, generator=g, **precision
-        ).cpu()
-        rewards = copy_reward(prompts, seqs[:, cfg.prompt_length :])
-        batch = pad(list(seqs), model_cfg.seq_length, [cfg.prompt_length] * len(seqs))
-        batch.extras[ADVANTAGES] = group_advantages(rewards, cfg.num_generations)
+        rewards = {d: copy_reward(prompts[d], seqs[d][:, cfg.prompt_length :]) for d in gens}
+        batches = {}
+        for d in gens:
+            batch = pad(list(seqs[d]), model_cfg.seq_length, [cfg.prompt_length] * len(seqs[d]))
+            batch.extras[ADVANTAGES] = group_advantages(rewards[d], cfg.num_generations)
+            batches[d] = batch
         if wants_routes:
             # The rollout's own routes, as an engine returns them (vLLM's routed_experts).
-            batch.extras[ROLLOUT_ROUTES] = worker.rollout_routes(batch, cfg.rollout_precision).cpu()
-        batch.extras[OLD_LOGPROBS] = worker.logprobs(batch)
-        result = worker.train(batch, grpo_loss)
+            routes = ranks.rollout_routes(batches, cfg.rollout_precision)
+            for d, r in routes.items():
+                batches[d].extras[ROLLOUT_ROUTES] = r
+        for d, old in ranks.logprobs(batches).items():
+            batches[d].extras[OLD_LOGPROBS] = old
+        result = ranks.train(batches, grpo_loss)
         # Mean and (population) std over every rank's rollouts, not a mean of per-rank stds.
-        moments = dp_mean(
-            {"r": float(rewards.mean()), "r2": float((rewards**2).mean())},
-            worker.dp_group,
-            worker.dp_size,
+        moments = ranks.mean_over_dp(
+            {d: {"r": float(r.mean()), "r2": float((r**2).mean())} for d, r in rewards.items()}
         )
         own = {
             names.TRAIN_REWARD: moments["r"],

@@ -12,6 +12,7 @@ from nemo_moe_metrics.algorithms.common import (
     rank_batch_size,
 )
 from nemo_moe_metrics.algorithms.data import SequenceBatch, generator, sft_batch
+from nemo_moe_metrics.algorithms.ranks import as_rank_group
 from nemo_moe_metrics.config import Recipe
 
 
@@ -28,17 +29,21 @@ def sft_loss(logprobs: torch.Tensor, mb: SequenceBatch) -> tuple[torch.Tensor, d
 def run_sft(recipe: Recipe, worker, log_fn: LogFn, start_step: int = 0) -> None:
     """``recipe.training.max_steps`` optimizer steps; ``log_fn(metrics, step)`` once per step.
 
+    ``worker``: this rank's worker (SPMD) or a rank group (:mod:`.ranks`, a Ray driver's).
     Each data-parallel rank trains its share of ``policy.train_global_batch_size``."""
     model_cfg, train_cfg = recipe.policy.model, recipe.training
-    per_rank = rank_batch_size(recipe, worker.dp_size)
+    ranks = as_rank_group(worker)
+    per_rank = rank_batch_size(recipe, ranks.dp_size)
     for step in range(start_step, train_cfg.max_steps):
-        g = generator(train_cfg.seed, step, worker.dp_rank)
-        batch = sft_batch(
-            per_rank,
-            model_cfg.seq_length,
-            train_cfg.min_seq_length,
-            model_cfg.vocab_size,
-            g,
-        )
-        result = worker.train(batch, sft_loss)
+        batches = {
+            d: sft_batch(
+                per_rank,
+                model_cfg.seq_length,
+                train_cfg.min_seq_length,
+                model_cfg.vocab_size,
+                generator(train_cfg.seed, step, d),
+            )
+            for d in ranks.dp_ranks
+        }
+        result = ranks.train(batches, sft_loss)
         log_fn(merge_step_metrics({}, result), step)

@@ -41,6 +41,7 @@ from nemo_moe_metrics.launch.progress import (
     read_new_lines,
     say,
 )
+from nemo_moe_metrics.launch.ray_cluster import ADDRESS_ENV, check_embedded
 from nemo_moe_metrics.preflight import preflight
 from nemo_moe_metrics.run_dir.lock import TOKEN_ENV
 from nemo_moe_metrics.run_dir.names import LAUNCH_LOG
@@ -88,8 +89,14 @@ def run_with_progress(
     *,
     resume: bool = False,
     overwrite: bool = False,
+    engine: str | None = None,
+    ray_address: str | None = None,
 ) -> int:
     """Launch the recipe in a child process and show a rich progress bar fed by its JSONL.
+
+    ``engine`` (default: the recipe's ``engine``): ``torchrun`` launches the ranks through
+    nemo-run; ``ray`` starts the Ray driver (:mod:`.ray_driver`: an embedded local Ray, or the
+    cluster at ``ray_address`` / ``RAY_ADDRESS``), whose actors are the ranks.
 
     Before anything starts: the recipe, its layout on ``nproc`` ranks (:mod:`.preflight`), the
     extras it needs and the run directory (one run per directory, see :func:`prepare_run_dir`)
@@ -100,9 +107,18 @@ def run_with_progress(
     the launcher's exit status; its own output goes to ``<run>/launch.log``; on failure the
     failing rank's first error is printed.
     """
+    if engine is not None:
+        overrides = [*overrides, f"engine={engine}"]
     recipe = load_recipe(recipe_path, overrides)  # fail fast, before any process starts
+    if ray_address and recipe.engine != "ray":
+        raise ConfigError(
+            f"--ray-address {ray_address} names a Ray cluster, but the engine is "
+            f"{recipe.engine}: add --engine ray (or engine: ray in the recipe)"
+        )
     preflight(recipe, nproc)
     check_launch_extras(recipe)
+    if recipe.engine == "ray" and not (ray_address or os.environ.get(ADDRESS_ENV)):
+        check_embedded(nproc)  # what an embedded local Ray would hold, before it starts
     console = make_console(console)
     run_dir = Path(output_dir).resolve() / recipe.name
     with claim_run_dir(
@@ -112,14 +128,27 @@ def run_with_progress(
             _prepare_resume(run_dir, recipe, recipe_path, console)
             overrides = [*overrides, "logger.resume=true"]
         where = ["--nproc", str(nproc), "--output-dir", str(Path(output_dir).resolve())]
-        cmd = [sys.executable, "-m", "nemo_moe_metrics.launch", str(recipe_path), *where]
+        module = "nemo_moe_metrics.launch"
+        if recipe.engine == "ray":  # the driver runs the loop; its Ray actors are the ranks
+            module = "nemo_moe_metrics.launch.ray_driver"
+            where += ["--ray-address", ray_address] if ray_address else []
+        cmd = [sys.executable, "-m", module, str(recipe_path), *where]
         with tempfile.TemporaryDirectory(prefix="nemo_moe_metrics_run_") as tmp:
             job = _Job(cmd + overrides, run_dir, recipe, _child_env(lock.token), resume)
             job.env[LAST_WORDS_ENV] = job.last_words = str(Path(tmp) / "rank_errors.jsonl")
             status = job.supervise(console, poll_s)
             if status is not None:  # interrupted: the whole job is stopped
-                user = [o for o in overrides if o != "logger.resume=true"]
-                again = ["nemo-moe-metrics", "run", str(recipe_path), *user, *where, "--resume"]
+                user = [o for o in overrides if o not in ("logger.resume=true", f"engine={engine}")]
+                how = ["--engine", engine] if engine else []
+                again = [
+                    "nemo-moe-metrics",
+                    "run",
+                    str(recipe_path),
+                    *user,
+                    *where,
+                    *how,
+                    "--resume",
+                ]
                 say(console, job.interrupted_line(status, shlex.join(again)))
                 return status
             return job.finish(console)
@@ -254,9 +283,12 @@ class _Job:
         name = next((s.name for s, code in processes.SIGNAL_EXIT.items() if code == status), "")
         last = read_resume_state(self.run_dir).last_step
         kept = "no step was logged yet" if last is None else f"it keeps every step up to {last}"
+        parts = (
+            "driver, Ray, actors" if self.recipe.engine == "ray" else "launcher, torchrun, ranks"
+        )
         return (
             f"interrupted ({name or f'exit {status}'}): stopped the training job "
-            f"({self.stopped} process(es): launcher, torchrun, ranks); "
+            f"({self.stopped} process(es): {parts}); "
             f"{self.run_dir}: {kept}; continue it with: {again}"
         )
 
