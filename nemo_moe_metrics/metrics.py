@@ -283,12 +283,18 @@ class PolicyMetrics:
         )
 
     def resume_totals(
-        self, total_tokens: float, total_seconds: float, total_flops: float = 0.0
+        self,
+        total_tokens: float,
+        total_seconds: float,
+        total_flops: float = 0.0,
+        *,
+        restart: bool = False,
     ) -> None:
         """Continue ``train_perf/total_*`` and the cumulative rates of a resumed run (after
-        ``attach``, before the first step); a no-op without throughput tracking."""
+        ``attach``, before the first step; ``restart=True``: also after steps, when training
+        went back to a checkpoint); a no-op without throughput tracking."""
         if self._meter is not None:
-            self._meter.resume(total_tokens, total_seconds, total_flops)
+            self._meter.resume(total_tokens, total_seconds, total_flops, restart=restart)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:

@@ -281,8 +281,12 @@ class RunDirLock:
             if key in _OPEN:  # this process has it open: reuse that descriptor (see _OPEN)
                 os.close(fd)
                 if _HELD.get(key) and create:
+                    holder = parse_holder(os.pread(_OPEN[key], 1 << 16, 0))
+                    who = holder.describe() if holder is not None else this_command()
                     raise RunDirBusyError(
-                        f"{self.run_dir} is already held by this process ({this_command()})"
+                        f"{self.run_dir} is already held by this process, by another "
+                        f"writer: {who}. One writer per run directory: let it finish, or "
+                        "choose another run directory"
                     )
                 fd = _OPEN[key]
             else:
