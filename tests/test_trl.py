@@ -324,3 +324,108 @@ def test_generated_lengths_stop_at_the_first_end_of_sequence():
     sequences = torch.tensor([[0, 5, 6, 7, 1, 1, 1], [4, 5, 6, 7, 8, 9, 2]])
     # prompt 2 + completion "7 <eos>" = 4; prompt 3 + completion of 4, no eos = 7
     assert generated_lengths(prompt_mask, 3, sequences, [eos]).tolist() == [4, 7]
+
+
+def _sha256s(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+class _StepTokens:
+    """Independent: real tokens of every training forward, by the optimizer step it is in."""
+
+    def __init__(self, trainer):
+        from transformers import TrainerCallback
+
+        self.tokens: dict[int, int] = {}
+        self._step = 0
+        outer = self
+
+        class Steps(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                outer._step = state.global_step + 1
+
+        trainer.add_callback(Steps())
+        self._handle = trainer.model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs):
+        if module.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            mask = kwargs.get("attention_mask")
+            real = int(mask.sum()) if mask is not None else int(kwargs["input_ids"].numel())
+            self.tokens[self._step] = self.tokens.get(self._step, 0) + real
+
+
+def test_resume_from_checkpoint_continues_the_run_directory_each_step_once(model_dir, tmp_path):
+    # Killed (an exception) at step 6 with checkpoints every 2 steps, then resumed from step 4:
+    # every step once in metrics.jsonl and TensorBoard, the totals the sum of the steps', the
+    # lock of the run that raised reclaimed, a short run's table stored at its end; a fresh
+    # train() into the run is refused with the user's files untouched.
+    import json
+
+    from transformers import TrainerCallback
+
+    from nemo_moe_metrics.config import LoggerConfig
+    from nemo_moe_metrics.placement.loads import window_loads
+    from nemo_moe_metrics.report.summary import render_report
+    from nemo_moe_metrics.run_dir.record import RunExistsError
+    from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
+
+    class Crash(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.global_step == 6:
+                raise RuntimeError("killed at step 6")
+
+    run_dir, out = tmp_path / "run", tmp_path / "trainer"
+    flags = MetricsConfig(track_moe_metrics=True, track_throughput=True)
+    logger = LoggerConfig(tensorboard_enabled=True)  # table_every 20: never reached
+    saving = {"save_strategy": "steps", "save_steps": 2}
+    first = MoEMetricsCallback(flags, run_dir=run_dir, logger=logger)
+    trainer = make_trainer("sft", model_dir, out, [first, Crash()], max_steps=8, **saving)
+    before = _StepTokens(trainer)
+    with pytest.raises(RuntimeError, match="killed at step 6"):
+        trainer.train()
+    # The killed run stored no table (20-step cadence, never closed): say so, not "turn on".
+    summary = render_report(run_dir, out_dir=tmp_path / "report")
+    assert "no stored expert-load step yet" in summary and "did not close" in summary
+    assert "log them with" not in summary
+    with pytest.raises(ValueError, match="holds no train step yet") as err:
+        window_loads(run_dir)
+    assert "--steps" not in str(err.value)
+
+    second = MoEMetricsCallback(flags, run_dir=run_dir, logger=logger)
+    resumed = make_trainer("sft", model_dir, out, [second], max_steps=8, **saving)
+    after = _StepTokens(resumed)
+    with pytest.warns(RuntimeWarning, match="raised before its end"):
+        resumed.train(resume_from_checkpoint=True)  # checkpoint-4, in this same thread
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, 9))
+    oracle = {**{s: n for s, n in before.tokens.items() if s <= 4}, **after.tokens}
+    assert [line["train_perf/tokens"] for line in lines] == [oracle[s] for s in range(1, 9)]
+    assert lines[-1]["train_perf/total_tokens"] == sum(oracle.values())
+    assert lines[-1]["train_perf/total_seconds"] == pytest.approx(
+        sum(line["train_perf/seconds"] for line in lines), rel=1e-6
+    )
+    scalars = read_scalars(run_dir / "tensorboard")
+    assert [step for step, _ in scalars["train_perf/total_tokens"]] == list(range(1, 9))
+    assert scalars["train_perf/total_tokens"][-1][1] == sum(oracle.values())
+    # The last step's table, stored at the end although step 8 is off the 20-step cadence.
+    (stored,) = list(read_expert_loads(store_path(run_dir)))
+    assert stored.step == 8
+    logged = tt.logged_counts(second.last_metrics, LAYERS, EXPERTS)
+    assert stored.counts.tolist() == [logged[layer] for layer in range(LAYERS)]
+    assert window_loads(run_dir).steps == 1
+    assert "no stored expert-load step" not in render_report(run_dir, out_dir=tmp_path / "r2")
+
+    files = _sha256s(run_dir)
+    fresh = make_trainer(
+        "sft", model_dir, tmp_path / "fresh", [MoEMetricsCallback(flags, run_dir=run_dir)]
+    )
+    with pytest.raises(RunExistsError, match="resume_from_checkpoint") as refused:
+        fresh.train()
+    assert "overwrite=True" in str(refused.value)
+    assert _sha256s(run_dir) == files

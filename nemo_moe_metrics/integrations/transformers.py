@@ -430,6 +430,7 @@ class MoEMetricsCallback(TrainerCallback):
                 "metrics": self.cfg.model_dump(),
                 "logging_steps": getattr(args, "logging_steps", None),
             },
+            "logger": {"table_every": self.logger.table_every},  # the report's cadence
         }
         name = getattr(args, "run_name", None) or run_dir.name or "transformers"
         resume = resume_after is not None
