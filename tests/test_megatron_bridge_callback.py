@@ -281,13 +281,18 @@ def _scenario(rank, world, tmp: Path, name: str, layout, rerun: bool) -> dict:
 
 
 def _sha256s(folder: Path) -> dict[str, str]:
+    """Every file's digest but the lock's: closing any descriptor of the lock file would drop
+    the locks this process (the holder) has on it; the holder it names is compared apart."""
     import hashlib
 
-    return {
+    from nemo_moe_metrics.run_dir import RunDirLock
+
+    digests = {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(folder.rglob("*"))
-        if p.is_file()
+        if p.is_file() and p.name != ".run.lock"
     }
+    return {**digests, ".run.lock": repr(RunDirLock.probe(folder))}
 
 
 def _second_writer(rank, world, run_dir: Path, ctx, manager, optimizer) -> dict:
