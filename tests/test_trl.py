@@ -28,6 +28,7 @@ import trl_tiny as tt  # noqa: E402
 
 from nemo_moe_metrics.config import MetricsConfig  # noqa: E402
 from nemo_moe_metrics.integrations.transformers import MoEMetricsCallback  # noqa: E402
+from nemo_moe_metrics.run_dir import RunDirBusyError, RunDirLock  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -261,8 +262,30 @@ def test_two_ranks_under_torchrun_reduce_the_counts_and_log_once(tmp_path):
     script = root / "tests" / "trl_ranks.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_port()), str(script), str(tmp_path)]  # fmt: skip
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # While the job's rank 0 writes the run directory (paused after step 1), a second
+        # training process on it is refused naming that rank, and no file of it changes.
+        paused = tmp_path / "paused"
+        deadline = time.monotonic() + 200
+        while not paused.exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert paused.exists(), job.communicate(timeout=60)[1][-3000:]
+        holder = json.loads(paused.read_text())["pid"]
+        run_dir = tmp_path / "run"
+        files = _sha256s(run_dir)
+        other = MoEMetricsCallback(FLAGS, run_dir=run_dir)
+        second = make_trainer("sft", tmp_path / "model" / "rank0", tmp_path / "b", [other])
+        with pytest.raises(RunDirBusyError, match=f"pid {holder} on host"):
+            second.train()
+        assert _sha256s(run_dir) == files
+    finally:
+        (tmp_path / "go").write_text("")
+        out, err = job.communicate(timeout=240)
+    assert job.returncode == 0, err[-3000:]
+    # LoggerConfig(table_every=1), as trl.md writes it: JSONL and the store, no second
+    # TensorBoard or W&B run beside the Trainer's own.
+    assert not (run_dir / "tensorboard").exists() and not (run_dir / "wandb").exists()
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["world"] == 2
     oracle = result["oracle"]  # summed over both ranks
@@ -326,13 +349,15 @@ def test_generated_lengths_stop_at_the_first_end_of_sequence():
     assert generated_lengths(prompt_mask, 3, sequences, [eos]).tolist() == [4, 7]
 
 
-def _sha256s(folder: Path) -> dict[str, str]:
+def _sha256s(folder: Path, *, lock: bool = True) -> dict[str, str]:
+    """Every file's digest (``lock=False``: not the lock file, in the process holding it:
+    closing a descriptor of that file would drop the process's locks)."""
     import hashlib
 
     return {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(folder.rglob("*"))
-        if p.is_file()
+        if p.is_file() and (lock or p.name != ".run.lock")
     }
 
 
@@ -429,3 +454,51 @@ def test_resume_from_checkpoint_continues_the_run_directory_each_step_once(model
         fresh.train()
     assert "overwrite=True" in str(refused.value)
     assert _sha256s(run_dir) == files
+
+
+def test_a_second_callback_is_refused_naming_the_first_and_the_lock_ends_with_training(
+    model_dir, tmp_path
+):
+    # Two callback instances on one run directory (two trainers, the first mid-training in
+    # another thread): the second is refused naming the first, whose files stay as they were;
+    # the first gives the lock back when its training ends.
+    import threading
+
+    from transformers import TrainerCallback
+
+    paused, go, failures = threading.Event(), threading.Event(), []
+
+    class Pause(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                paused.set()
+                go.wait(120)
+
+    def train(trainer):
+        try:
+            trainer.train()
+        except BaseException as err:  # noqa: BLE001 - reported by the test below
+            failures.append(err)
+
+    run_dir = tmp_path / "run"
+    first = make_trainer(
+        "sft", model_dir, tmp_path / "a", [MoEMetricsCallback(FLAGS, run_dir=run_dir), Pause()]
+    )
+    thread = threading.Thread(target=train, args=(first,))
+    thread.start()
+    try:
+        assert paused.wait(120), failures
+        files = _sha256s(run_dir, lock=False)
+        holder = RunDirLock.probe(run_dir)
+        second = make_trainer(
+            "sft", model_dir, tmp_path / "b", [MoEMetricsCallback(FLAGS, run_dir=run_dir)]
+        )
+        with pytest.raises(RunDirBusyError, match=f"pid {os.getpid()} on host"):
+            second.train()
+        assert _sha256s(run_dir, lock=False) == files
+        assert RunDirLock.probe(run_dir) == holder
+    finally:
+        go.set()
+        thread.join(120)
+    assert not failures
+    assert RunDirLock.probe(run_dir) is None  # given back at on_train_end
