@@ -30,7 +30,7 @@ import contextlib
 import logging
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ from nemo_moe_metrics.megatron.layout import config_as_built
 from nemo_moe_metrics.moe.aux_loss import moe_layer_indices
 from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 from nemo_moe_metrics.moe.expert_bias import ExpertBiasTracker
+from nemo_moe_metrics.moe.generation_mask import EndOfSequence
 from nemo_moe_metrics.moe.hf_aux_loss import HFAuxLossAccumulator
 from nemo_moe_metrics.moe.imbalance_cost import expert_imbalance_slowdown, routed_flops_per_token
 from nemo_moe_metrics.moe.reduction import ExpertLoadReducer
@@ -331,7 +332,7 @@ class PolicyMetrics:
         self._steps_since_export += 1
 
     @contextlib.contextmanager
-    def generation(self) -> Iterator[None]:
+    def generation(self, eos_token_ids: Sequence[int] | None = None) -> Iterator[None]:
         """Bracket a generation by the policy model itself (a rollout inside the training loop,
         such as TRL's GRPO calling ``model.generate``).
 
@@ -340,6 +341,10 @@ class PolicyMetrics:
         layer ``moe/layer_{i}/rollout_max_over_ideal`` with ``moe_per_layer_logging``); they
         never enter the training counts. The export of the rollout load is collective: every
         rank generates at the same steps. Hugging Face and torchtitan models only.
+
+        ``eos_token_ids`` (one ``generate`` call per block): positions after a sequence's first
+        end-of-sequence token are not counted either (``generate`` feeds them padding with
+        attention mask 1 until the last sequence ends; :mod:`nemo_moe_metrics.moe.generation_mask`).
         """
         self._require_attach("generation")
         collector = self._collector
@@ -347,10 +352,12 @@ class PolicyMetrics:
             yield
             return
         collector.rollout_counting = True
+        collector.end_of_sequence = EndOfSequence(eos_token_ids) if eos_token_ids else None
         try:
             yield
         finally:
             collector.rollout_counting = False
+            collector.end_of_sequence = None
 
     def restart_step(self) -> None:
         """Forget what the open step counted so far, because its forward-backward runs again.

@@ -125,9 +125,16 @@ def test_grpo_generation_is_a_rollout_and_out_of_train_perf(model_dir, tmp_path)
     generate = trainer.model.generate
     pause = 0.3
 
+    def end_likely(module, args, output):  # the end token ~30% likely: sequences end early
+        output[..., trainer.model.config.eos_token_id] += 4.0
+
     def slow_generate(*args, **kwargs):  # generation takes >= 0.3 s per call
         time.sleep(pause)
-        return generate(*args, **kwargs)
+        handle = trainer.model.lm_head.register_forward_hook(end_likely)
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            handle.remove()
 
     trainer.model.generate = slow_generate
     oracle = train_with_oracle(trainer, callback)
@@ -140,12 +147,15 @@ def test_grpo_generation_is_a_rollout_and_out_of_train_perf(model_dir, tmp_path)
     assert out["train_perf/seconds"] == pytest.approx(training, abs=0.1)
     assert out["train_perf/tokens"] == oracle.tokens("train")
     assert_counts_match(callback, oracle)
-    # The rollout's load: the generation forwards' real tokens (prefill and decode).
+    # The rollout's load: the generation forwards' real tokens (prefill and decode), none
+    # after a sequence's end (generate feeds padding there with attention mask 1).
     ratios = []
     for layer in range(LAYERS):
-        counts = oracle.rollout[layer]
+        counts, every = oracle.rollout[layer], oracle.rollout_all[layer]
+        assert every.sum() > counts.sum(), "no sequence ended before the others: no test"
         ratios.append(float(counts.max()) * EXPERTS / float(counts.sum()))
         assert out[f"moe/layer_{layer}/rollout_max_over_ideal"] == pytest.approx(ratios[-1])
+        assert ratios[-1] != pytest.approx(float(every.max()) * EXPERTS / float(every.sum()))
     assert out["moe/rollout_max_over_ideal"] == pytest.approx(sum(ratios) / LAYERS)
 
 

@@ -339,16 +339,14 @@ class MoEMetricsCallback(TrainerCallback):
             return generate(*args, **kwargs)
         self._close_step()  # the optimizer step goes on after the generation
         try:
-            with self.metrics.generation(), self._generation_timer():
+            eos = _eos_ids(self._model, kwargs)
+            with self.metrics.generation(eos_token_ids=eos), self._generation_timer():
                 sequences = generate(*args, **kwargs)
                 ids = kwargs.get("input_ids", args[0] if args else None)
                 timed = self._generation is not None
                 if timed and isinstance(sequences, torch.Tensor) and isinstance(ids, torch.Tensor):
                     lengths = generated_lengths(
-                        kwargs.get("attention_mask"),
-                        int(ids.shape[-1]),
-                        sequences,
-                        _eos_ids(self._model, kwargs),
+                        kwargs.get("attention_mask"), int(ids.shape[-1]), sequences, eos
                     )
                     self._generation.add_sequences(lengths)
         finally:

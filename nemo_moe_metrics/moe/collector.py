@@ -23,7 +23,8 @@ docs/en/expert_load.md):
   unpadded batches) holds no padding. The mask is a view and one device op; nothing is read.
 - A *generation* (``rollout_counting``, set by ``PolicyMetrics.generation()``): forwards that
   are not training forwards count into per-layer rollout accumulators instead, real tokens
-  only, never into the training counts.
+  only, never into the training counts; given the end-of-sequence ids, no position after a
+  sequence's end either (``moe.generation_mask``: ``generate`` feeds padding there with mask 1).
 - ``counting`` scopes it to a step: ``PolicyMetrics`` sets it on entering ``step()`` and clears
   it on leaving, so a training forward outside ``step()`` is not counted into any step. A
   collector used on its own counts whenever the rules above hold (``counting`` stays True).
@@ -42,6 +43,7 @@ import torch
 from torch import nn
 
 from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors, HostStaging
+from nemo_moe_metrics.moe.generation_mask import EndOfSequence
 from nemo_moe_metrics.moe.health_tracker import RouterHealthTracker
 from nemo_moe_metrics.moe.layer_counts import (
     KeptPicks,
@@ -81,24 +83,31 @@ def _forward_params(chunk: nn.Module) -> list[str]:
     return _FORWARD_PARAMS[cls]
 
 
+def _forward_inputs(
+    chunk: nn.Module, args: tuple, kwargs: dict
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(input_ids, inputs_embeds, 2-D attention_mask)`` of one forward of ``chunk``."""
+    named = dict(zip(_forward_params(chunk), args, strict=False))
+
+    def get(name: str) -> torch.Tensor | None:
+        value = kwargs.get(name, named.get(name))
+        return value if isinstance(value, torch.Tensor) else None
+
+    mask = get("attention_mask")
+    return (
+        get("input_ids"),
+        get("inputs_embeds"),
+        mask if mask is not None and mask.dim() == 2 else None,
+    )
+
+
 def real_token_mask(chunk: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor | None:
     """``[batch * width]`` bool, True = real token, of one forward of ``chunk``; None when its
     forward has no 2-D ``attention_mask`` (every position real). A view, no host read."""
-    named = dict(zip(_forward_params(chunk), args, strict=False))
-    mask = kwargs.get("attention_mask", named.get("attention_mask"))
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+    ids, embeds, mask = _forward_inputs(chunk, args, kwargs)
+    if mask is None:
         return None
-    tokens = next(
-        (
-            t
-            for t in (
-                kwargs.get("input_ids", named.get("input_ids")),
-                kwargs.get("inputs_embeds", named.get("inputs_embeds")),
-            )
-            if isinstance(t, torch.Tensor)
-        ),
-        None,
-    )
+    tokens = ids if ids is not None else embeds
     width = int(tokens.shape[1]) if tokens is not None and tokens.dim() >= 2 else mask.shape[1]
     return mask[:, mask.shape[1] - width :].reshape(-1).bool()
 
@@ -124,6 +133,9 @@ class ExpertLoadCollector:
         #: True: forwards that are not training forwards count as the rollout's (generation)
         self.rollout_counting = False
         self.rollout_seen = False  # a rollout forward was counted since the last reset
+        #: Set for one generate call (PolicyMetrics.generation(eos_token_ids=...)): its
+        #: forwards count no position after a sequence's end (moe.generation_mask)
+        self.end_of_sequence: EndOfSequence | None = None
         self._entered: list[bool] = []
         self._masks: list[torch.Tensor | None] = []  # real-token mask per open chunk forward
         self._handles: list[Any] = []
@@ -246,7 +258,13 @@ class ExpertLoadCollector:
         self._entered.append(training)
         if training:
             self._active_depth += 1
-        self._masks.append(real_token_mask(chunk, args, kwargs) if self._reads_mask else None)
+        if not self._reads_mask:
+            self._masks.append(None)
+        elif self.end_of_sequence is not None and self.rollout_counting and not training:
+            ids, _, mask = _forward_inputs(chunk, args, kwargs)
+            self._masks.append(self.end_of_sequence.real(ids, mask))
+        else:
+            self._masks.append(real_token_mask(chunk, args, kwargs))
 
     def _leave(self, chunk: nn.Module, args: tuple, output: Any) -> None:
         if self._entered and self._entered.pop():
