@@ -39,6 +39,7 @@ from nemo_moe_metrics.report.reading import (
     experts_text,
     last_values,
     layer_key_series,
+    no_counts_text,
     run_info,
     scan_jsonl,
     window_text,
@@ -212,7 +213,9 @@ def render_report(
             f"and {MAX_OVER_IDEAL_FILE} skipped; widen --steps"
         )
     else:
-        out.append(unreadable or _no_counts_text(run, run_dir, span))
+        skipped_pictures = f"{HEATMAP_FILE}, {OVER_STEPS_FILE} and {DRIFT_FILE} skipped"
+        stored = store_path(run_dir).is_file()
+        out.append(unreadable or no_counts_text(run, stored, span, skipped_pictures))
         dead_last = last_values(path, lines_, [mn.DEAD_EXPERTS]).get(mn.DEAD_EXPERTS)
         if dead_last is not None:
             out.append(f"dead experts (last step, {mn.DEAD_EXPERTS}): {dead_last:g}")
@@ -261,25 +264,6 @@ def render_report(
     else:
         out.append("aux losses: not logged; enable " + run.hint("moe"))
     return "\n".join(out)
-
-
-def _no_counts_text(run: RunInfo, run_dir: Path, span: str) -> str:
-    """Why the run has no expert counts, as it happened: a store that holds no step (its
-    sink was on: the cadence was never reached and the run did not close), or no table at all
-    (the flags were off)."""
-    skipped = f"{HEATMAP_FILE}, {OVER_STEPS_FILE} and {DRIFT_FILE} skipped"
-    if store_path(run_dir).is_file():
-        every = f"every {run.table_every} steps" if run.table_every else "on its cadence"
-        return (
-            f"no stored expert-load step yet: the store keeps the table {every} "
-            f"({run.hint('table_every')}) and the last step's when the run closes; this run "
-            f"logged {span} and did not close (still running, or killed): {skipped}. Report "
-            "it again once it ends, or store the table more often"
-        )
-    return (
-        "no expert-load counts in the run (no expert_loads.bin, no moe/expert_loads rows): "
-        f"{skipped}; log them with " + run.hint("table")
-    )
 
 
 def _read_counts(

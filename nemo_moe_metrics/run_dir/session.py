@@ -36,7 +36,13 @@ from nemo_moe_metrics.run_dir.lock import RunDirBusyError, RunDirLock
 from nemo_moe_metrics.run_dir.names import linked_run_files, links_refusal
 from nemo_moe_metrics.run_dir.record import RunExistsError, clear_run, refuse_logged_run
 from nemo_moe_metrics.run_dir.resume import ResumeState, prepare_resume, recover_run_id
-from nemo_moe_metrics.run_dir.run_json import now, read_run_json, run_metadata, write_run_json
+from nemo_moe_metrics.run_dir.run_json import (
+    TABLES_LOGGED,
+    now,
+    read_run_json,
+    run_metadata,
+    write_run_json,
+)
 from nemo_moe_metrics.sinks.base import (
     Metrics,
     MultiSink,
@@ -90,6 +96,11 @@ class RunSession(MultiSink):
         """Log one step to every sink (see :class:`MultiSink`)."""
         super().log(metrics, step)
         table = metrics.get(EXPERT_LOADS) if isinstance(metrics, Mapping) else None
+        if table is not None and not self.meta.get(TABLES_LOGGED):
+            # Once: run.json says the run makes tables, so a report of a run that stored none
+            # yet (killed before its cadence) says what happened, not which flag to turn on.
+            self.meta[TABLES_LOGGED] = True
+            write_run_json(self.run_dir, self.meta)
         store = self._store()
         if table is None or store is None or store.wants_tables(int(step)):
             self._unstored = None
@@ -248,7 +259,7 @@ def _run_json(
     if resume and previous:
         meta["created"] = previous.get("created", meta["created"])
         meta["resumed"] = [*previous.get("resumed", []), now()]
-        for key in ("mlflow_run_id", "mlflow_tracking_uri"):
+        for key in ("mlflow_run_id", "mlflow_tracking_uri", TABLES_LOGGED):
             if key in previous:
                 meta[key] = previous[key]
     return meta
