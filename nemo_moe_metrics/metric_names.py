@@ -17,6 +17,10 @@ AUX_LOSS_TRACKER_NAMES: dict[str, str] = {
     "global_aux_loss": "global_load_balancing_loss",
 }
 Z_LOSS = "z_loss"
+# A Hugging Face model's load-balancing loss over its real tokens only (transformers' function
+# given the attention mask, per layer); moe/load_balancing_loss keeps the padding, as the model's
+# function without a mask computes it.
+REAL_TOKENS_LOSS = "load_balancing_loss_real_tokens"
 
 
 def aux_loss_key(name: str) -> str:
@@ -223,6 +227,7 @@ BALANCE_SUMMARY_KEYS = (
 def documented_key_patterns() -> list[str]:
     """Every key as written in the docs; per-layer keys with ``{i}`` and ``{name}`` placeholders."""
     keys = [aux_loss_key(n) for n in (*AUX_LOSS_TRACKER_NAMES.values(), Z_LOSS)]
+    keys += [aux_loss_key(REAL_TOKENS_LOSS)]
     keys += [f"{MOE_PREFIX}{{name}}_layer_{{i}}"]
     keys += [*BALANCE_SUMMARY_KEYS, ZERO_EXPERT_FRACTION]
     keys += [f"{MOE_PREFIX}layer_{{i}}/{stat}" for stat in LAYER_STATS + OPTIONAL_LAYER_STATS]

@@ -248,6 +248,16 @@ def test_trl_aux_loss_and_ours_both_reproduced_from_the_same_router_logits(model
     ) / len(captured)
     assert logged["moe/load_balancing_loss"] == pytest.approx(ours_expected, rel=1e-5)
     assert logged["aux_loss"] != pytest.approx(logged["moe/load_balancing_loss"], rel=1e-4)
+    # Beside it, the same per-layer loss over the real tokens only (padding out, as every
+    # other moe/ count): transformers' function given the attention mask, layer by layer.
+    real_expected = sum(
+        sum(_switch_loss([mb["logits"][i]], mb["mask"], 2) for i in range(LAYERS)) / LAYERS
+        for mb in captured
+    ) / len(captured)
+    real = logged["moe/load_balancing_loss_real_tokens"]
+    assert real == pytest.approx(real_expected, rel=1e-5)
+    assert real != pytest.approx(ours_expected, rel=1e-4)  # the batches are padded
+    assert all(mb["mask"] is not None and not bool(mb["mask"].all()) for mb in captured)
 
 
 def test_router_aux_loss_coef_zero_trl_logs_none_we_log_the_diagnostic(model_dir, tmp_path):

@@ -337,9 +337,10 @@ class ExpertLoadCollector:
         return hook
 
     def observe_module(
-        self, module: nn.Module, layer_id: int, observe: Callable[[int, nn.Module, Any], None]
+        self, module: nn.Module, layer_id: int, observe: Callable[..., None]
     ) -> None:
-        """Call ``observe(layer_id, module, output)`` after each counted forward of ``module``.
+        """Call ``observe(layer_id, module, output, valid)`` after each counted forward of
+        ``module`` (``valid``: the model forward's real-token mask, None when every token is).
 
         For a module other than the one counted, such as a Hugging Face router whose logits feed
         the aux loss; same gating as the counts, and ``observe`` must only launch device ops.
@@ -348,7 +349,8 @@ class ExpertLoadCollector:
         def hook(mod: nn.Module, args: tuple, output: Any) -> None:
             if self._counts_now(mod):
                 with torch.no_grad():  # as the counts: no graph (activation checkpointing)
-                    observe(layer_id, mod, output)
+                    valid = self._masks[-1] if self._masks else None
+                    observe(layer_id, mod, output, valid)
 
         self._handles.append(module.register_forward_hook(hook))
 
