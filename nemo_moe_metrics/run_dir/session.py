@@ -123,9 +123,16 @@ class RunSession(MultiSink):
             if not self._closed and self._unstored is not None:
                 table, step = self._unstored
                 self._unstored = None
-                # Dropped before validation when logged (no sink wanted it): checked now.
-                table = validate_metrics({EXPERT_LOADS: table}, step)[EXPERT_LOADS]
-                self._guarded(self._store(), "log_table", table, step)
+                try:  # dropped before validation when logged (no sink wanted it): checked now
+                    table = validate_metrics({EXPERT_LOADS: table}, step)[EXPERT_LOADS]
+                except (TypeError, ValueError) as err:
+                    warnings.warn(
+                        f"the last step's ({step}) expert-load table is not stored: {err}",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                else:
+                    self._guarded(self._store(), "log_table", table, step)
             super().close()
         finally:
             if self._lock is not None:
