@@ -52,6 +52,7 @@ from nemo_moe_metrics.moe.expert_bias import ExpertBiasTracker
 from nemo_moe_metrics.moe.generation_mask import EndOfSequence
 from nemo_moe_metrics.moe.hf_aux_loss import HFAuxLossAccumulator
 from nemo_moe_metrics.moe.imbalance_cost import expert_imbalance_slowdown, routed_flops_per_token
+from nemo_moe_metrics.moe.overload import OverloadTracker
 from nemo_moe_metrics.moe.reduction import ExpertLoadReducer
 from nemo_moe_metrics.throughput import StepMeter
 
@@ -195,6 +196,8 @@ class PolicyMetrics:
             self._families.append(families.MegatronAuxLoss(self._transformer_config, cfg))
         self._loads = families.ExpertLoads(collector, ExpertLoadReducer(None), cfg, facts.ep_size)
         self._families.append(self._loads)
+        if facts.source == "megatron" and facts.ep_size > 1:
+            self._families.append(self._overload_family(collector, facts))
         if collector is not None and facts.source != "megatron":
             # Whole models on every rank: each rank generates, each joins (see generation()).
             self._families.append(families.RolloutLoad(collector, cfg.moe_per_layer_logging))
@@ -213,6 +216,25 @@ class PolicyMetrics:
             self._routing = self._routing_family(facts, collector)
             if self._routing is not None:
                 self._families.append(self._routing)
+
+    def _overload_family(
+        self, collector: ExpertLoadCollector | None, facts: ModelFacts
+    ) -> families.OverloadFactor:
+        # megatron's overload factor needs each forward's tokens per EP rank and the EP group.
+        ps = sys.modules.get("megatron.core.parallel_state")  # only if in use
+        group, rank = None, 0
+        if dist.is_initialized() and ps is not None and ps.model_parallel_is_initialized():
+            group = ps.get_expert_model_parallel_group()
+            rank = int(ps.get_expert_model_parallel_rank())
+        if collector is not None:
+            tracker = collector.enable_overload(facts.ep_size)
+        else:  # a stage without MoE layers joins the reduce with nothing
+            tracker = OverloadTracker(facts.ep_size)
+        mtp = int(getattr(self._transformer_config, "mtp_num_layers", 0) or 0)
+        per_layer = self.cfg.moe_per_layer_logging
+        return families.OverloadFactor(
+            tracker, collector, facts.num_layers + mtp, group, rank, per_layer
+        )
 
     def _model_aux_loss(
         self, chunks: list[nn.Module], collector: ExpertLoadCollector | None

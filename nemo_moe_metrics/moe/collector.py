@@ -51,6 +51,7 @@ from nemo_moe_metrics.moe.layer_counts import (
     LayerBuffers,
     forward_counts,
 )
+from nemo_moe_metrics.moe.overload import OverloadTracker
 from nemo_moe_metrics.moe.reduction import ExpertLoadReducer
 from nemo_moe_metrics.moe.router_spec import (
     RouterSpec,
@@ -136,6 +137,8 @@ class ExpertLoadCollector:
         #: Set for one generate call (PolicyMetrics.generation(eos_token_ids=...)): its
         #: forwards count no position after a sequence's end (moe.generation_mask)
         self.end_of_sequence: EndOfSequence | None = None
+        #: Follows each counted forward's tokens per EP rank (enable_overload): moe.overload
+        self.overload: OverloadTracker | None = None
         self._entered: list[bool] = []
         self._masks: list[torch.Tensor | None] = []  # real-token mask per open chunk forward
         self._handles: list[Any] = []
@@ -272,6 +275,16 @@ class ExpertLoadCollector:
         if self._masks:
             self._masks.pop()
 
+    def _overload_forward(self, acc: LayerAccumulator, output: Any) -> int | None:
+        if self.overload is None:
+            return None
+        return self.overload.forward(acc.layer_id, output)
+
+    def enable_overload(self, ep_size: int) -> OverloadTracker:
+        """Follow every counted forward's executed tokens per EP rank (``moe.overload``)."""
+        self.overload = OverloadTracker(ep_size)
+        return self.overload
+
     def _counts_now(self, module: nn.Module) -> bool:
         return self.counting and self._active_depth > 0 and module.training and not in_backward()
 
@@ -296,13 +309,19 @@ class ExpertLoadCollector:
                             self._move(acc, picks.device)
                         if self.staging.nbytes >= FLUSH_BYTES:  # count the kept ones first
                             self.staging.flush()
-                        self._kept.keep(acc, picks, valid)
+                        tag = self._overload_forward(acc, output)
+                        self._kept.keep(acc, picks, valid, tag)
                     else:
                         counted = spec.counts_fn(module, args, kwargs, output, **extra)
                         counts = per_expert(counted[0])
                         if counts.device != acc.device:  # the model moved after attach
                             self._move(acc, counts.device)
                         acc.add(*counted)
+                        tag = self._overload_forward(acc, output)
+                        if tag is not None:  # dropless: the executed picks are rows x top-k
+                            ran = counted[2] if len(counted) > 2 else None
+                            done = counts if ran is None else per_expert(ran)
+                            self.overload.add([tag], done.unsqueeze(0), [done.sum()])
                     if self.health is not None:
                         logits, bias, valid = (
                             decision if decision is not None else (None, None, None)
@@ -481,6 +500,12 @@ class ExpertLoadCollector:
             device = batch.owners[0].device
             buffers = next(b for b in self._buffers if b.state.device == device)
             buffers.add_forwards(batch.owners, routed, executed, tokens)
+            if self.overload is not None and batch.tags:
+                balanced = [
+                    p.shape[0] * a.topk for p, a in zip(batch.picks, batch.owners, strict=True)
+                ]
+                done = executed if executed is not None else routed
+                self.overload.add(batch.tags, done, balanced)
             if self.health is not None:
                 self.health.observe_forwards([acc.layer_id for acc in batch.owners], routed)
 
@@ -523,6 +548,8 @@ class ExpertLoadCollector:
         self.staging.reset()
         for buffers in self._buffers:
             buffers.reset()
+        if self.overload is not None:
+            self.overload.reset()
         if self.routing is not None:
             self.routing.reset()
         if self.health is not None:
