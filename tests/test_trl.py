@@ -405,7 +405,9 @@ class _StepTokens:
             self.tokens[self._step] = self.tokens.get(self._step, 0) + real
 
 
-def test_resume_from_checkpoint_continues_the_run_directory_each_step_once(model_dir, tmp_path):
+def test_resume_from_checkpoint_continues_the_run_directory_each_step_once(
+    model_dir, tmp_path, monkeypatch
+):
     # Killed (an exception) at step 6 with checkpoints every 2 steps, then resumed from step 4:
     # every step once in metrics.jsonl and TensorBoard, the totals the sum of the steps', the
     # lock of the run that raised reclaimed, a short run's table stored at its end; a fresh
@@ -416,6 +418,7 @@ def test_resume_from_checkpoint_continues_the_run_directory_each_step_once(model
 
     from nemo_moe_metrics.config import LoggerConfig
     from nemo_moe_metrics.placement.loads import window_loads
+    from nemo_moe_metrics.report import placement as report_placement
     from nemo_moe_metrics.report.summary import render_report
     from nemo_moe_metrics.run_dir.record import RunExistsError
     from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
@@ -426,7 +429,7 @@ def test_resume_from_checkpoint_continues_the_run_directory_each_step_once(model
                 raise RuntimeError("killed at step 6")
 
     run_dir, out = tmp_path / "run", tmp_path / "trainer"
-    flags = MetricsConfig(track_moe_metrics=True, track_throughput=True)
+    flags = MetricsConfig(track_moe_metrics=True, track_throughput=True, track_router_health=True)
     logger = LoggerConfig(tensorboard_enabled=True)  # table_every 20: never reached
     saving = {"save_strategy": "steps", "save_steps": 2}
     first = MoEMetricsCallback(flags, run_dir=run_dir, logger=logger)
@@ -464,7 +467,17 @@ def test_resume_from_checkpoint_continues_the_run_directory_each_step_once(model
     logged = tt.logged_counts(second.last_metrics, LAYERS, EXPERTS)
     assert stored.counts.tolist() == [logged[layer] for layer in range(LAYERS)]
     assert window_loads(run_dir).steps == 1
-    assert "no stored expert-load step" not in render_report(run_dir, out_dir=tmp_path / "r2")
+    drawn = []  # the report's placement_sweep.png figure, kept to read its axes
+    monkeypatch.setattr(report_placement, "save_figure", lambda fig, path: drawn.append(fig))
+    summary = render_report(run_dir, out_dir=tmp_path / "r2")
+    assert "no stored expert-load step" not in summary
+    # The router-health reference names this run's level (4 experts, top-2), not another's.
+    assert "confidence 0.5 and entropy 1 for this run's 4 experts, top-2" in summary
+    assert "8 experts" not in summary
+    (sweep,) = [f for f in drawn if "redundant" in f.axes[0].get_xlabel()]
+    ax = sweep.axes[0]
+    assert all(float(t).is_integer() for t in ax.get_xticks())  # R counts experts
+    assert {"layer 0", "layer 1"} <= {t.get_text() for t in ax.get_legend().get_texts()}
 
     files = _sha256s(run_dir)
     fresh = make_trainer(
