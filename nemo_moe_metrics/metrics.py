@@ -61,12 +61,23 @@ log = logging.getLogger(__name__)
 __all__ = ["ModelFacts", "PolicyMetrics", "model_facts"]
 
 
+#: transformers' encoder-decoder MoE families: their routers predate the experts interface and
+#: route in both stacks; not supported (the warning says so).
+ENCODER_DECODER_MOE = ("switch_transformers", "nllb-moe", "nllb_moe")
+
+
 def _no_router_message(facts: ModelFacts) -> str:
     """The warning for a model whose config has experts but whose modules hold no known router."""
     register = (
         "For a custom router class call nemo_moe_metrics.register_router(RouterClass, "
         "counts_fn) before attach()."
     )
+    if facts.source == "hf" and facts.model_type in ENCODER_DECODER_MOE:
+        return (
+            f"PolicyMetrics.attach: {facts.model_type} is an encoder-decoder MoE model; only "
+            "decoder-only (and vision-language) MoE families are supported (docs/en/models.md), "
+            "so no expert loads are counted"
+        )
     if facts.source == "hf":
         return (
             f"PolicyMetrics.attach: the config ({facts.model_type}) says {facts.num_experts} "
