@@ -15,6 +15,11 @@ store record is missing at the end (a run from before that order, or a record lo
 from the JSONL and logged again; a torn last line is cut. Each of these is said in a note.
 A run whose ``metrics.jsonl`` is gone or empty while other records hold steps is refused
 (:class:`ResumeError`): the step to continue from is unknown.
+
+A training loop that restored a checkpoint older than the last logged step passes that step
+(``resume_after``, e.g. a Trainer's restored ``global_step``): the records of later steps are
+cut too, so the steps trained again are logged once and the totals continue from the
+checkpoint's step (TensorBoard hides the later events through the resumed run's next step).
 """
 
 from __future__ import annotations
