@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nemo_moe_metrics import build_sinks
+from nemo_moe_metrics import build_sinks, model_facts
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig
 from nemo_moe_metrics.extras import require
 from nemo_moe_metrics.metrics import PolicyMetrics
@@ -83,6 +83,16 @@ def run(out_dir: Path, *, family: str = "deepseek_v3", steps: int = 3) -> list[d
     config = tiny_config(family)
     if not cuda:
         use_sdpa_attention(config)
+    # First: a run directory another writer holds is refused before any model is built.
+    sink = build_sinks(  # (metrics) JSONL + expert-load store under out_dir, rank 0 only
+        # table_every=1: every step's expert-load table for this short demo (long runs: 20)
+        LoggerConfig(wandb_enabled=False, tensorboard_enabled=False, table_every=1),
+        out_dir,
+        run_name=f"integrate_torchtitan_{family}",
+        config={"torchtitan": {"family": family}},
+        facts=model_facts(config),  # run.json: the model's layers, experts, top-k
+        rank=rank,
+    )
     model = build_model(config, device=device, seed=0)  # the same weights on every rank
     metrics = PolicyMetrics(  # (metrics) the flags
         MetricsConfig(
@@ -96,15 +106,6 @@ def run(out_dir: Path, *, family: str = "deepseek_v3", steps: int = 3) -> list[d
     model, dims = parallelize(model, family, world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     register_moe_load_balancing_hook(optimizer, [model], dims)  # torchtitan's bias update
-    sink = build_sinks(  # (metrics) JSONL + expert-load store under out_dir, rank 0 only
-        # table_every=1: every step's expert-load table for this short demo (long runs: 20)
-        LoggerConfig(wandb_enabled=False, tensorboard_enabled=False, table_every=1),
-        out_dir,
-        run_name=f"integrate_torchtitan_{family}",
-        config={"torchtitan": {"family": family}},
-        facts=metrics.facts,  # run.json: the model's layers, experts, top-k
-        rank=rank,
-    )
     history = []
     for step in range(steps):
         g = torch.Generator().manual_seed(1000 * step + rank)

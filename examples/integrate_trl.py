@@ -197,7 +197,7 @@ def run(kind: str, out: Path, *, steps: int = 4) -> Any:
             track_flops=True,
         ),
         run_dir=out,  # (metrics) what `nemo-moe-metrics report` reads, written by rank 0
-        logger=LoggerConfig(tensorboard_enabled=False, wandb_enabled=False, table_every=1),
+        logger=LoggerConfig(table_every=1),  # (metrics) JSONL + store: report_to has the rest
     )
     trainer = build_trainer(  # (metrics) the callback, added the ordinary way
         kind, model_dir, out / "trainer", [callback], max_steps=steps, report_to=["tensorboard"]

@@ -42,6 +42,7 @@ _EXPORTS: dict[str, str] = {
     "StepMeter": "nemo_moe_metrics.throughput",
     "ExpertLoadCollector": "nemo_moe_metrics.moe.collector",
     "attach_collector": "nemo_moe_metrics.adapters.registry",
+    "model_facts": "nemo_moe_metrics.adapters.registry",
     "register_router": "nemo_moe_metrics.adapters.registry",
     "expert_load_metrics": "nemo_moe_metrics.moe.balance",
     # reading a run

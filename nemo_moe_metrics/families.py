@@ -37,6 +37,7 @@ from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 from nemo_moe_metrics.moe.expert_bias import ExpertBiasTracker, split_layer_keys
 from nemo_moe_metrics.moe.hf_aux_loss import HFAuxLossAccumulator, enqueue_hf_aux_loss_metrics
 from nemo_moe_metrics.moe.imbalance_cost import busiest_rank_share
+from nemo_moe_metrics.moe.overload import OverloadTracker
 from nemo_moe_metrics.moe.reduction import (
     ExpertLoadReducer,
     RouterHealthReducer,
@@ -140,6 +141,40 @@ class ExpertLoads(MetricFamily):
         if self.collector is not None:
             self.collector.detach()
             self.collector = None
+
+
+class OverloadFactor(MetricFamily):
+    """megatron-core's overload factor (``moe/{avg,max,max_cum}_overload_factor``) with expert
+    parallelism, from each counted forward's executed tokens per EP rank (``moe.overload``)."""
+
+    def __init__(
+        self,
+        tracker: OverloadTracker,
+        collector: ExpertLoadCollector | None,
+        num_layers: int,
+        ep_group: Any,
+        ep_rank: int,
+        per_layer: bool,
+    ) -> None:
+        """``collector`` None: a pipeline stage without MoE layers (it joins the reduce)."""
+        self.tracker = tracker
+        self.collector = collector
+        self.num_layers = num_layers
+        self.ep_group = ep_group
+        self.ep_rank = ep_rank
+        self.per_layer = per_layer
+
+    def discard(self) -> None:
+        self.tracker.reset()
+
+    def enqueue(self, num_microbatches: int) -> list[Pending[dict[str, Any]]]:
+        if self.collector is not None:
+            self.collector.count_kept()  # the kept forwards' counts reach the tracker
+        device = collective_device(self.ep_group)
+        pending = self.tracker.enqueue(self.num_layers, self.ep_group, self.ep_rank, device)
+        if self.per_layer:
+            return [pending]
+        return [pending.then(lambda out: {k: v for k, v in out.items() if "_layer_" not in k})]
 
 
 class RolloutLoad(MetricFamily):

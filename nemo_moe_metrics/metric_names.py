@@ -17,6 +17,10 @@ AUX_LOSS_TRACKER_NAMES: dict[str, str] = {
     "global_aux_loss": "global_load_balancing_loss",
 }
 Z_LOSS = "z_loss"
+# A Hugging Face model's load-balancing loss over its real tokens only (transformers' function
+# given the attention mask, per layer); moe/load_balancing_loss keeps the padding, as the model's
+# function without a mask computes it.
+REAL_TOKENS_LOSS = "load_balancing_loss_real_tokens"
 
 
 def aux_loss_key(name: str) -> str:
@@ -27,6 +31,19 @@ def aux_loss_key(name: str) -> str:
 def aux_loss_layer_key(name: str, layer: int) -> str:
     """``moe/load_balancing_loss_layer_{i}``, ``i`` the global layer index (0-based)."""
     return f"{MOE_PREFIX}{name}_layer_{layer}"
+
+
+# megatron-core's overload factor (its dev branch, log_moe_overload_factor), from our counts:
+# the busiest TP x EP rank's tokens over the balanced count per microbatch (moe/overload.py).
+AVG_OVERLOAD_FACTOR = "moe/avg_overload_factor"
+MAX_OVERLOAD_FACTOR = "moe/max_overload_factor"
+MAX_CUM_OVERLOAD_FACTOR = "moe/max_cum_overload_factor"
+OVERLOAD_KEYS = (AVG_OVERLOAD_FACTOR, MAX_OVERLOAD_FACTOR, MAX_CUM_OVERLOAD_FACTOR)
+
+
+def overload_layer_key(kind: str, layer: int) -> str:
+    """``moe/avg_overload_factor_layer_{i}`` (``kind`` avg) or ``moe/max_..._layer_{i}``."""
+    return f"{MOE_PREFIX}{kind}_overload_factor_layer_{layer}"
 
 
 # Expert-load balance summaries over MoE layers.
@@ -223,11 +240,13 @@ BALANCE_SUMMARY_KEYS = (
 def documented_key_patterns() -> list[str]:
     """Every key as written in the docs; per-layer keys with ``{i}`` and ``{name}`` placeholders."""
     keys = [aux_loss_key(n) for n in (*AUX_LOSS_TRACKER_NAMES.values(), Z_LOSS)]
+    keys += [aux_loss_key(REAL_TOKENS_LOSS)]
     keys += [f"{MOE_PREFIX}{{name}}_layer_{{i}}"]
     keys += [*BALANCE_SUMMARY_KEYS, ZERO_EXPERT_FRACTION]
     keys += [f"{MOE_PREFIX}layer_{{i}}/{stat}" for stat in LAYER_STATS + OPTIONAL_LAYER_STATS]
     keys += [ALERTS, EXPERT_LOADS, *THROUGHPUT_KEYS, *FLOPS_KEYS, *GENERATION_KEYS]
-    keys += [EXPERT_IMBALANCE_SLOWDOWN]
+    keys += [EXPERT_IMBALANCE_SLOWDOWN, *OVERLOAD_KEYS]
+    keys += [f"{MOE_PREFIX}{kind}_overload_factor_layer_{{i}}" for kind in ("avg", "max")]
     keys += [*EXPERT_BIAS_KEYS, *(f"{MOE_PREFIX}layer_{{i}}/{s}" for s in BIAS_LAYER_STATS)]
     keys += [*ROUTING_KEYS, *(f"{MOE_PREFIX}layer_{{i}}/{s}" for s in ROUTING_LAYER_STATS)]
     keys += [*ROUTER_HEALTH_KEYS]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -46,8 +46,10 @@ from nemo_moe_metrics.host_read import read_once
 from nemo_moe_metrics.megatron import compat
 from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 from nemo_moe_metrics.moe.expert_bias import ExpertBiasTracker
+from nemo_moe_metrics.moe.generation_mask import EndOfSequence
 from nemo_moe_metrics.moe.hf_aux_loss import HFAuxLossAccumulator
 from nemo_moe_metrics.moe.imbalance_cost import expert_imbalance_slowdown, routed_flops_per_token
+from nemo_moe_metrics.moe.overload import OverloadTracker
 from nemo_moe_metrics.moe.reduction import ExpertLoadReducer
 from nemo_moe_metrics.throughput import StepMeter
 
@@ -56,12 +58,23 @@ log = logging.getLogger(__name__)
 __all__ = ["ModelFacts", "PolicyMetrics", "model_facts"]
 
 
+#: transformers' encoder-decoder MoE families: their routers predate the experts interface and
+#: route in both stacks; not supported (the warning says so).
+ENCODER_DECODER_MOE = ("switch_transformers", "nllb-moe", "nllb_moe")
+
+
 def _no_router_message(facts: ModelFacts) -> str:
     """The warning for a model whose config has experts but whose modules hold no known router."""
     register = (
         "For a custom router class call nemo_moe_metrics.register_router(RouterClass, "
         "counts_fn) before attach()."
     )
+    if facts.source == "hf" and facts.model_type in ENCODER_DECODER_MOE:
+        return (
+            f"PolicyMetrics.attach: {facts.model_type} is an encoder-decoder MoE model; only "
+            "decoder-only (and vision-language) MoE families are supported (docs/en/models.md), "
+            "so no expert loads are counted"
+        )
     if facts.source == "hf":
         return (
             f"PolicyMetrics.attach: the config ({facts.model_type}) says {facts.num_experts} "
@@ -191,6 +204,8 @@ class PolicyMetrics:
             self._families.append(families.MegatronAuxLoss(self._transformer_config, cfg))
         self._loads = families.ExpertLoads(collector, ExpertLoadReducer(None), cfg, facts.ep_size)
         self._families.append(self._loads)
+        if facts.ep_size > 1:  # tokens cross expert-parallel ranks (megatron)
+            self._families.append(self._overload_family(collector, facts))
         if collector is not None and family.whole_on_every_rank:
             # Whole models on every rank: each rank generates, each joins (see generation()).
             self._families.append(families.RolloutLoad(collector, cfg.moe_per_layer_logging))
@@ -209,6 +224,21 @@ class PolicyMetrics:
             self._routing = self._routing_family(facts, collector)
             if self._routing is not None:
                 self._families.append(self._routing)
+
+    def _overload_family(
+        self, collector: ExpertLoadCollector | None, facts: ModelFacts
+    ) -> families.OverloadFactor:
+        # megatron's overload factor needs each forward's tokens per EP rank and the EP group.
+        group, rank = compat.expert_parallel_group() if dist.is_initialized() else (None, 0)
+        if collector is not None:
+            tracker = collector.enable_overload(facts.ep_size)
+        else:  # a stage without MoE layers joins the reduce with nothing
+            tracker = OverloadTracker(facts.ep_size)
+        mtp = int(getattr(self._transformer_config, "mtp_num_layers", 0) or 0)
+        per_layer = self.cfg.moe_per_layer_logging
+        return families.OverloadFactor(
+            tracker, collector, facts.num_layers + mtp, group, rank, per_layer
+        )
 
     def _model_aux_loss(
         self, chunks: list[nn.Module], collector: ExpertLoadCollector | None
@@ -278,12 +308,18 @@ class PolicyMetrics:
         )
 
     def resume_totals(
-        self, total_tokens: float, total_seconds: float, total_flops: float = 0.0
+        self,
+        total_tokens: float,
+        total_seconds: float,
+        total_flops: float = 0.0,
+        *,
+        restart: bool = False,
     ) -> None:
         """Continue ``train_perf/total_*`` and the cumulative rates of a resumed run (after
-        ``attach``, before the first step); a no-op without throughput tracking."""
+        ``attach``, before the first step; ``restart=True``: also after steps, when training
+        went back to a checkpoint); a no-op without throughput tracking."""
         if self._meter is not None:
-            self._meter.resume(total_tokens, total_seconds, total_flops)
+            self._meter.resume(total_tokens, total_seconds, total_flops, restart=restart)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -320,7 +356,7 @@ class PolicyMetrics:
         self._steps_since_export += 1
 
     @contextlib.contextmanager
-    def generation(self) -> Iterator[None]:
+    def generation(self, eos_token_ids: Sequence[int] | None = None) -> Iterator[None]:
         """Bracket a generation by the policy model itself (a rollout inside the training loop,
         such as TRL's GRPO calling ``model.generate``).
 
@@ -329,6 +365,10 @@ class PolicyMetrics:
         layer ``moe/layer_{i}/rollout_max_over_ideal`` with ``moe_per_layer_logging``); they
         never enter the training counts. The export of the rollout load is collective: every
         rank generates at the same steps. Hugging Face and torchtitan models only.
+
+        ``eos_token_ids`` (one ``generate`` call per block): positions after a sequence's first
+        end-of-sequence token are not counted either (``generate`` feeds them padding with
+        attention mask 1 until the last sequence ends; :mod:`nemo_moe_metrics.moe.generation_mask`).
         """
         self._require_attach("generation")
         collector = self._collector
@@ -336,10 +376,12 @@ class PolicyMetrics:
             yield
             return
         collector.rollout_counting = True
+        collector.end_of_sequence = EndOfSequence(eos_token_ids) if eos_token_ids else None
         try:
             yield
         finally:
             collector.rollout_counting = False
+            collector.end_of_sequence = None
 
     def restart_step(self) -> None:
         """Forget what the open step counted so far, because its forward-backward runs again.

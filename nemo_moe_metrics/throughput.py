@@ -210,9 +210,19 @@ class StepMeter:
         self.steps = 0  #: completed steps since construction
         self.failed_steps = 0  #: steps whose body raised (not counted)
 
-    def resume(self, total_tokens: float, total_seconds: float, total_flops: float = 0.0) -> None:
+    def resume(
+        self,
+        total_tokens: float,
+        total_seconds: float,
+        total_flops: float = 0.0,
+        *,
+        restart: bool = False,
+    ) -> None:
         """Start the running totals from a resumed run's values, so ``total_*`` and the
-        cumulative rates continue instead of restarting at 0. Call before the first export."""
+        cumulative rates continue instead of restarting at 0. Call before the first export;
+        ``restart=True``: the training itself went back to a checkpoint after steps were
+        exported (a Trainer's ``train()`` again after one that raised), so the totals are set
+        to that step's whatever this meter counted since."""
         for name, value in (
             ("total_tokens", total_tokens),
             ("total_seconds", total_seconds),
@@ -227,7 +237,7 @@ class StepMeter:
                     f"StepMeter.resume: {name} must be a finite number >= 0, got {value!r}; "
                     "pass the last logged train_perf/ totals of the run being resumed"
                 )
-        if self.steps:
+        if self.steps and not restart:
             raise RuntimeError(
                 "StepMeter.resume() after steps were exported; resume before the first step"
             )

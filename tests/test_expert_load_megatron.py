@@ -305,6 +305,7 @@ def _two_rank_layouts(rank, world_size):
         "table": metrics[mn.EXPERT_LOADS],
     }
     collector.detach()
+    out["overload"] = _overload_step(model, cfg, seen, rank)
 
     # Pipeline parallel 2 (same processes, new layout): stage 0 holds layers 0-1, stage 1 2-3.
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -324,6 +325,35 @@ def _two_rank_layouts(rank, world_size):
         "local_dispatched": {k + 2 * rank: np.sum(v, axis=0).tolist() for k, v in seen.items()},
     }
     return out
+
+
+def _overload_step(model, cfg, seen, rank):
+    """One PolicyMetrics step of 2 microbatches (forward, backward, forward, backward) under
+    EP 2, one of them padded; megatron's own dispatch of each microbatch to this rank's experts
+    (the probe) is the oracle."""
+    import torch
+
+    from nemo_moe_metrics import metric_names as mn
+    from nemo_moe_metrics.config import MetricsConfig
+    from nemo_moe_metrics.metrics import PolicyMetrics
+
+    metrics = PolicyMetrics(MetricsConfig(track_moe_metrics=True, moe_per_layer_logging=True))
+    metrics.attach(model, model.config)
+    for k in seen:
+        seen[k].clear()
+    pad = torch.zeros(BATCH, cfg.seq_length, dtype=torch.bool)
+    pad[1, 9 + 4 * rank :] = True
+    with metrics.step():
+        for mb in range(2):
+            metrics.microbatch(seq_lens=torch.full((BATCH,), cfg.seq_length))
+            _step(model, cfg, seed=500 + 10 * rank + mb, padding_mask=pad if mb else None)
+    out = metrics.finish_step(num_microbatches=2)
+    metrics.detach()
+    return {
+        "metrics": {k: v for k, v in out.items() if "overload" in k},
+        "ep_imbalance": {la: out[mn.layer_stat_key(la, "ep_imbalance")] for la in (1, 2, 3)},
+        "received": {la: [int(x.sum()) for x in seen[la]] for la in (1, 2, 3)},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -443,3 +473,45 @@ def test_data_times_expert_parallel_four_ranks_sums_every_replica():
             expected[i, 4 * r["ep_rank"] : 4 * r["ep_rank"] + 4] += r["local_dispatched"][layer]
     assert results[0]["counts"] == expected.tolist()
     assert expected.sum(axis=1).tolist() == [4 * BATCH * 32 * 2] * 3
+
+
+@pytest.mark.timeout(240)
+def test_overload_factor_equals_megatrons_definitions_from_its_own_dispatch(two_ranks):
+    # megatron-core's overload factor (dev branch, log_moe_overload_factor), by hand from what
+    # its dispatcher handed each EP rank's experts in each microbatch: per (layer, microbatch)
+    # entry max_r tokens(r) / balanced, balanced = (both ranks' rows x top-k) / 2; the mean and
+    # max over entries; on each rank the running tokens held (+ forward in layer order, -
+    # backward in reverse) over the same for its own rows x top-k, peak over peak, max over ranks.
+    from nemo_moe_metrics import metric_names as mn
+
+    r0, r1 = two_ranks[0]["overload"], two_ranks[1]["overload"]
+    assert r0["metrics"] == r1["metrics"]
+    got, layers, k = r0["metrics"], (1, 2, 3), 2
+    balanced = BATCH * 32 * k  # each rank routes BATCH x 32 rows (padding too) to top-2
+    entries = {
+        (la, mb): max(r0["received"][la][mb], r1["received"][la][mb]) / balanced
+        for la in layers
+        for mb in range(2)
+    }
+    assert got[mn.AVG_OVERLOAD_FACTOR] == pytest.approx(sum(entries.values()) / 6, rel=1e-9)
+    assert got[mn.MAX_OVERLOAD_FACTOR] == pytest.approx(max(entries.values()), rel=1e-9)
+    for la in layers:
+        mine = [entries[(la, mb)] for mb in range(2)]
+        assert got[mn.overload_layer_key("avg", la)] == pytest.approx(sum(mine) / 2, rel=1e-9)
+        assert got[mn.overload_layer_key("max", la)] == pytest.approx(max(mine), rel=1e-9)
+    cumulative = []
+    for rank in (r0, r1):  # the schedule's order: each microbatch's forward, then backward
+        held = own = peak_held = peak_own = 0
+        for mb in range(2):
+            for sign, order in ((1, layers), (-1, layers[::-1])):
+                for la in order:
+                    held += sign * rank["received"][la][mb]
+                    own += sign * balanced
+                    peak_held, peak_own = max(peak_held, held), max(peak_own, own)
+        cumulative.append(peak_held / peak_own)
+    assert got[mn.MAX_CUM_OVERLOAD_FACTOR] == pytest.approx(max(cumulative), rel=1e-9)
+    # The per-microbatch view is never below the step's summed view (ep_imbalance): a max of
+    # ratios bounds the ratio of the sums.
+    for la in layers:
+        assert got[mn.overload_layer_key("max", la)] >= r0["ep_imbalance"][la] - 1e-12
+    assert got[mn.MAX_OVERLOAD_FACTOR] > 1.0

@@ -66,3 +66,30 @@ def test_the_models_own_config_and_a_copy_of_it_attach_silently():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             PolicyMetrics(MetricsConfig(track_moe_metrics=True)).attach(model, config)
+
+
+def test_encoder_decoder_moe_models_are_named_unsupported_not_silently_counted_as_nothing():
+    # switch_transformers and nllb_moe: docs/en/models.md and README claim decoder-only (and
+    # vision-language) MoE families only; attaching one says so in its warning.
+    from transformers import (
+        NllbMoeConfig,
+        NllbMoeForConditionalGeneration,
+        SwitchTransformersConfig,
+        SwitchTransformersForConditionalGeneration,
+    )
+
+    switch = SwitchTransformersConfig(
+        d_model=16, d_ff=32, d_kv=8, num_heads=2, num_layers=2, num_decoder_layers=2,
+        num_experts=4, vocab_size=50, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1,
+    )  # fmt: skip
+    nllb = NllbMoeConfig(
+        d_model=16, encoder_ffn_dim=32, decoder_ffn_dim=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=2, decoder_attention_heads=2, num_experts=4, vocab_size=50,
+    )  # fmt: skip
+    for config, cls in (
+        (switch, SwitchTransformersForConditionalGeneration),
+        (nllb, NllbMoeForConditionalGeneration),
+    ):
+        model = cls(config)
+        with pytest.warns(RuntimeWarning, match="is an encoder-decoder MoE model"):
+            PolicyMetrics(MetricsConfig(track_moe_metrics=True)).attach(model, model.config)

@@ -91,3 +91,40 @@ def test_torchtitan_example_names_the_extra_when_torchtitan_is_missing(monkeypat
     monkeypatch.setitem(sys.modules, "torchtitan", None)  # import torchtitan now fails
     with pytest.raises(MissingExtraError, match=r"install it with: pip install --no-deps torch"):
         _example().run(tmp_path)
+
+
+def _rank_refused(rank, world_size, out_dir):
+    import torch.distributed as dist
+
+    from nemo_moe_metrics.run_dir import RunDirBusyError
+
+    dist.init_process_group("gloo")
+    try:
+        _example().run(Path(out_dir), steps=1)
+    except RunDirBusyError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.timeout(200)
+def test_torchtitan_example_refuses_a_second_writer_naming_it(tmp_path):
+    # The run directory is held (this process: the first writer) and has logged a step: the
+    # example's rank 0 is refused naming the holder, and no file of the run changes.
+    pytest.importorskip(
+        "torchtitan", reason="needs torchtitan 0.3.0 (docs/en/torchtitan.md: the install line)"
+    )
+    import hashlib
+    import os
+
+    from nemo_moe_metrics.run_dir import RunDirLock
+
+    def digests():  # not the lock file: closing any descriptor of it drops this process's lock
+        files = [p for p in tmp_path.iterdir() if p.name != ".run.lock"]
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+    with RunDirLock(tmp_path).acquire(writer=True):
+        (tmp_path / "metrics.jsonl").write_text('{"step": 0, "moe/max_over_ideal": 1.5}\n')
+        before, holder = digests(), RunDirLock.probe(tmp_path)
+        (refused,) = ok_values(run_ranks(_rank_refused, 1, str(tmp_path), timeout=180))
+        assert digests() == before and RunDirLock.probe(tmp_path) == holder
+    assert refused is not None and f"pid {os.getpid()} on host" in refused

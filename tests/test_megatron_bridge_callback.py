@@ -203,6 +203,8 @@ def _scenario(rank, world, tmp: Path, name: str, layout, rerun: bool) -> dict:
     out: dict = dict(steps=[])
     manager.fire("on_train_start", ctx(user_state=manager.user_state, optimizer=optimizer))
     out["vocab"] = callback.metrics.vocab_size
+    if name == "ep":
+        out["second_writer"] = _second_writer(rank, world, tmp / name, ctx, manager, optimizer)
     machine = get_rerun_state_machine()
     # Megatron's determinism-stats log line reads Caller.filename, which Caller lacks
     # (AttributeError on rank 0 after a rerun); the log line is not what is tested here.
@@ -269,10 +271,50 @@ def _scenario(rank, world, tmp: Path, name: str, layout, rerun: bool) -> dict:
             )
         )
     manager.fire("on_train_end", ctx(user_state=manager.user_state))
+    from nemo_moe_metrics.run_dir import RunDirLock
+
+    out["held_after_end"] = RunDirLock.probe(tmp / name) is not None
     out["microbatch_reads"] = microbatch_reads
     out["tb"] = tb.calls if tb else None
     out["wandb"] = wb.calls if wb else None
     return out
+
+
+def _sha256s(folder: Path) -> dict[str, str]:
+    """Every file's digest but the lock's: closing any descriptor of the lock file would drop
+    the locks this process (the holder) has on it; the holder it names is compared apart."""
+    import hashlib
+
+    from nemo_moe_metrics.run_dir import RunDirLock
+
+    digests = {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != ".run.lock"
+    }
+    return {**digests, ".run.lock": repr(RunDirLock.probe(folder))}
+
+
+def _second_writer(rank, world, run_dir: Path, ctx, manager, optimizer) -> dict:
+    """A second callback on the same run directory while the first writes (every rank fires
+    its events; the last rank writes): refused naming the owner, files untouched, the model's
+    hooks as before."""
+    import os
+
+    from nemo_moe_metrics.config import MetricsConfig
+    from nemo_moe_metrics.integrations.megatron_bridge import MoEMetricsCallback
+    from nemo_moe_metrics.run_dir import RunDirBusyError
+
+    second = MoEMetricsCallback(MetricsConfig(track_moe_metrics=True), run_dir=run_dir)
+    before = _sha256s(run_dir)
+    refused = None
+    try:
+        second.on_train_start(ctx(user_state=manager.user_state, optimizer=optimizer))
+    except RunDirBusyError as err:
+        refused = str(err)
+    if refused is None:
+        second.on_train_end(ctx(user_state=manager.user_state))
+    return dict(refused=refused, pid=os.getpid(), untouched=_sha256s(run_dir) == before)
 
 
 def _all_scenarios(rank, world, tmp):
@@ -433,3 +475,12 @@ def test_callback_reads_the_device_once_per_step_and_never_per_microbatch(bridge
         # Steady state: finish_step's one host read (the writers get Python numbers); the
         # first export also agrees on the layer layout across ranks.
         assert [s["export_reads"] for s in result[scenario]["steps"]][1:] == [1] * (STEPS - 1)
+
+
+def test_a_second_writer_is_refused_naming_the_owner_and_the_lock_ends_with_training(bridge_run):
+    _, results = bridge_run
+    last = results[-1]["ep"]["second_writer"]  # the last rank writes the run directory
+    assert last["refused"] is not None and f"pid {last['pid']} on host" in last["refused"]
+    assert last["untouched"]
+    assert results[0]["ep"]["second_writer"]["refused"] is None  # other ranks write nothing
+    assert not any(results[-1][name]["held_after_end"] for name in SCENARIOS)  # the writer

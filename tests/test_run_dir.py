@@ -129,6 +129,24 @@ def test_joining_with_another_runs_token_is_refused(tmp_path):
         _end(proc)
 
 
+def test_looking_at_a_held_lock_from_its_own_process_keeps_it_held(tmp_path):
+    # Closing any descriptor of the lock file drops every POSIX lock the process has on it: a
+    # probe, a second writer refused, or read_earlier_lock in the holder must not open one.
+    from nemo_moe_metrics.run_dir import read_earlier_lock
+
+    with RunDirLock(tmp_path) as held:
+        assert RunDirLock.probe(tmp_path).token == held.token
+        assert read_earlier_lock(tmp_path).token == held.token
+        with pytest.raises(RunDirBusyError, match=f"pid {os.getpid()} on host"):
+            RunDirLock(tmp_path).acquire()
+        probe = "from nemo_moe_metrics.run_dir import RunDirLock; import sys; "
+        probe += "print(RunDirLock.probe(sys.argv[1]).token)"
+        seen = subprocess.run(
+            [sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True
+        )
+        assert seen.stdout.strip() == held.token, seen.stderr[-2000:]
+
+
 def test_one_process_cannot_hold_a_directory_twice(tmp_path):
     with RunDirLock(tmp_path), pytest.raises(RunDirBusyError, match="already held by this process"):
         RunDirLock(tmp_path).acquire()

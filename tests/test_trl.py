@@ -28,6 +28,7 @@ import trl_tiny as tt  # noqa: E402
 
 from nemo_moe_metrics.config import MetricsConfig  # noqa: E402
 from nemo_moe_metrics.integrations.transformers import MoEMetricsCallback  # noqa: E402
+from nemo_moe_metrics.run_dir import RunDirBusyError, RunDirLock  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -124,9 +125,16 @@ def test_grpo_generation_is_a_rollout_and_out_of_train_perf(model_dir, tmp_path)
     generate = trainer.model.generate
     pause = 0.3
 
+    def end_likely(module, args, output):  # the end token ~30% likely: sequences end early
+        output[..., trainer.model.config.eos_token_id] += 4.0
+
     def slow_generate(*args, **kwargs):  # generation takes >= 0.3 s per call
         time.sleep(pause)
-        return generate(*args, **kwargs)
+        handle = trainer.model.lm_head.register_forward_hook(end_likely)
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            handle.remove()
 
     trainer.model.generate = slow_generate
     oracle = train_with_oracle(trainer, callback)
@@ -139,12 +147,15 @@ def test_grpo_generation_is_a_rollout_and_out_of_train_perf(model_dir, tmp_path)
     assert out["train_perf/seconds"] == pytest.approx(training, abs=0.1)
     assert out["train_perf/tokens"] == oracle.tokens("train")
     assert_counts_match(callback, oracle)
-    # The rollout's load: the generation forwards' real tokens (prefill and decode).
+    # The rollout's load: the generation forwards' real tokens (prefill and decode), none
+    # after a sequence's end (generate feeds padding there with attention mask 1).
     ratios = []
     for layer in range(LAYERS):
-        counts = oracle.rollout[layer]
+        counts, every = oracle.rollout[layer], oracle.rollout_all[layer]
+        assert every.sum() > counts.sum(), "no sequence ended before the others: no test"
         ratios.append(float(counts.max()) * EXPERTS / float(counts.sum()))
         assert out[f"moe/layer_{layer}/rollout_max_over_ideal"] == pytest.approx(ratios[-1])
+        assert ratios[-1] != pytest.approx(float(every.max()) * EXPERTS / float(every.sum()))
     assert out["moe/rollout_max_over_ideal"] == pytest.approx(sum(ratios) / LAYERS)
 
 
@@ -237,6 +248,16 @@ def test_trl_aux_loss_and_ours_both_reproduced_from_the_same_router_logits(model
     ) / len(captured)
     assert logged["moe/load_balancing_loss"] == pytest.approx(ours_expected, rel=1e-5)
     assert logged["aux_loss"] != pytest.approx(logged["moe/load_balancing_loss"], rel=1e-4)
+    # Beside it, the same per-layer loss over the real tokens only (padding out, as every
+    # other moe/ count): transformers' function given the attention mask, layer by layer.
+    real_expected = sum(
+        sum(_switch_loss([mb["logits"][i]], mb["mask"], 2) for i in range(LAYERS)) / LAYERS
+        for mb in captured
+    ) / len(captured)
+    real = logged["moe/load_balancing_loss_real_tokens"]
+    assert real == pytest.approx(real_expected, rel=1e-5)
+    assert real != pytest.approx(ours_expected, rel=1e-4)  # the batches are padded
+    assert all(mb["mask"] is not None and not bool(mb["mask"].all()) for mb in captured)
 
 
 def test_router_aux_loss_coef_zero_trl_logs_none_we_log_the_diagnostic(model_dir, tmp_path):
@@ -261,8 +282,30 @@ def test_two_ranks_under_torchrun_reduce_the_counts_and_log_once(tmp_path):
     script = root / "tests" / "trl_ranks.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_port()), str(script), str(tmp_path)]  # fmt: skip
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # While the job's rank 0 writes the run directory (paused after step 1), a second
+        # training process on it is refused naming that rank, and no file of it changes.
+        paused = tmp_path / "paused"
+        deadline = time.monotonic() + 200
+        while not paused.exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert paused.exists(), job.communicate(timeout=60)[1][-3000:]
+        holder = json.loads(paused.read_text())["pid"]
+        run_dir = tmp_path / "run"
+        files = _sha256s(run_dir)
+        other = MoEMetricsCallback(FLAGS, run_dir=run_dir)
+        second = make_trainer("sft", tmp_path / "model" / "rank0", tmp_path / "b", [other])
+        with pytest.raises(RunDirBusyError, match=f"pid {holder} on host"):
+            second.train()
+        assert _sha256s(run_dir) == files
+    finally:
+        (tmp_path / "go").write_text("")
+        out, err = job.communicate(timeout=240)
+    assert job.returncode == 0, err[-3000:]
+    # LoggerConfig(table_every=1), as trl.md writes it: JSONL and the store, no second
+    # TensorBoard or W&B run beside the Trainer's own.
+    assert not (run_dir / "tensorboard").exists() and not (run_dir / "wandb").exists()
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["world"] == 2
     oracle = result["oracle"]  # summed over both ranks
@@ -324,3 +367,171 @@ def test_generated_lengths_stop_at_the_first_end_of_sequence():
     sequences = torch.tensor([[0, 5, 6, 7, 1, 1, 1], [4, 5, 6, 7, 8, 9, 2]])
     # prompt 2 + completion "7 <eos>" = 4; prompt 3 + completion of 4, no eos = 7
     assert generated_lengths(prompt_mask, 3, sequences, [eos]).tolist() == [4, 7]
+
+
+def _sha256s(folder: Path, *, lock: bool = True) -> dict[str, str]:
+    """Every file's digest (``lock=False``: not the lock file, in the process holding it:
+    closing a descriptor of that file would drop the process's locks)."""
+    import hashlib
+
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and (lock or p.name != ".run.lock")
+    }
+
+
+class _StepTokens:
+    """Independent: real tokens of every training forward, by the optimizer step it is in."""
+
+    def __init__(self, trainer):
+        from transformers import TrainerCallback
+
+        self.tokens: dict[int, int] = {}
+        self._step = 0
+        outer = self
+
+        class Steps(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                outer._step = state.global_step + 1
+
+        trainer.add_callback(Steps())
+        self._handle = trainer.model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs):
+        if module.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            mask = kwargs.get("attention_mask")
+            real = int(mask.sum()) if mask is not None else int(kwargs["input_ids"].numel())
+            self.tokens[self._step] = self.tokens.get(self._step, 0) + real
+
+
+def test_resume_from_checkpoint_continues_the_run_directory_each_step_once(
+    model_dir, tmp_path, monkeypatch
+):
+    # Killed (an exception) at step 6 with checkpoints every 2 steps, then resumed from step 4:
+    # every step once in metrics.jsonl and TensorBoard, the totals the sum of the steps', the
+    # lock of the run that raised reclaimed, a short run's table stored at its end; a fresh
+    # train() into the run is refused with the user's files untouched.
+    import json
+
+    from transformers import TrainerCallback
+
+    from nemo_moe_metrics.config import LoggerConfig
+    from nemo_moe_metrics.placement.loads import window_loads
+    from nemo_moe_metrics.report import placement as report_placement
+    from nemo_moe_metrics.report.summary import render_report
+    from nemo_moe_metrics.run_dir.record import RunExistsError
+    from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
+
+    class Crash(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.global_step == 6:
+                raise RuntimeError("killed at step 6")
+
+    run_dir, out = tmp_path / "run", tmp_path / "trainer"
+    flags = MetricsConfig(track_moe_metrics=True, track_throughput=True, track_router_health=True)
+    logger = LoggerConfig(tensorboard_enabled=True)  # table_every 20: never reached
+    saving = {"save_strategy": "steps", "save_steps": 2}
+    first = MoEMetricsCallback(flags, run_dir=run_dir, logger=logger)
+    trainer = make_trainer("sft", model_dir, out, [first, Crash()], max_steps=8, **saving)
+    before = _StepTokens(trainer)
+    with pytest.raises(RuntimeError, match="killed at step 6"):
+        trainer.train()
+    # The killed run stored no table (20-step cadence, never closed): say so, not "turn on".
+    summary = render_report(run_dir, out_dir=tmp_path / "report")
+    assert "no stored expert-load step yet" in summary and "did not close" in summary
+    assert "log them with" not in summary
+    with pytest.raises(ValueError, match="holds no train step yet") as err:
+        window_loads(run_dir)
+    assert "--steps" not in str(err.value)
+
+    second = MoEMetricsCallback(flags, run_dir=run_dir, logger=logger)
+    resumed = make_trainer("sft", model_dir, out, [second], max_steps=8, **saving)
+    after = _StepTokens(resumed)
+    with pytest.warns(RuntimeWarning, match="raised before its end"):
+        resumed.train(resume_from_checkpoint=True)  # checkpoint-4, in this same thread
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, 9))
+    oracle = {**{s: n for s, n in before.tokens.items() if s <= 4}, **after.tokens}
+    assert [line["train_perf/tokens"] for line in lines] == [oracle[s] for s in range(1, 9)]
+    assert lines[-1]["train_perf/total_tokens"] == sum(oracle.values())
+    assert lines[-1]["train_perf/total_seconds"] == pytest.approx(
+        sum(line["train_perf/seconds"] for line in lines), rel=1e-6
+    )
+    scalars = read_scalars(run_dir / "tensorboard")
+    assert [step for step, _ in scalars["train_perf/total_tokens"]] == list(range(1, 9))
+    assert scalars["train_perf/total_tokens"][-1][1] == sum(oracle.values())
+    # The last step's table, stored at the end although step 8 is off the 20-step cadence.
+    (stored,) = list(read_expert_loads(store_path(run_dir)))
+    assert stored.step == 8
+    logged = tt.logged_counts(second.last_metrics, LAYERS, EXPERTS)
+    assert stored.counts.tolist() == [logged[layer] for layer in range(LAYERS)]
+    assert window_loads(run_dir).steps == 1
+    drawn = []  # the report's placement_sweep.png figure, kept to read its axes
+    monkeypatch.setattr(report_placement, "save_figure", lambda fig, path: drawn.append(fig))
+    summary = render_report(run_dir, out_dir=tmp_path / "r2")
+    assert "no stored expert-load step" not in summary
+    # The router-health reference names this run's level (4 experts, top-2), not another's.
+    assert "confidence 0.5 and entropy 1 for this run's 4 experts, top-2" in summary
+    assert "8 experts" not in summary
+    (sweep,) = [f for f in drawn if "redundant" in f.axes[0].get_xlabel()]
+    ax = sweep.axes[0]
+    assert all(float(t).is_integer() for t in ax.get_xticks())  # R counts experts
+    assert {"layer 0", "layer 1"} <= {t.get_text() for t in ax.get_legend().get_texts()}
+
+    files = _sha256s(run_dir)
+    fresh = make_trainer(
+        "sft", model_dir, tmp_path / "fresh", [MoEMetricsCallback(flags, run_dir=run_dir)]
+    )
+    with pytest.raises(RunExistsError, match="resume_from_checkpoint") as refused:
+        fresh.train()
+    assert "overwrite=True" in str(refused.value)
+    assert _sha256s(run_dir) == files
+
+
+def test_a_second_callback_is_refused_naming_the_first_and_the_lock_ends_with_training(
+    model_dir, tmp_path
+):
+    # Two callback instances on one run directory (two trainers, the first mid-training in
+    # another thread): the second is refused naming the first, whose files stay as they were;
+    # the first gives the lock back when its training ends.
+    import threading
+
+    from transformers import TrainerCallback
+
+    paused, go, failures = threading.Event(), threading.Event(), []
+
+    class Pause(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                paused.set()
+                go.wait(120)
+
+    def train(trainer):
+        try:
+            trainer.train()
+        except BaseException as err:  # noqa: BLE001 - reported by the test below
+            failures.append(err)
+
+    run_dir = tmp_path / "run"
+    first = make_trainer(
+        "sft", model_dir, tmp_path / "a", [MoEMetricsCallback(FLAGS, run_dir=run_dir), Pause()]
+    )
+    thread = threading.Thread(target=train, args=(first,))
+    thread.start()
+    try:
+        assert paused.wait(120), failures
+        files = _sha256s(run_dir, lock=False)
+        holder = RunDirLock.probe(run_dir)
+        second = make_trainer(
+            "sft", model_dir, tmp_path / "b", [MoEMetricsCallback(FLAGS, run_dir=run_dir)]
+        )
+        with pytest.raises(RunDirBusyError, match=f"pid {os.getpid()} on host"):
+            second.train()
+        assert _sha256s(run_dir, lock=False) == files
+        assert RunDirLock.probe(run_dir) == holder
+    finally:
+        go.set()
+        thread.join(120)
+    assert not failures
+    assert RunDirLock.probe(run_dir) is None  # given back at on_train_end

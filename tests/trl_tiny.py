@@ -37,13 +37,19 @@ class ExpertsOracle:
     steps read their own token); a forward pre-hook on each layer's ``mlp.experts`` adds the
     ``top_k_index`` rows of real tokens to the layer's counts. Training forwards (train mode,
     grad on, not inside backward) go to ``train``; forwards inside ``model.generate`` to
-    ``rollout``; everything else is ignored.
+    ``rollout``, up to and including each sequence's first end-of-sequence token of its
+    completion, judged after ``generate`` returned, from the sequences it returned
+    (``rollout_all``: every masked position, those after the end too); everything else is
+    ignored.
     """
 
     def __init__(self, model: nn.Module, num_experts: int) -> None:
         self.num_experts = num_experts
         self.train: dict[int, torch.Tensor] = {}
         self.rollout: dict[int, torch.Tensor] = {}
+        self.rollout_all: dict[int, torch.Tensor] = {}
+        self._forwards: list[tuple[int, int, torch.Tensor]] = []  # generate's: total, width, mask
+        self._picks: list[tuple[int, int, torch.Tensor]] = []  # layer, forward, top_k_index
         self.train_steps: list[int] = []  # real tokens of training forwards, per optimizer step
         self._mask: torch.Tensor | None = None
         self._phase: str | None = None
@@ -57,10 +63,14 @@ class ExpertsOracle:
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             self._generating = True
+            self._forwards, self._picks = [], []
             try:
-                return generate(*args, **kwargs)
+                sequences = generate(*args, **kwargs)
             finally:
                 self._generating = False
+            eos = (kwargs.get("generation_config") or model.generation_config).eos_token_id
+            self._count_rollout(sequences, [eos] if isinstance(eos, int) else list(eos))
+            return sequences
 
         model.generate = wrapped
 
@@ -75,6 +85,8 @@ class ExpertsOracle:
         in_backward = torch._C._current_graph_task_id() != -1
         if self._generating:
             self._phase = "rollout"
+            total = int(mask.shape[1]) if mask is not None else width
+            self._forwards.append((total, width, real.bool()))
         elif model.training and torch.is_grad_enabled() and not in_backward:
             self._phase = "train"
         else:
@@ -85,12 +97,30 @@ class ExpertsOracle:
             if self._phase is None or torch._C._current_graph_task_id() != -1:
                 return  # not counted, or a checkpointed layer replayed in backward
             index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            if self._phase == "rollout":  # judged once generate returns its sequences
+                self._picks.append((layer, len(self._forwards) - 1, index.detach().clone()))
+                return
             real = index[self._mask]
             counts = torch.bincount(real.reshape(-1), minlength=self.num_experts)
             table = self.train if self._phase == "train" else self.rollout
             table[layer] = table.get(layer, torch.zeros_like(counts)) + counts
 
         return hook
+
+    def _count_rollout(self, sequences: torch.Tensor, eos: list[int]) -> None:
+        prompt = self._forwards[0][0]  # the prefill's width: the prompt, padding included
+        completion = sequences[:, prompt:]
+        ended = torch.isin(completion, torch.tensor(eos))
+        end = torch.where(ended.any(-1), ended.int().argmax(-1), completion.shape[1])
+        last_real = prompt + end  # the absolute position of each sequence's end token
+        for layer, forward, index in self._picks:
+            total, width, mask = self._forwards[forward]
+            position = torch.arange(total - width, total)
+            kept = mask & (position.unsqueeze(0) <= last_real.unsqueeze(1))
+            for table, keep in ((self.rollout, kept), (self.rollout_all, mask)):
+                rows = index.reshape(-1, index.shape[-1])[keep.reshape(-1)]
+                counts = torch.bincount(rows.reshape(-1), minlength=self.num_experts)
+                table[layer] = table.get(layer, torch.zeros_like(counts)) + counts
 
     def tokens(self, phase: str = "train") -> int:
         """Real tokens routed (layer 0's assignments / top-k)."""

@@ -43,7 +43,6 @@ import torch
 from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, AlertsConfig, LoggerConfig, MetricsConfig
 from nemo_moe_metrics.megatron import compat  # imports no megatron module by itself
 from nemo_moe_metrics.metrics import PolicyMetrics
-from nemo_moe_metrics.run_dir.record import logged_run
 from nemo_moe_metrics.run_dir.session import open_run
 from nemo_moe_metrics.sinks.base import split_tables, validate_metrics
 
@@ -156,6 +155,14 @@ class _BatchTap:
         return getattr(self._inner, name)
 
 
+#: What a refusal of a fresh job into a directory holding a run says to do.
+_BRIDGE_WAYS = (
+    "a job starting at iteration 0 would start a second run in it. Restart from the job's "
+    "checkpoint to continue it (the callback continues from the restored iteration), delete "
+    "that run directory, or pass another run_dir"
+)
+
+
 class MoEMetricsCallback(Callback):
     """A Megatron-Bridge callback that measures MoE training with :class:`PolicyMetrics`.
 
@@ -169,8 +176,10 @@ class MoEMetricsCallback(Callback):
             ``metrics.jsonl`` (every iteration's scalars), ``expert_loads.bin`` (the table) and
             ``run.json``. None: beside Bridge's TensorBoard directory
             (``<tensorboard_dir>/../nemo_moe_metrics``), else beside its checkpoint directory,
-            else ``./nemo_moe_metrics`` (:func:`default_run_dir`). A directory that already
-            holds a run is continued (a job restarted from its checkpoint).
+            else ``./nemo_moe_metrics`` (:func:`default_run_dir`). A job restarted from its
+            checkpoint continues the run there from the restored iteration; a job starting at
+            iteration 0 into a directory holding a run is refused. The last rank holds the
+            directory's owner lock until ``on_train_end`` (a second writer is refused naming it).
         table_every: write the expert-load table on iterations that are multiples of this.
         mlflow_enabled: also log to MLflow on the last rank (extra ``mlflow``): the scalars as
             metrics at Bridge's iteration, the table as CSV artifacts on ``table_every``
@@ -233,7 +242,11 @@ class MoEMetricsCallback(Callback):
             vocab = padded_vocab_size(state.cfg.model)
         self.metrics = PolicyMetrics(self.cfg, vocab_size=vocab)
         self.metrics.attach(chunks, get_model_config(chunks[0]))
-        self._open_store(state)
+        try:
+            self._open_store(state)
+        except BaseException:
+            self.metrics.detach()  # refused (a second writer): the model runs as before
+            raise
 
     def on_train_step_start(self, context: Any) -> None:
         """Open the step (timer start, aux-loss tracker snapshot)."""
@@ -335,9 +348,11 @@ class MoEMetricsCallback(Callback):
             return
         run_dir = self.run_dir or default_run_dir(state)
         name = (run_dir.parent if self.run_dir is None else run_dir).name or "megatron_bridge"
-        # A Bridge job restarted from its checkpoint continues the run it wrote (the report
-        # keeps the newest record of a step logged twice).
-        resume = bool(logged_run(run_dir))
+        # A Bridge job restarted from its checkpoint (train_state.step restored) continues the
+        # run from that iteration: later records are cut, each iteration is logged once. A
+        # fresh job into a directory holding a run is refused (open_run, _BRIDGE_WAYS).
+        restored = int(getattr(getattr(state, "train_state", None), "step", 0) or 0)
+        resume = restored > 0
         logger_cfg = LoggerConfig(
             tensorboard_enabled=False,  # Bridge's own writers get the scalars (_write)
             wandb_enabled=False,
@@ -350,7 +365,18 @@ class MoEMetricsCallback(Callback):
         )
         facts = self.metrics.facts if self.metrics is not None else None
         config = {"megatron_bridge": {"metrics": self.cfg.model_dump()}}
-        self._store = open_run(run_dir, logger_cfg, facts, run_name=name, config=config)
+        self._store = open_run(
+            run_dir,
+            logger_cfg,
+            facts,
+            run_name=name,
+            config=config,
+            ways=_BRIDGE_WAYS,
+            resume_after=restored if resume else None,
+        )
+        kept = self._store.resume_state
+        if kept is not None and self.metrics is not None:
+            self.metrics.resume_totals(kept.total_tokens, kept.total_seconds, kept.total_flops)
         log.info(
             "MoEMetricsCallback: %s %s (metrics.jsonl, expert_loads.bin); read it with: "
             "nemo-moe-metrics report %s",

@@ -31,15 +31,33 @@ the five traps a hand-written callback falls into and how this one answers each)
 
 With ``run_dir``, rank 0 also writes the run directory ``nemo-moe-metrics report`` reads
 (``metrics.jsonl``, ``expert_loads.bin``, ``run.json``; more sinks through ``logger``), at the
-Trainer's ``global_step``.
+Trainer's ``global_step``, through :func:`~nemo_moe_metrics.run_dir.session.open_run` like every
+writer: it holds the directory's owner lock from ``on_train_begin`` to ``on_train_end`` (a second
+writer, another callback or another process, is refused naming the holder); a ``train()`` that
+resumes from a checkpoint continues the run at the checkpoint's step (later records cut, totals
+from that step), and a fresh ``train()`` into a directory holding a run is refused unless
+``overwrite=True``. A ``train()`` that raised never reaches ``on_train_end``: the next
+``train()`` in the same thread closes what it left open (its lock included) before opening again.
+
+**Running first, without walking stack frames.** transformers gives a callback no route to
+the Trainer or its ``CallbackHandler``: events receive ``args``, ``state``, ``control`` and the
+model, tokenizer, optimizer, scheduler and dataloaders only, and ``add_callback`` appends. The
+callback therefore asks the garbage collector which lists hold it (``gc.get_referrers``, one
+scan of the tracked objects, tens of milliseconds, twice per ``train()``) and moves itself to
+the front of the one that also holds the Trainer's ``DefaultFlowCallback``: the handler's
+``callbacks`` list, public and never replaced. Unlike the frame walk it replaces, this depends
+neither on how deep the handler sits in the call stack nor on reading other frames' locals.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
-import sys
+import threading
+import warnings
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -51,8 +69,7 @@ from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig
 from nemo_moe_metrics.extras import require
 from nemo_moe_metrics.metrics import PolicyMetrics
-from nemo_moe_metrics.run_dir.record import logged_run
-from nemo_moe_metrics.run_dir.session import open_run
+from nemo_moe_metrics.run_dir.session import RunSession, open_run
 from nemo_moe_metrics.sinks.base import split_tables, validate_metrics
 from nemo_moe_metrics.throughput import StepMeter
 
@@ -60,7 +77,7 @@ log = logging.getLogger(__name__)
 
 _transformers = require("transformers", "hf", "nemo_moe_metrics.integrations.transformers")
 TrainerCallback = _transformers.TrainerCallback
-CallbackHandler = _transformers.trainer_callback.CallbackHandler
+DefaultFlowCallback = _transformers.trainer_callback.DefaultFlowCallback
 
 #: What the Trainer logs when it evaluates or predicts (metric_key_prefix): no window is closed.
 _EVAL_PREFIXES = ("eval_", "test_", "predict_")
@@ -164,9 +181,14 @@ class MoEMetricsCallback(TrainerCallback):
         run_dir: where rank 0 writes the run directory ``nemo-moe-metrics report`` reads
             (``metrics.jsonl``, ``expert_loads.bin``, ``run.json``); None: nothing written,
             the keys reach the Trainer's own ``report_to`` backends only. A directory holding
-            a run is continued (the report keeps the newest record of a step logged twice).
-        logger: the sinks of ``run_dir`` (default: JSONL and the expert-load store only; the
-            Trainer's ``report_to`` already writes TensorBoard, W&B, MLflow, trackio).
+            a run is continued when the Trainer resumes from a checkpoint, from its step.
+        logger: the sinks of ``run_dir``: JSONL and the expert-load store, whether ``logger``
+            is left out or given (``LoggerConfig(table_every=1)``); TensorBoard and W&B only
+            when set explicitly (``tensorboard_enabled=True``), as the Trainer's ``report_to``
+            already writes TensorBoard, W&B, MLflow, trackio. ``logger.resume`` is not taken:
+            the run directory is continued exactly when the Trainer resumes.
+        overwrite: a fresh ``train()`` into a ``run_dir`` holding a run deletes that run's
+            own files first (otherwise it is refused, saying so).
 
     ``callback.metrics`` is the :class:`PolicyMetrics` (after ``on_train_begin``);
     ``callback.last_metrics`` the last window's dict (the same on every rank, tables included).
@@ -179,19 +201,20 @@ class MoEMetricsCallback(TrainerCallback):
         *,
         run_dir: str | Path | None = None,
         logger: LoggerConfig | Mapping[str, Any] | None = None,
+        overwrite: bool = False,
     ) -> None:
         self.cfg = (
             metrics_cfg
             if isinstance(metrics_cfg, MetricsConfig)
             else MetricsConfig.model_validate(dict(metrics_cfg))
         )
-        if logger is None:
-            logger = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False)
-        elif not isinstance(logger, LoggerConfig):
-            logger = LoggerConfig.model_validate(dict(logger))
-        self.logger = logger
+        self.logger = callback_logger(logger)
+        self.overwrite = overwrite
         self.vocab_size = vocab_size
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        self._session: RunSession | None = None
+        # The train() that opened the session: its thread and TrainerState (see _stale_writers)
+        self._opened_in: tuple[int, Any] | None = None
         self.metrics: PolicyMetrics | None = None
         self.last_metrics: dict[str, Any] = {}
         self._model: nn.Module | None = None
@@ -202,7 +225,6 @@ class MoEMetricsCallback(TrainerCallback):
         self._window_microbatches = 0
         self._microbatches_at_open = 0
         self._generation: StepMeter | None = None
-        self._sinks: Any = None
         self._warned_order = False
 
     # -- Trainer events --------------------------------------------------------------------
@@ -221,8 +243,11 @@ class MoEMetricsCallback(TrainerCallback):
                     "MoEMetricsCallback: the Trainer passed no model to on_train_begin"
                 )
             self._attach(unwrap_model(model))
-        if self.run_dir is not None and self._sinks is None and state.is_world_process_zero:
-            self._open_sinks(args)
+        resume_after = int(state.global_step) or None  # a checkpoint's step, or a fresh run
+        self._close_run_dir()  # what a train() that raised left open (its lock included)
+        if self.run_dir is not None and state.is_world_process_zero:
+            self._open_run_dir(args, state, resume_after)
+        self._resume_totals(state, resume_after)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Open the optimizer step (a step left open by an exception is discarded first)."""
@@ -251,15 +276,14 @@ class MoEMetricsCallback(TrainerCallback):
         last = state.log_history[-1] if state.log_history else None
         if isinstance(last, dict) and last.get("step") == state.global_step:
             last.update(scalars)
-        if self._sinks is not None:
-            self._sinks.log(out, int(state.global_step))
+        if self._session is not None:
+            self._session.log(out, int(state.global_step))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Flush and close the run directory (a later ``train()`` reopens and continues it)."""
+        """Store the last step's table, flush and close the run directory, give its lock back
+        (a later ``train()`` that resumes from a checkpoint continues it)."""
         self._abandon_step()
-        if self._sinks is not None:
-            self._sinks.close()
-            self._sinks = None
+        self._close_run_dir()
 
     # -- attach ----------------------------------------------------------------------------
     def _attach(self, model: nn.Module) -> None:
@@ -315,16 +339,14 @@ class MoEMetricsCallback(TrainerCallback):
             return generate(*args, **kwargs)
         self._close_step()  # the optimizer step goes on after the generation
         try:
-            with self.metrics.generation(), self._generation_timer():
+            eos = _eos_ids(self._model, kwargs)
+            with self.metrics.generation(eos_token_ids=eos), self._generation_timer():
                 sequences = generate(*args, **kwargs)
                 ids = kwargs.get("input_ids", args[0] if args else None)
                 timed = self._generation is not None
                 if timed and isinstance(sequences, torch.Tensor) and isinstance(ids, torch.Tensor):
                     lengths = generated_lengths(
-                        kwargs.get("attention_mask"),
-                        int(ids.shape[-1]),
-                        sequences,
-                        _eos_ids(self._model, kwargs),
+                        kwargs.get("attention_mask"), int(ids.shape[-1]), sequences, eos
                     )
                     self._generation.add_sequences(lengths)
         finally:
@@ -369,47 +391,134 @@ class MoEMetricsCallback(TrainerCallback):
         return out
 
     def _move_first(self) -> None:
-        # The Trainer calls callbacks in list order from CallbackHandler.call_event, a caller of
-        # this event method: its list is where the callback moves itself to the front.
-        handler = _calling_handler()
-        if handler is None:
-            if not self._warned_order:
-                self._warned_order = True
-                log.warning(
-                    "MoEMetricsCallback: could not find the Trainer's callback list; callbacks "
-                    "before it in the list (report_to backends) will not see its keys"
-                )
-            return
-        callbacks = handler.callbacks
-        if callbacks and callbacks[0] is not self and any(cb is self for cb in callbacks):
-            # Removing at i and inserting at 0 leaves the entries after i where they were, so
-            # the handler's running loop over the list calls each callback once.
-            callbacks.remove(self)
-            callbacks.insert(0, self)
+        # See the module docstring: the handler's list is the one holding this callback and
+        # the Trainer's DefaultFlowCallback (every Trainer has one; its handler warns without).
+        lists = [
+            held
+            for held in gc.get_referrers(self)
+            if isinstance(held, list) and any(isinstance(c, DefaultFlowCallback) for c in held)
+        ]
+        if not lists and not self._warned_order:
+            self._warned_order = True
+            log.warning(
+                "MoEMetricsCallback: could not find the Trainer's callback list; callbacks "
+                "before it in the list (report_to backends) will not see its keys"
+            )
+        for callbacks in lists:
+            if callbacks[0] is not self:
+                # Removing at i and inserting at 0 leaves the entries after i where they were,
+                # so the handler's running loop over the list calls each callback once.
+                callbacks.remove(self)
+                callbacks.insert(0, self)
 
-    def _open_sinks(self, args: Any) -> None:
+    # -- the run directory -----------------------------------------------------------------
+    def _open_run_dir(self, args: Any, state: Any, resume_after: int | None) -> None:
         run_dir = self.run_dir
         assert run_dir is not None
-        resume = bool(logged_run(run_dir)) or self.logger.resume
-        logger = self.logger.model_copy(update={"resume": resume})
+        for other in _stale_writers(run_dir, state):
+            warnings.warn(
+                f"MoEMetricsCallback: {run_dir} was left open by a train() in this thread that "
+                "raised before its end; closed it (its lock released) before opening it again",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            other._close_run_dir()
         config = {
             "transformers": {
                 "metrics": self.cfg.model_dump(),
                 "logging_steps": getattr(args, "logging_steps", None),
             },
+            "logger": {"table_every": self.logger.table_every},  # the report's cadence
         }
         name = getattr(args, "run_name", None) or run_dir.name or "transformers"
-        facts = self.metrics.facts if self.metrics is not None else None
-        self._sinks = open_run(run_dir, logger, facts, run_name=str(name), config=config)
+        resume = resume_after is not None
+        self._session = open_run(
+            run_dir,
+            self.logger.model_copy(update={"resume": resume}),
+            self.metrics.facts if self.metrics is not None else None,
+            run_name=str(name),
+            config=config,
+            overwrite=self.overwrite and not resume,
+            ways=_WAYS,
+            resume_after=resume_after,
+        )
+        self._opened_in = (threading.get_ident(), weakref.ref(state))
+        _WRITERS[str(run_dir.resolve())] = weakref.ref(self)
+
+    def _close_run_dir(self) -> None:
+        session, self._session = self._session, None
+        self._opened_in = None
+        if session is not None:
+            session.close()
+
+    def _resume_totals(self, state: Any, resume_after: int | None) -> None:
+        # Every rank: the totals the checkpoint's log_history holds at its step (the Trainer
+        # restored it with the step), else the run directory's (rank 0), else 0 (a fresh run).
+        if self.metrics is None:
+            return
+        totals = _logged_totals(state.log_history, resume_after) if resume_after else None
+        kept = self._session.resume_state if self._session is not None else None
+        if totals is None and kept is not None:
+            totals = (kept.total_tokens, kept.total_seconds, kept.total_flops)
+        self.metrics.resume_totals(*(totals or (0.0, 0.0, 0.0)), restart=True)
 
 
-def _calling_handler() -> Any:
-    frame = sys._getframe(1)
-    for _ in range(8):
-        frame = frame.f_back
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, CallbackHandler):
-            return owner
+#: What a refusal of a fresh train() into a directory holding a run says to do.
+_WAYS = (
+    "a fresh trainer.train() would start a second run in it from step 1. Continue it with "
+    "trainer.train(resume_from_checkpoint=...) (the callback continues the run directory from "
+    "the checkpoint's step), pass MoEMetricsCallback(..., overwrite=True) to delete it and "
+    "start afresh, or choose another run_dir"
+)
+
+#: The callbacks that opened a run directory in this process, by resolved path (weak).
+_WRITERS: dict[str, Any] = {}
+
+
+def _stale_writers(run_dir: Path, state: Any) -> list[MoEMetricsCallback]:
+    """Callbacks holding ``run_dir`` open from a ``train()`` that raised: opened in this same
+    thread for another TrainerState (a thread runs one ``train()`` at a time, and each
+    ``train()`` makes a new state), so their training is over. A holder in another thread, or
+    in this very ``train()`` (a second callback), is a live writer: open_run refuses it."""
+    ref = _WRITERS.get(str(run_dir.resolve()))
+    other = ref() if ref is not None else None
+    if other is None or other._session is None or other._opened_in is None:
+        return []
+    thread, opened_for = other._opened_in
+    if thread != threading.get_ident() or opened_for() is state:
+        return []
+    return [other]
+
+
+def _logged_totals(history: list[dict], step: int) -> tuple[float, float, float] | None:
+    """``(total_tokens, total_seconds, total_flops)`` of the last ``log_history`` entry at or
+    before ``step`` that holds them (a checkpoint's trainer state), or None."""
+    for entry in reversed(history or []):
+        if not isinstance(entry, dict) or entry.get("step", step + 1) > step:
+            continue
+        tokens, seconds = entry.get(mn.TOTAL_TOKENS), entry.get(mn.TOTAL_SECONDS)
+        if isinstance(tokens, int | float) and isinstance(seconds, int | float):
+            rate = entry.get(mn.CUMULATIVE_ESTIMATED_FLOPS_PER_SECOND)
+            flops = float(rate) * float(seconds) if isinstance(rate, int | float) else 0.0
+            return float(tokens), float(seconds), flops
     return None
+
+
+def callback_logger(logger: LoggerConfig | Mapping[str, Any] | None) -> LoggerConfig:
+    """The callback's sinks: JSONL and the expert-load store unless a backend is turned on
+    explicitly (the Trainer's ``report_to`` writes TensorBoard and W&B already); a logger
+    asking to resume is refused (the callback resumes exactly when the Trainer does)."""
+    if logger is None:
+        given: LoggerConfig = LoggerConfig()
+    elif isinstance(logger, LoggerConfig):
+        given = logger
+    else:
+        given = LoggerConfig.model_validate(dict(logger))
+    if given.resume:
+        raise ValueError(
+            "MoEMetricsCallback: leave LoggerConfig.resume unset; the run directory is "
+            "continued when the Trainer resumes (trainer.train(resume_from_checkpoint=...))"
+        )
+    explicit = given.model_fields_set
+    off = {key: False for key in ("tensorboard_enabled", "wandb_enabled") if key not in explicit}
+    return given.model_copy(update=off)

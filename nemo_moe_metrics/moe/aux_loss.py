@@ -45,6 +45,7 @@ from nemo_moe_metrics.layer_pattern import config_moe_layer_flags
 from nemo_moe_metrics.megatron import compat
 from nemo_moe_metrics.metric_names import (
     AUX_LOSS_TRACKER_NAMES,
+    REAL_TOKENS_LOSS,
     Z_LOSS,
     aux_loss_key,
     aux_loss_layer_key,
@@ -52,8 +53,9 @@ from nemo_moe_metrics.metric_names import (
 
 logger = logging.getLogger(__name__)
 
-# Names whose router reduce group is tensor+context parallel; Megatron then averages over DP.
-_TP_CP_SUM_DP_MEAN = ("load_balancing_loss", "seq_load_balancing_loss")
+# Names whose router reduce group is tensor+context parallel; Megatron then averages over DP
+# (and the Hugging Face loss over real tokens, reduced as its padded twin).
+_TP_CP_SUM_DP_MEAN = ("load_balancing_loss", "seq_load_balancing_loss", REAL_TOKENS_LOSS)
 # Recorded with the tensor+data+context group (reduce_group_has_dp=True): a plain sum.
 _TP_DP_CP_SUM = ("global_load_balancing_loss",)
 

@@ -23,7 +23,8 @@ docs/en/expert_load.md):
   unpadded batches) holds no padding. The mask is a view and one device op; nothing is read.
 - A *generation* (``rollout_counting``, set by ``PolicyMetrics.generation()``): forwards that
   are not training forwards count into per-layer rollout accumulators instead, real tokens
-  only, never into the training counts.
+  only, never into the training counts; given the end-of-sequence ids, no position after a
+  sequence's end either (``moe.generation_mask``: ``generate`` feeds padding there with mask 1).
 - ``counting`` scopes it to a step: ``PolicyMetrics`` sets it on entering ``step()`` and clears
   it on leaving, so a training forward outside ``step()`` is not counted into any step. A
   collector used on its own counts whenever the rules above hold (``counting`` stays True).
@@ -42,6 +43,7 @@ import torch
 from torch import nn
 
 from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors, HostStaging
+from nemo_moe_metrics.moe.generation_mask import EndOfSequence
 from nemo_moe_metrics.moe.health_tracker import RouterHealthTracker
 from nemo_moe_metrics.moe.layer_counts import (
     KeptPicks,
@@ -49,6 +51,7 @@ from nemo_moe_metrics.moe.layer_counts import (
     LayerBuffers,
     forward_counts,
 )
+from nemo_moe_metrics.moe.overload import OverloadTracker
 from nemo_moe_metrics.moe.reduction import ExpertLoadReducer
 from nemo_moe_metrics.moe.router_spec import (
     RouterSpec,
@@ -81,24 +84,31 @@ def _forward_params(chunk: nn.Module) -> list[str]:
     return _FORWARD_PARAMS[cls]
 
 
+def _forward_inputs(
+    chunk: nn.Module, args: tuple, kwargs: dict
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(input_ids, inputs_embeds, 2-D attention_mask)`` of one forward of ``chunk``."""
+    named = dict(zip(_forward_params(chunk), args, strict=False))
+
+    def get(name: str) -> torch.Tensor | None:
+        value = kwargs.get(name, named.get(name))
+        return value if isinstance(value, torch.Tensor) else None
+
+    mask = get("attention_mask")
+    return (
+        get("input_ids"),
+        get("inputs_embeds"),
+        mask if mask is not None and mask.dim() == 2 else None,
+    )
+
+
 def real_token_mask(chunk: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor | None:
     """``[batch * width]`` bool, True = real token, of one forward of ``chunk``; None when its
     forward has no 2-D ``attention_mask`` (every position real). A view, no host read."""
-    named = dict(zip(_forward_params(chunk), args, strict=False))
-    mask = kwargs.get("attention_mask", named.get("attention_mask"))
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+    ids, embeds, mask = _forward_inputs(chunk, args, kwargs)
+    if mask is None:
         return None
-    tokens = next(
-        (
-            t
-            for t in (
-                kwargs.get("input_ids", named.get("input_ids")),
-                kwargs.get("inputs_embeds", named.get("inputs_embeds")),
-            )
-            if isinstance(t, torch.Tensor)
-        ),
-        None,
-    )
+    tokens = ids if ids is not None else embeds
     width = int(tokens.shape[1]) if tokens is not None and tokens.dim() >= 2 else mask.shape[1]
     return mask[:, mask.shape[1] - width :].reshape(-1).bool()
 
@@ -124,6 +134,11 @@ class ExpertLoadCollector:
         #: True: forwards that are not training forwards count as the rollout's (generation)
         self.rollout_counting = False
         self.rollout_seen = False  # a rollout forward was counted since the last reset
+        #: Set for one generate call (PolicyMetrics.generation(eos_token_ids=...)): its
+        #: forwards count no position after a sequence's end (moe.generation_mask)
+        self.end_of_sequence: EndOfSequence | None = None
+        #: Follows each counted forward's tokens per EP rank (enable_overload): moe.overload
+        self.overload: OverloadTracker | None = None
         self._entered: list[bool] = []
         self._masks: list[torch.Tensor | None] = []  # real-token mask per open chunk forward
         self._handles: list[Any] = []
@@ -244,13 +259,29 @@ class ExpertLoadCollector:
         self._entered.append(training)
         if training:
             self._active_depth += 1
-        self._masks.append(real_token_mask(chunk, args, kwargs) if self._reads_mask else None)
+        if not self._reads_mask:
+            self._masks.append(None)
+        elif self.end_of_sequence is not None and self.rollout_counting and not training:
+            ids, _, mask = _forward_inputs(chunk, args, kwargs)
+            self._masks.append(self.end_of_sequence.real(ids, mask))
+        else:
+            self._masks.append(real_token_mask(chunk, args, kwargs))
 
     def _leave(self, chunk: nn.Module, args: tuple, output: Any) -> None:
         if self._entered and self._entered.pop():
             self._active_depth -= 1
         if self._masks:
             self._masks.pop()
+
+    def _overload_forward(self, acc: LayerAccumulator, output: Any) -> int | None:
+        if self.overload is None:
+            return None
+        return self.overload.forward(acc.layer_id, output)
+
+    def enable_overload(self, ep_size: int) -> OverloadTracker:
+        """Follow every counted forward's executed tokens per EP rank (``moe.overload``)."""
+        self.overload = OverloadTracker(ep_size)
+        return self.overload
 
     def _counts_now(self, module: nn.Module) -> bool:
         return self.counting and self._active_depth > 0 and module.training and not in_backward()
@@ -276,13 +307,19 @@ class ExpertLoadCollector:
                             self._move(acc, picks.device)
                         if self.staging.nbytes >= FLUSH_BYTES:  # count the kept ones first
                             self.staging.flush()
-                        self._kept.keep(acc, picks, valid)
+                        tag = self._overload_forward(acc, output)
+                        self._kept.keep(acc, picks, valid, tag)
                     else:
                         counted = spec.counts_fn(module, args, kwargs, output, **extra)
                         counts = per_expert(counted[0])
                         if counts.device != acc.device:  # the model moved after attach
                             self._move(acc, counts.device)
                         acc.add(*counted)
+                        tag = self._overload_forward(acc, output)
+                        if tag is not None:  # dropless: the executed picks are rows x top-k
+                            ran = counted[2] if len(counted) > 2 else None
+                            done = counts if ran is None else per_expert(ran)
+                            self.overload.add([tag], done.unsqueeze(0), [done.sum()])
                     if self.health is not None:
                         logits, bias, valid = (
                             decision if decision is not None else (None, None, None)
@@ -317,9 +354,10 @@ class ExpertLoadCollector:
         return hook
 
     def observe_module(
-        self, module: nn.Module, layer_id: int, observe: Callable[[int, nn.Module, Any], None]
+        self, module: nn.Module, layer_id: int, observe: Callable[..., None]
     ) -> None:
-        """Call ``observe(layer_id, module, output)`` after each counted forward of ``module``.
+        """Call ``observe(layer_id, module, output, valid)`` after each counted forward of
+        ``module`` (``valid``: the model forward's real-token mask, None when every token is).
 
         For a module other than the one counted, such as a Hugging Face router whose logits feed
         the aux loss; same gating as the counts, and ``observe`` must only launch device ops.
@@ -328,7 +366,8 @@ class ExpertLoadCollector:
         def hook(mod: nn.Module, args: tuple, output: Any) -> None:
             if self._counts_now(mod):
                 with torch.no_grad():  # as the counts: no graph (activation checkpointing)
-                    observe(layer_id, mod, output)
+                    valid = self._masks[-1] if self._masks else None
+                    observe(layer_id, mod, output, valid)
 
         self._handles.append(module.register_forward_hook(hook))
 
@@ -459,6 +498,12 @@ class ExpertLoadCollector:
             device = batch.owners[0].device
             buffers = next(b for b in self._buffers if b.state.device == device)
             buffers.add_forwards(batch.owners, routed, executed, tokens)
+            if self.overload is not None and batch.tags:
+                balanced = [
+                    p.shape[0] * a.topk for p, a in zip(batch.picks, batch.owners, strict=True)
+                ]
+                done = executed if executed is not None else routed
+                self.overload.add(batch.tags, done, balanced)
             if self.health is not None:
                 self.health.observe_forwards([acc.layer_id for acc in batch.owners], routed)
 
@@ -501,6 +546,8 @@ class ExpertLoadCollector:
         self.staging.reset()
         for buffers in self._buffers:
             buffers.reset()
+        if self.overload is not None:
+            self.overload.reset()
         if self.routing is not None:
             self.routing.reset()
         if self.health is not None:

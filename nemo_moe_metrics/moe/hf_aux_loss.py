@@ -20,7 +20,13 @@ on the device (no host synchronisation); at the end of the step :func:`enqueue_h
 scales them by ``1 / num_microbatches``, reduces them with the same code as megatron's tracker
 (``aux_loss.reduce_aux_losses``: mean over data parallel) and reports the mean over MoE layers
 under the same keys (``moe/load_balancing_loss``, per layer ``moe/load_balancing_loss_layer_{i}``).
-How this differs from megatron's and from transformers' concatenated loss: docs/en/aux_loss.md.
+
+Beside it, ``moe/load_balancing_loss_real_tokens`` (per layer ``..._real_tokens_layer_{i}``):
+the same function over the real tokens only (``f_e`` and ``P_e`` over the tokens the forward's
+attention mask marks real), i.e. transformers' function given the ``attention_mask``, per layer;
+every other ``moe/`` count leaves padding out the same way. Switch-style losses only (doge's
+product keys get the first key alone). How these differ from megatron's and from transformers'
+concatenated loss (what the model optimises, TRL's ``aux_loss``): docs/en/aux_loss.md.
 """
 
 from __future__ import annotations
@@ -35,17 +41,18 @@ import torch.distributed as dist
 from torch import nn
 
 from nemo_moe_metrics.host_read import Pending, collective_device
-from nemo_moe_metrics.metric_names import AUX_LOSS_TRACKER_NAMES
+from nemo_moe_metrics.metric_names import AUX_LOSS_TRACKER_NAMES, REAL_TOKENS_LOSS
 from nemo_moe_metrics.moe.aux_loss import (
     check_num_microbatches,
     reduce_aux_losses,
     summarize_aux_losses,
 )
 from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors, HostStaging, softmax
-from nemo_moe_metrics.moe.router_spec import logits_of
+from nemo_moe_metrics.moe.router_spec import logits_of, rows_of
 
-#: The one loss a Hugging Face MoE model defines, under megatron's tracker name.
-HF_AUX_LOSS_NAMES: tuple[str, ...] = (AUX_LOSS_TRACKER_NAMES["aux_loss"],)
+#: The one loss a Hugging Face MoE model defines, under megatron's tracker name, and the same
+#: loss over the real tokens (switch-style losses).
+HF_AUX_LOSS_NAMES: tuple[str, ...] = (AUX_LOSS_TRACKER_NAMES["aux_loss"], REAL_TOKENS_LOSS)
 
 
 def layer_load_balancing_loss(router_logits: torch.Tensor, num_experts: int, top_k: int):
@@ -65,25 +72,32 @@ def forwards_load_balancing_loss(
     num_experts: int,
     top_k: int,
     selected: torch.Tensor | None = None,
+    real: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`layer_load_balancing_loss` of ``forwards`` forwards at once, ``[forwards]``.
 
     ``router_logits`` ``[T, E]``: the forwards' tokens concatenated; ``forward_of`` ``[T]``:
     each token's forward. Each loss is over its own forward's tokens, as the per-layer
     function computes it; one pass for all. ``selected`` ``[T, top_k]``: the top-k of
-    ``softmax(router_logits)`` where the routers returned it (None: taken here).
+    ``softmax(router_logits)`` where the routers returned it (None: taken here). ``real``
+    ``[T]`` bool: only these tokens (transformers' function with the attention mask); a
+    forward without one counts 0.
     """
     logits = router_logits.detach()
     weights = softmax(logits)
     if selected is None:
         _, selected = torch.topk(weights, top_k, dim=-1)
+    token = torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
+    if real is not None:
+        token = real.to(torch.float32)
     slot = (forward_of.unsqueeze(1) * num_experts + selected).reshape(-1)
     picks = torch.zeros(forwards * num_experts, dtype=torch.float32, device=logits.device)
-    picks.index_add_(0, slot, torch.ones(slot.shape, dtype=torch.float32, device=slot.device))
+    picks.index_add_(0, slot, token.repeat_interleave(selected.shape[-1]))
     picks = picks.reshape(forwards, num_experts)
     prob_sum = torch.zeros(forwards, num_experts, dtype=torch.float32, device=logits.device)
-    prob_sum.index_add_(0, forward_of, weights.float())
+    prob_sum.index_add_(0, forward_of, weights.float() * token.unsqueeze(-1))
     tokens = picks.sum(dim=1, keepdim=True) / top_k  # each token picks top_k experts: exact
+    tokens = tokens.clamp(min=1.0)  # a forward of padding alone: 0, not 0/0
     return (picks / tokens * (prob_sum / tokens)).sum(dim=-1) * num_experts
 
 
@@ -145,10 +159,12 @@ class HFAuxLossAccumulator:
         ``ids_at``: where the output holds the top-k of ``softmax(logits)`` (the router's own
         expert ids, ``adapters.hf_health.softmax_topk_ids_at``), or None."""
 
-        def observe(layer_id: int, module: nn.Module, output: Any) -> None:
+        def observe(
+            layer_id: int, module: nn.Module, output: Any, valid: torch.Tensor | None = None
+        ) -> None:
             routed = ids_at is not None and isinstance(output, tuple) and len(output) > ids_at
             ids = output[ids_at] if routed else None
-            self.add(layer_id, logits_of(output, logits_at), num_experts, top_k, ids)
+            self.add(layer_id, logits_of(output, logits_at), num_experts, top_k, ids, valid)
 
         return observe
 
@@ -159,11 +175,13 @@ class HFAuxLossAccumulator:
         num_experts: int,
         top_k: int,
         ids: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
     ) -> None:
         """Keep one forward's router logits of ``layer_id`` for its loss (a copy into host
         staging memory on a CPU, a detach on an accelerator); ``ids``: the router's own top-k
         of their softmax, used where they are float32 ``[T, E]`` logits' ``[T, top_k]`` int64
-        ids (in a lower precision, transformers' function ranks the rounded softmax)."""
+        ids (in a lower precision, transformers' function ranks the rounded softmax);
+        ``valid``: the forward's real tokens (``[T]`` bool; None: every token real)."""
         if logits.numel() == 0:  # metadata, not a value: an empty microbatch adds nothing
             return
         if self._staging.nbytes >= FLUSH_BYTES:  # compute what is kept before keeping more
@@ -179,11 +197,18 @@ class HFAuxLossAccumulator:
             ids = None
         shape = logits.shape[1:] if self.kind == "switch" else logits.shape  # tokens may vary
         key = (tuple(shape), logits.dtype, logits.device, num_experts, top_k, ids is not None)
-        layers, kept, kept_ids = self._kept.setdefault(key, ([], [], []))
+        layers, kept, kept_ids, kept_real = self._kept.setdefault(key, ([], [], [], []))
         layers.append(layer_id)
         kept.append(self._staging.keep(logits))
         if ids is not None:
             kept_ids.append(self._staging.keep(ids))
+        if self.kind == "switch":
+            real = rows_of(valid, logits.shape[0])
+            kept_real.append(
+                self._staging.keep(real)
+                if real is not None
+                else self._constants.ones((logits.shape[0],), torch.bool, logits.device)
+            )
 
     def flush(self) -> None:
         """Add every kept forward's loss to ``values``: one pass for all (device ops only);
@@ -192,20 +217,22 @@ class HFAuxLossAccumulator:
 
     def _add_kept_losses(self) -> None:
         kept, self._kept = self._kept, {}
-        for (_, _, device, num_experts, top_k, _), (layers, logits, ids) in kept.items():
+        for (_, _, device, num_experts, top_k, _), (layers, logits, ids, real) in kept.items():
             if self.values.device != device:  # first forward, or the model moved
                 self.values = self.values.to(device)
+            index = self._constants.index(layers, device)
             if self.kind == "switch":
                 forward_of = self._constants.segments([z.shape[0] for z in logits], device)
                 selected = torch.cat(ids) if ids else None
-                losses = forwards_load_balancing_loss(
-                    torch.cat(logits), forward_of, len(logits), num_experts, top_k, selected
-                )
+                every = torch.cat(logits)
+                args = (every, forward_of, len(logits), num_experts, top_k, selected)
+                losses = forwards_load_balancing_loss(*args)
+                real_losses = forwards_load_balancing_loss(*args, real=torch.cat(real))
+                self.values[1].index_add_(0, index, real_losses.to(self.values.dtype))
             else:
                 losses = torch.stack(
                     [doge_layer_load_balancing_loss(z, num_experts, top_k) for z in logits]
                 )
-            index = self._constants.index(layers, device)
             self.values[0].index_add_(0, index, losses.to(self.values.dtype))
 
     def reset(self) -> None:
@@ -263,8 +290,10 @@ def enqueue_hf_aux_loss_metrics(
         values = values.to(collective_device(data_group, values.device))
         reduce_aux_losses(values, HF_AUX_LOSS_NAMES, pg_collection=_hf_groups(data_group))
 
+    names = HF_AUX_LOSS_NAMES if acc.kind == "switch" else HF_AUX_LOSS_NAMES[:1]
+
     def finish(host: list[np.ndarray]) -> dict[str, float]:
-        by_name = dict(zip(HF_AUX_LOSS_NAMES, host[0].tolist(), strict=True))
+        by_name = dict(zip(names, host[0].tolist()[: len(names)], strict=True))
         return summarize_aux_losses(by_name, moe_layers, per_layer=per_layer)
 
     return Pending((values,), finish)

@@ -95,6 +95,12 @@ def window_loads(
                     "fewer steps (--steps) or check the store's counts"
                 )
     if not totals:
+        if first is None and last is None and phase == "train":
+            raise ValueError(
+                f"{path} holds no {phase} step yet: the run stores its table every "
+                "logger.table_every steps and the last step's when it closes; a run still "
+                "going, or killed before either, has none. Plan again once it has one"
+            )
         span = f"steps {first if first is not None else '…'}–{last if last is not None else '…'}"
         raise ValueError(f"no stored {phase} step in {span} of {path}; widen --steps")
     sizes = sorted(set(widths.values()))

@@ -57,6 +57,9 @@ def _ep_size(experts: int) -> int:
     return max(g for g in range(1, REPORT_EP_SIZE + 1) if experts % g == 0)
 
 
+#: Up to this many layers, the sweep picture names each layer's line in its legend.
+MAX_NAMED_LAYERS = 8
+
 #: One panel: title, sweep rows, layer ids, today's (contiguous) mean balancedness.
 Panel = tuple[str, list[SweepRow], np.ndarray, float]
 
@@ -74,14 +77,20 @@ def _draw_sweeps(path: Path, panels: list[Panel]) -> str:
     if missing:
         return f"{path.name} skipped: " + missing_extra_message(missing[0], "report", "drawing it")
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(6 * len(panels), 4), layout="constrained")
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for ax, (title, rows, layer_ids, today) in zip(axes, panels, strict=True):
         rs = [r.redundant_experts for r in rows]
         table = np.stack([r.balancedness for r in rows])  # [R values, layers]
+        few = table.shape[1] <= MAX_NAMED_LAYERS  # each line named; else one entry for all
         for j in range(table.shape[1]):
-            ax.plot(rs, table[:, j], lw=0.8, alpha=0.5)
+            label = f"layer {int(layer_ids[j])}" if few else None
+            if not few and j == 0:
+                label = f"one line per MoE layer ({table.shape[1]})"
+            ax.plot(rs, table[:, j], lw=0.8, alpha=0.5, label=label)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # R counts experts: no halves
         ax.plot(rs, table.mean(axis=1), color="black", lw=2.2, label="EPLB, mean over layers")
         ax.axhline(today, color="grey", ls="--", lw=1.2, label="today (contiguous), mean")
         ax.set_xlabel("redundant experts R")
@@ -89,7 +98,7 @@ def _draw_sweeps(path: Path, panels: list[Panel]) -> str:
         ax.set_ylim(0, 1.02)
         ax.set_title(f"{title} ({len(layer_ids)} layers)", fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="lower right", fontsize=7, ncol=2 if few and table.shape[1] > 4 else 1)
     save_figure(fig, path)
     return f"wrote {path}"
 

@@ -22,6 +22,7 @@ from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.limits import MAX_STEP
 from nemo_moe_metrics.run_dir.names import METRICS_FILE as METRICS_FILE
 from nemo_moe_metrics.run_dir.names import RUN_FILE as RUN_FILE
+from nemo_moe_metrics.run_dir.run_json import TABLES_LOGGED
 from nemo_moe_metrics.sinks.alerts import recorded_alerts
 
 _LAYER_MOI = re.compile(r"^moe/layer_(\d+)/max_over_ideal$")
@@ -300,6 +301,8 @@ class RunInfo:
     recipe: bool = True
     #: the recipe's ``logger.table_every`` (None when run.json does not say)
     table_every: int | None = None
+    #: run.json says the run logged expert-load tables (``expert_tables``)
+    tables_logged: bool = False
 
     def hint(self, key: str) -> str:
         """How to turn on what ``key`` names, in the terms of whoever wrote the run."""
@@ -311,6 +314,25 @@ class RunInfo:
         count, and layers that differ read ``× 4–8 experts``."""
         topk = f", top-{self.topk}" if self.topk else ""
         return f"{self.name}: {n_layers} MoE layers × {experts_text(n_experts)} experts{topk}"
+
+
+def no_counts_text(run: RunInfo, stored: bool, span: str, skipped: str) -> str:
+    """Why a run has no expert counts, as it happened: tables were logged but the store
+    (``stored``: its file exists) holds no step yet (the cadence was not reached and the run
+    did not close), or no table at all (the flags were off). ``span``: the logged steps;
+    ``skipped``: what was skipped."""
+    if stored and run.tables_logged:
+        every = f"every {run.table_every} steps" if run.table_every else "on its cadence"
+        return (
+            f"no stored expert-load step yet: the store keeps the table {every} "
+            f"({run.hint('table_every')}) and the last step's when the run closes; this run "
+            f"logged {span} and did not close (still running, or killed): {skipped}. Report "
+            "it again once it ends, or store the table more often"
+        )
+    return (
+        "no expert-load counts in the run (no expert_loads.bin, no moe/expert_loads rows): "
+        f"{skipped}; log them with " + run.hint("table")
+    )
 
 
 def experts_text(n_experts: int | Sequence[int] | np.ndarray) -> str:
@@ -349,6 +371,7 @@ def run_info(run_dir: Path) -> RunInfo:
         # A recipe's config is the whole Recipe dump; the API passes what it likes (or nothing).
         recipe=not meta or "algorithm" in (meta.get("config") or {}),
         table_every=_table_every(meta),
+        tables_logged=meta.get(TABLES_LOGGED) is True,
     )
 
 

@@ -38,13 +38,16 @@ _SUMMARIES = (
 
 def reference_line(run: RunInfo) -> str:
     """What healthy looks like, beside the run's figures (docs/en/router_health.md, ranges)."""
-    uniform = f"{run.topk / run.num_experts:.3g}" if run.topk and run.num_experts else "top_k/E"
+    known = run.topk and run.num_experts
+    uniform = f"{run.topk / run.num_experts:.3g}" if known else "top_k/E"
+    shape = f" for this run's {run.num_experts} experts, top-{run.topk}" if known else ""
+    # The level for the run's own E and k: the random-routing level scales with k/E, so a
+    # figure measured on another shape (the tiny recipes' 8 experts) would mislead here.
     return (
-        f"reference: routing at random gives confidence {uniform} and entropy 1; the tiny "
-        "recipes' near-uniform routers (8 experts, top-2) log confidence 0.26-0.30, near ties "
-        "12-47% (worst layer up to 59%), |logit| max 0.4-0.7; a router that learned to choose "
-        f"shows confidence well above {uniform} and near ties falling, and a |logit| max that "
-        "grows by orders of magnitude precedes divergence"
+        f"reference: routing at random gives confidence {uniform} and entropy 1{shape}; a "
+        f"router that has not learned to choose stays near {uniform} with many near ties, one "
+        f"that has shows confidence well above {uniform} and near ties falling; a |logit| max "
+        "that grows by orders of magnitude precedes divergence"
     )
 
 

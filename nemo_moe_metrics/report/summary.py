@@ -39,6 +39,7 @@ from nemo_moe_metrics.report.reading import (
     experts_text,
     last_values,
     layer_key_series,
+    no_counts_text,
     run_info,
     scan_jsonl,
     window_text,
@@ -214,12 +215,9 @@ def render_report(
             f"and {MAX_OVER_IDEAL_FILE} skipped; widen --steps"
         )
     else:
-        out.append(
-            unreadable
-            or "no expert-load counts in the run (no expert_loads.bin, no moe/expert_loads rows): "
-            f"{HEATMAP_FILE}, {OVER_STEPS_FILE} and {DRIFT_FILE} skipped; log them with "
-            + run.hint("table")
-        )
+        skipped_pictures = f"{HEATMAP_FILE}, {OVER_STEPS_FILE} and {DRIFT_FILE} skipped"
+        stored = store_path(run_dir).is_file()
+        out.append(unreadable or no_counts_text(run, stored, span, skipped_pictures))
         dead_last = last_values(path, lines_, [mn.DEAD_EXPERTS]).get(mn.DEAD_EXPERTS)
         if dead_last is not None:
             out.append(f"dead experts (last step, {mn.DEAD_EXPERTS}): {dead_last:g}")

@@ -260,6 +260,13 @@ class RunDirLock:
     def _open(self, create: bool = True) -> None:
         if create:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        shared = self._shared_descriptor()
+        if shared is not None:  # this process has it open: never open (and close) another
+            key, fd = shared
+            if _HELD.get(key) and create:
+                self._refuse_second_holder(fd)
+            self._fd, self._key = fd, key
+            return
         # O_NOFOLLOW: the lock is rewritten, so a link in its place would rewrite its target.
         flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
         try:
@@ -278,17 +285,36 @@ class RunDirLock:
             )
         key = (st.st_dev, st.st_ino)
         with _OPEN_GUARD:
-            if key in _OPEN:  # this process has it open: reuse that descriptor (see _OPEN)
+            if key in _OPEN:  # another thread opened it since the check: reuse its descriptor
                 os.close(fd)
                 if _HELD.get(key) and create:
-                    raise RunDirBusyError(
-                        f"{self.run_dir} is already held by this process ({this_command()})"
-                    )
+                    self._refuse_second_holder(_OPEN[key])
                 fd = _OPEN[key]
             else:
                 _OPEN[key] = fd
                 _HELD[key] = set()
         self._fd, self._key = fd, key
+
+    def _shared_descriptor(self) -> tuple[tuple[int, int], int] | None:
+        """``(key, descriptor)`` when this process already has the lock file open. Found by the
+        file's identity before opening it: closing a second descriptor of the file would drop
+        every POSIX lock this process holds on it (the holder's too)."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except OSError:
+            return None
+        key = (st.st_dev, st.st_ino)
+        with _OPEN_GUARD:
+            fd = _OPEN.get(key)
+        return (key, fd) if fd is not None else None
+
+    def _refuse_second_holder(self, fd: int) -> None:
+        holder = parse_holder(os.pread(fd, 1 << 16, 0))
+        who = holder.describe() if holder is not None else this_command()
+        raise RunDirBusyError(
+            f"{self.run_dir} is already held by this process, by another writer: {who}. One "
+            "writer per run directory: let it finish, or choose another run directory"
+        )
 
     def _close(self) -> None:
         self._stop.set()
@@ -449,6 +475,9 @@ def parse_holder(raw: bytes) -> Holder | None:
 def read_earlier_lock(run_dir: Path) -> Holder | None:
     """The holder ``run_dir``'s lock file names, read without taking it (nor following a
     link); None when there is no lock file of a run there."""
+    shared = RunDirLock(run_dir)._shared_descriptor()
+    if shared is not None:  # held here: read through that descriptor (closing one drops locks)
+        return parse_holder(os.pread(shared[1], 1 << 16, 0))
     try:
         fd = os.open(lock_path(run_dir), os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:

@@ -15,6 +15,11 @@ store record is missing at the end (a run from before that order, or a record lo
 from the JSONL and logged again; a torn last line is cut. Each of these is said in a note.
 A run whose ``metrics.jsonl`` is gone or empty while other records hold steps is refused
 (:class:`ResumeError`): the step to continue from is unknown.
+
+A training loop that restored a checkpoint older than the last logged step passes that step
+(``resume_after``, e.g. a Trainer's restored ``global_step``): the records of later steps are
+cut too, so the steps trained again are logged once and the totals continue from the
+checkpoint's step (TensorBoard hides the later events through the resumed run's next step).
 """
 
 from __future__ import annotations
@@ -106,12 +111,17 @@ class ResumeError(ValueError):
     """The run directory cannot be continued as it is; the message says why and what to do."""
 
 
-def prepare_resume(run_dir: Path, *, table_every: int = 1) -> tuple[ResumeState, list[str]]:
+def prepare_resume(
+    run_dir: Path, *, table_every: int = 1, resume_after: int | None = None
+) -> tuple[ResumeState, list[str]]:
     """Make ``run_dir``'s ``metrics.jsonl`` and expert-load store agree, then read the state
     to continue from; returns it and notes saying what was cut and why (see the module doc).
 
     ``table_every`` is the run's ``logger.table_every``: a JSONL step on that cadence after the
-    store's last record has lost its counts. Raises :class:`ResumeError` when the directory
+    store's last record has lost its counts. ``resume_after``: the step the training itself
+    continues after (a checkpoint's step, e.g. a Trainer's ``global_step`` restored by
+    ``resume_from_checkpoint``); records of later steps are cut, so the steps trained again are
+    each logged once and the totals continue from that step's. Raises :class:`ResumeError` when the directory
     cannot be continued (no step in ``metrics.jsonl`` while the store or TensorBoard hold
     some, or an ``expert_loads.bin`` that is not a store).
     """
@@ -146,18 +156,27 @@ def prepare_resume(run_dir: Path, *, table_every: int = 1) -> tuple[ResumeState,
         if first_missing <= last:
             resume_at = first_missing
     if resume_at <= last:
-        cut_after(jsonl, _end_of_last_line_below(jsonl, resume_at))
         notes.append(
             f"{jsonl}: step(s) {resume_at}–{last} have no record in {store.name} (the run "
             f"ended between writing the two): cut, and logged again from step {resume_at}"
         )
+    if resume_after is not None and resume_after + 1 < resume_at:
+        resume_at = max(0, resume_after + 1)
+        if resume_at <= last:
+            notes.append(
+                f"{jsonl}: training continues after step {resume_after} (its checkpoint): the "
+                f"records of steps {resume_at}–{last} are cut and those steps logged again"
+            )
+    if resume_at <= last:
+        cut_after(jsonl, _end_of_last_line_below(jsonl, resume_at))
     _refuse_lost_totals(jsonl)  # before anything in the store is cut
     if stored:
         cut = cut_store_from(store, resume_at)
         if cut:
             notes.append(
                 f"{store}: step(s) {_span(cut)} stored after the last complete step of "
-                f"{jsonl.name} (the run ended between writing the two): cut, and logged again"
+                f"{jsonl.name} (the run ended between writing the two, or training continues "
+                "from an earlier checkpoint): cut, and logged again"
             )
     return read_resume_state(run_dir), notes
 

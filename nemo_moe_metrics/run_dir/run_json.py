@@ -4,7 +4,8 @@ Every writer of a run directory makes it through :func:`run_metadata`, so the sh
 and ``placement`` read sits at the top level whatever wrote the run (the main job, the Trainer
 callback, Megatron-Bridge, torchtitan, a Ray driver): ``num_layers``, ``num_experts``,
 ``moe_router_topk`` and ``ep_size``, each None when unknown. ``config`` keeps what the writer
-passed (a recipe's whole dump, or an integration's own settings).
+passed (a recipe's whole dump, or an integration's own settings); ``expert_tables`` is set
+once the run logged its first expert-load table.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from nemo_moe_metrics.run_dir.names import RUN_FILE
 
 #: The model shape at the top level of every ``run.json``.
 SHAPE_KEYS = ("num_layers", "num_experts", "moe_router_topk", "ep_size")
+#: True once the run logged an expert-load table (set by the run's session at its first one):
+#: a run whose store holds no step yet is one killed before its cadence, not one without tables.
+TABLES_LOGGED = "expert_tables"
 
 
 def now() -> str:
@@ -69,4 +73,4 @@ def write_run_json(run_dir: Path, meta: dict[str, Any]) -> None:
     write_text_durably(Path(run_dir) / RUN_FILE, json.dumps(meta, indent=2, default=str))
 
 
-__all__ = ["SHAPE_KEYS", "now", "read_run_json", "run_metadata", "write_run_json"]
+__all__ = ["SHAPE_KEYS", "TABLES_LOGGED", "now", "read_run_json", "run_metadata", "write_run_json"]

@@ -16,25 +16,43 @@ torchtitan example and ``build_sinks`` all call. In one place it:
 5. builds the sinks the logger config turns on (:func:`~nemo_moe_metrics.sinks.fanout.make_sinks`).
 
 The :class:`RunSession` it returns is the fan-out sink itself (``log(metrics, step)``,
-``close()``); closing it gives the lock back when :func:`open_run` took it.
+``close()``); closing it stores the last logged step's expert-load table when the
+``table_every`` cadence left it out (a run shorter than the cadence still has one table for
+``report`` and ``placement``), then gives the lock back when :func:`open_run` took it.
 """
 
 from __future__ import annotations
 
 import secrets
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from nemo_moe_metrics.adapters.family import ModelFacts
 from nemo_moe_metrics.config import LoggerConfig
-from nemo_moe_metrics.run_dir.lock import RunDirLock
+from nemo_moe_metrics.metric_names import EXPERT_LOADS
+from nemo_moe_metrics.run_dir.lock import RunDirBusyError, RunDirLock
 from nemo_moe_metrics.run_dir.names import linked_run_files, links_refusal
 from nemo_moe_metrics.run_dir.record import RunExistsError, clear_run, refuse_logged_run
 from nemo_moe_metrics.run_dir.resume import ResumeState, prepare_resume, recover_run_id
-from nemo_moe_metrics.run_dir.run_json import now, read_run_json, run_metadata, write_run_json
-from nemo_moe_metrics.sinks.base import MultiSink, NullSink, Sink, StepMonitor
+from nemo_moe_metrics.run_dir.run_json import (
+    TABLES_LOGGED,
+    now,
+    read_run_json,
+    run_metadata,
+    write_run_json,
+)
+from nemo_moe_metrics.sinks.base import (
+    Metrics,
+    MultiSink,
+    NullSink,
+    Sink,
+    StepMonitor,
+    validate_metrics,
+)
 from nemo_moe_metrics.sinks.fanout import make_sinks
+from nemo_moe_metrics.sinks.store import ExpertLoadSink
 
 
 def api_ways(call: str) -> str:
@@ -51,8 +69,8 @@ class RunSession(MultiSink):
     """An open run directory: the fan-out of its sinks, plus where the run continues from.
 
     Attributes: ``run_dir``; ``resume_state`` (None for a new run); ``meta`` (what
-    ``run.json`` holds). ``close()`` closes every sink, then gives the lock back when
-    :func:`open_run` took it.
+    ``run.json`` holds). ``close()`` stores the last step's table if the cadence left it out,
+    closes every sink, then gives the lock back when :func:`open_run` took it.
     """
 
     def __init__(
@@ -70,6 +88,27 @@ class RunSession(MultiSink):
         self.resume_state = resume_state
         self.meta = meta
         self._lock = lock
+        # The last logged step's table while the store has not taken it (off its cadence):
+        # a reference, kept until close() stores it or a step on the cadence replaces it.
+        self._unstored: tuple[Any, int] | None = None
+
+    def log(self, metrics: Metrics, step: int) -> None:
+        """Log one step to every sink (see :class:`MultiSink`)."""
+        super().log(metrics, step)
+        table = metrics.get(EXPERT_LOADS) if isinstance(metrics, Mapping) else None
+        if table is not None and not self.meta.get(TABLES_LOGGED):
+            # Once: run.json says the run makes tables, so a report of a run that stored none
+            # yet (killed before its cadence) says what happened, not which flag to turn on.
+            self.meta[TABLES_LOGGED] = True
+            write_run_json(self.run_dir, self.meta)
+        store = self._store()
+        if table is None or store is None or store.wants_tables(int(step)):
+            self._unstored = None
+        else:
+            self._unstored = (table, int(step))
+
+    def _store(self) -> ExpertLoadSink | None:
+        return next((s for s in self.sinks if isinstance(s, ExpertLoadSink)), None)
 
     @property
     def next_step(self) -> int:
@@ -77,8 +116,23 @@ class RunSession(MultiSink):
         return self.resume_state.next_step if self.resume_state is not None else 0
 
     def close(self) -> None:
-        """Flush and close every sink, then release the lock this session took."""
+        """Store the last step's table if the cadence left it out (the end of training, a
+        clean stop, or an error after the last complete step), flush and close every sink,
+        then release the lock this session took."""
         try:
+            if not self._closed and self._unstored is not None:
+                table, step = self._unstored
+                self._unstored = None
+                try:  # dropped before validation when logged (no sink wanted it): checked now
+                    table = validate_metrics({EXPERT_LOADS: table}, step)[EXPERT_LOADS]
+                except (TypeError, ValueError) as err:
+                    warnings.warn(
+                        f"the last step's ({step}) expert-load table is not stored: {err}",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                else:
+                    self._guarded(self._store(), "log_table", table, step)
             super().close()
         finally:
             if self._lock is not None:
@@ -98,6 +152,7 @@ def open_run(
     resume_state: ResumeState | None = None,
     ways: str | None = None,
     extra: dict[str, Any] | None = None,
+    resume_after: int | None = None,
 ) -> RunSession:
     """Open ``run_dir`` for the one process that writes it (see the module docstring).
 
@@ -114,6 +169,10 @@ def open_run(
         ways: what a refusal tells the user to do, in the caller's terms (default: the
             Python API's, :func:`api_ways`).
         extra: more top-level ``run.json`` fields (e.g. the node of each rank).
+        resume_after: with ``logger.resume``, the step the training continues after (the
+            step of the checkpoint it restored): the records of later steps are cut, so each
+            step is logged once and the running totals continue from that step's
+            (:func:`~nemo_moe_metrics.run_dir.resume.prepare_resume`).
     """
     run_dir = Path(run_dir)
     resume = logger.resume
@@ -121,6 +180,8 @@ def open_run(
         raise ValueError(
             "open_run: LoggerConfig(resume=True) and overwrite=True exclude each other"
         )
+    if lock is None:
+        _refuse_a_live_writer(run_dir)  # first: a busy directory is refused naming its owner
     refuse_logged_run(run_dir, resume=resume or overwrite, ways=ways or api_ways("open_run"))
     links = linked_run_files(run_dir)
     if links:  # checked before anything is written or deleted: nothing goes through a link
@@ -137,7 +198,9 @@ def open_run(
             clear_run(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         if resume and resume_state is None:
-            resume_state, notes = prepare_resume(run_dir, table_every=logger.table_every)
+            resume_state, notes = prepare_resume(
+                run_dir, table_every=logger.table_every, resume_after=resume_after
+            )
             for note in notes:
                 warnings.warn(note, RuntimeWarning, stacklevel=2)
         meta = _run_json(run_dir, run_name or run_dir.name, config, facts, resume, resume_state)
@@ -171,6 +234,18 @@ def open_run(
     )
 
 
+def _refuse_a_live_writer(run_dir: Path) -> None:
+    """:class:`RunDirBusyError` naming the holder when a live writer (this process or another)
+    holds ``run_dir``; nothing is written either way."""
+    holder = RunDirLock.probe(run_dir)
+    if holder is not None:
+        raise RunDirBusyError(
+            f"{run_dir} is in use by another writer: {holder.describe()}. One writer per run "
+            "directory: wait for it to end, or stop it, then continue the run; or choose "
+            "another run directory"
+        )
+
+
 def _run_json(
     run_dir: Path,
     run_name: str,
@@ -191,7 +266,7 @@ def _run_json(
     if resume and previous:
         meta["created"] = previous.get("created", meta["created"])
         meta["resumed"] = [*previous.get("resumed", []), now()]
-        for key in ("mlflow_run_id", "mlflow_tracking_uri"):
+        for key in ("mlflow_run_id", "mlflow_tracking_uri", TABLES_LOGGED):
             if key in previous:
                 meta[key] = previous[key]
     return meta

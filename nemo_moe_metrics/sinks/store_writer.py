@@ -310,6 +310,10 @@ class ExpertLoadSink(SinkBase):
         table = metrics.get(EXPERT_LOADS)
         if table is None or step % self.table_every:
             return
+        self.log_table(table, step)
+
+    def log_table(self, table: Any, step: int) -> None:
+        """Append ``step``'s table whatever the cadence (a run's last step, at its close)."""
         if isinstance(table, ExpertTable):  # the arrays themselves: no rows
             self.store.append(step, table.layer_ids, table.counts, table.widths)
         else:

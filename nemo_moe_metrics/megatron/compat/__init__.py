@@ -48,6 +48,7 @@ from nemo_moe_metrics.megatron.compat.hybrid import (
 from nemo_moe_metrics.megatron.compat.parallel import (
     context_parallel_size,
     data_parallel_group,
+    expert_parallel_group,
     parallel_state,
     pipeline_stage,
     tensor_parallel_replica,
@@ -89,6 +90,7 @@ __all__ = [
     "context_parallel_size",
     "data_parallel_group",
     "drop_tracker_entry",
+    "expert_parallel_group",
     "hybrid_model_class",
     "is_megatron_router",
     "local_hybrid_stack_spec",

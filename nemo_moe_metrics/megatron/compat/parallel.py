@@ -47,9 +47,19 @@ def data_parallel_group() -> Any:
     return ps.get_data_parallel_group(with_context_parallel=False) if ps is not None else None
 
 
+def expert_parallel_group() -> tuple[Any, int]:
+    """``(megatron's expert-parallel group, this rank's place in it)``; ``(None, 0)``
+    without megatron's parallel state."""
+    ps = parallel_state()
+    if ps is None:
+        return None, 0
+    return ps.get_expert_model_parallel_group(), int(ps.get_expert_model_parallel_rank())
+
+
 __all__ = [
     "context_parallel_size",
     "data_parallel_group",
+    "expert_parallel_group",
     "parallel_state",
     "pipeline_stage",
     "tensor_parallel_replica",
