@@ -114,20 +114,22 @@ def _colour_limit(counts: dict[str, Any]) -> float:
 def _specs(data: dict[str, Any]) -> dict[str, Any]:
     specs: dict[str, Any] = {}
     counts = data["counts"]
+    alerts = bool(data["alerts"]["marks"])  # no alert layer without alerts (an empty axis)
     if counts is not None:
         limit = _colour_limit(counts)
-        layers, experts = len(counts["layers"]), counts["experts"]
-        specs["heatmap"] = heatmap_spec(layers, experts, limit)
-        specs["layer_steps"] = layer_steps_spec(experts, limit)
-        cursor = dict(alerts=True, cursor=True)
+        experts = counts["experts"]
+        specs["heatmap"] = heatmap_spec(counts["layers"], experts, limit)
+        steps = (counts["first"][0] - 0.5, counts["last"][-1] + 0.5)
+        specs["layer_steps"] = layer_steps_spec(experts, limit, steps)
+        cursor = dict(alerts=alerts, cursor=True)
         specs["moi"] = lines_spec("training step", "busiest expert / ideal", **cursor)
         specs["cv"] = lines_spec("training step", "coefficient of variation", **cursor)
         specs["dead"] = lines_spec("training step", "experts with 0 tokens", **cursor)
     for chart in data["scalars"]:
-        specs[chart["id"]] = lines_spec("training step", chart["y"])
+        specs[chart["id"]] = lines_spec("training step", chart["y"], alerts=alerts)
     for p in data["placement"]:
-        layers, experts = len(p["layers"]), p["tokens"]["shape"][1]
-        specs[f"{p['phase']}_loads"] = heatmap_spec(layers, experts, 3.0, picker=False, px=460)
+        experts = p["tokens"]["shape"][1]
+        specs[f"{p['phase']}_loads"] = heatmap_spec(p["layers"], experts, 3.0, picker=False, px=460)
         specs[f"{p['phase']}_sweep"] = lines_spec(
             "redundant experts R", "balancedness (mean / max GPU load)", alerts=False
         )

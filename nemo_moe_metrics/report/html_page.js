@@ -6,7 +6,9 @@
   const DATA = JSON.parse(document.getElementById("nmm-data").textContent);
   const SPECS = DATA.specs;
   // Tests and curious users read the charts through these (view.scenegraph(), view.data()).
-  const nmm = { data: DATA, views: {}, firstChartMs: null, done: false, errors: [] };
+  const nmm = { data: DATA, views: {}, firstChartMs: null, done: false, errors: [], timings: {} };
+  const mark = (name) => { nmm.timings[name] = Math.round(performance.now()); };
+  mark("script");
   window.nmm = nmm;
   const EMBED = { mode: "vega-lite", actions: false, renderer: "canvas" };
 
@@ -25,6 +27,7 @@
 
   // --- arrays packed by html_data.packed: base64 of zlib of byte-shuffled little-endian ---
   function bytesOf(b64) {
+    if (Uint8Array.fromBase64) return Uint8Array.fromBase64(b64);
     const bin = atob(b64);
     const out = new Uint8Array(bin.length);
     for (let i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
@@ -35,12 +38,17 @@
     const raw = new Uint8Array(await new Response(stream).arrayBuffer());
     const size = p.dtype === "uint32" ? 4 : 8;
     const n = raw.length / size;
+    if (size === 4) {  // one pass: the four byte planes, low byte first
+      const out = new Uint32Array(n);
+      for (let i = 0; i < n; i++) out[i] = (raw[i] | (raw[n + i] << 8) | (raw[2 * n + i] << 16) | (raw[3 * n + i] << 24)) >>> 0;
+      return out;
+    }
     const bytes = new Uint8Array(raw.length);
     for (let b = 0; b < size; b++) {
       const plane = b * n;
       for (let i = 0; i < n; i++) bytes[i * size + b] = raw[plane + i];
     }
-    return size === 4 ? new Uint32Array(bytes.buffer) : new Float64Array(bytes.buffer);
+    return new Float64Array(bytes.buffer);
   }
 
   // The first render must have its data: a quantitative axis over no data sizes the view to
@@ -167,6 +175,7 @@
       return;
     }
     state = { counts: await unpack(C.counts), streak: await unpack(C.streak), layer: C.picked };
+    mark("unpacked");
     const n = C.first.length;
     const rule = C.width === 1
       ? "one bin per logged step."
@@ -185,7 +194,9 @@
     s.append(controls, heat);
     const [a, b] = [n - 1, n - 1];
     document.getElementById("step-label").textContent = `steps ${binLabel(a, b)}`;
-    const view = await draw("heatmap", heat, { cells: cellsFor(a, b), pick: [{ layer: C.picked }] });
+    const cells = cellsFor(a, b);
+    mark("cells");
+    const view = await draw("heatmap", heat, { cells, pick: [{ layer: C.picked }] });
     nmm.firstChartMs = performance.now();
     view.addEventListener("click", (_, item) => {
       if (item && item.datum && item.datum.layer !== undefined) pickLayer(item.datum.layer);
