@@ -50,7 +50,7 @@ def _load_colour(limit: float) -> dict[str, Any]:
         "field": "lr",
         "type": "quantitative",
         "title": "log2(load / ideal)",
-        "scale": {"scheme": "redblue", "reverse": True, "domain": [-limit, limit]},
+        "scale": {"scheme": "redblue", "reverse": True, "domain": [-limit, limit], "clamp": True},
     }
 
 
