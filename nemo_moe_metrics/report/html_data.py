@@ -100,6 +100,8 @@ LAYER_CHARTS = (
     ("routing_layers", "Routing disagreement per layer", "routing_disagreement"),
     ("near_ties_layers", "Near ties per layer", "router_near_tie_fraction"),
 )
+# ... and, for a run without expert counts, its logged per-layer balance.
+LOGGED_BALANCE = ("moi_layers", "Max/ideal per layer (logged)", "max_over_ideal")
 
 
 def packed(values: np.ndarray) -> dict[str, Any]:
@@ -138,7 +140,8 @@ class CountCube:
         self.widths = widths
         self.bins = StepBins(shape, max_bins=max(2, min(MAX_BINS, CUBE_CELLS // cells)))
         self.streak = np.zeros((self.bins.n, *shape), dtype=np.int64)
-        self.dead = DeadStreaks(1)
+        # Only its running lengths are read: no streak is long enough to be kept as a record.
+        self.dead = DeadStreaks(1 << 62)
         self.steps = 0
 
     def add(self, step: int, layer_ids: list[int], counts: np.ndarray, widths: Any) -> None:
@@ -286,9 +289,11 @@ def _scalar_charts(path: Path, lines: list[Line], width: int) -> list[dict[str, 
     return out
 
 
-def _layer_charts(path: Path, lines: list[Line], width: int) -> list[dict[str, Any]]:
+def _layer_charts(
+    path: Path, lines: list[Line], width: int, charts: Iterable[tuple[str, str, str]]
+) -> list[dict[str, Any]]:
     out = []
-    for chart_id, title, stat in LAYER_CHARTS:
+    for chart_id, title, stat in charts:
         series = layer_stat_series(path, lines, stat)
         if not series:
             continue
@@ -357,6 +362,7 @@ def page_data(
     if not lines:
         raise ReportError(f"{path} holds no step records in the window (the log has {seen})")
     cube = _read_cube(run_dir, steps, lines, skipped)
+    has_counts = cube is not None and cube.steps > 0
     width = bin_width(len(lines), MAX_POINTS)
     step_list = np.array([ln.step for ln in lines], dtype=np.float64)
     data: dict[str, Any] = {
@@ -367,14 +373,15 @@ def page_data(
         "logged": len(lines),
         "scalar_width": width,
         "scalar_steps": _round(binned_means(step_list, width), 12),
-        "scalar_first": [lines[i].step for i in range(0, len(lines), width)],
-        "scalars": _scalar_charts(path, lines, width) + _layer_charts(path, lines, width),
+        "scalars": _scalar_charts(path, lines, width) + _layer_charts(
+            path, lines, width, LAYER_CHARTS if has_counts else (*LAYER_CHARTS, LOGGED_BALANCE)
+        ),
         "alerts": _alerts(path, lines),
         "placement": _placement(run_dir),
         "rollout_store": store_path(run_dir, "rollout").is_file(),
         "counts": None,
     }
-    if cube is not None and cube.steps:
+    if cube is not None and has_counts:
         counts = cube.page()
         n = cube.bins.used
         stats = layer_stats(cube.bins.sums[:n], cube.widths)
