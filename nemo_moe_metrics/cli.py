@@ -86,7 +86,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
                 steps=args.steps,
                 layers=args.layers,
             )
-            summary += f"\nwrote {page} ({size_text(page)}: open it in a browser, no network needed)"
+            summary += (
+                f"\nwrote {page} ({size_text(page)}: open it in a browser, no network needed)"
+            )
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -226,7 +226,9 @@ class Page:
                 details = params["exceptionDetails"]
                 out.append(str(details.get("exception", {}).get("description") or details))
             elif method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
-                out.append(" ".join(str(a.get("value", a.get("description"))) for a in params["args"]))
+                out.append(
+                    " ".join(str(a.get("value", a.get("description"))) for a in params["args"])
+                )
             elif method == "Log.entryAdded" and params["entry"].get("level") == "error":
                 out.append(params["entry"].get("text", ""))
         return out

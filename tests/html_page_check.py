@@ -22,20 +22,22 @@ from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
 # The page's data element and the JavaScript that finds a drawn mark of a view by its datum.
 _DATA = re.compile(r'<script type="application/json" id="nmm-data">(.*?)</script>', re.S)
 FIND_MARK = """
-((id, want) => {
+((id, want, fy, marktype) => {
   const view = nmm.views[id];
+  view.container().scrollIntoView({ block: "center" });  // the mouse reaches the viewport only
   const canvas = view.container().querySelector("canvas").getBoundingClientRect();
-  const [ox, oy] = view.origin();
+  const pad = view.padding();  // drawn at the canvas's corner + padding + origin
+  const [ox, oy] = [view.origin()[0] + pad.left, view.origin()[1] + pad.top];
   const same = (d) => d && Object.entries(want).every(([k, v]) => d[k] === v);
   let hit = null;
   (function walk(mark, x0, y0) {  // a group item offsets the marks inside it
     for (const item of mark.items || []) {
       if (mark.marktype === "group") {
         for (const child of item.items || []) walk(child, x0 + (item.x || 0), y0 + (item.y || 0));
-      } else if (same(item.datum)) {  // the centre of its bounds (rects, rules, points)
-        const b = item.bounds;
+      } else if (same(item.datum) && (!marktype || mark.marktype === marktype)) {
+        const b = item.bounds;  // within its bounds: centred across, fy down
         hit = { x: canvas.left + ox + x0 + (b.x1 + b.x2) / 2,
-                y: canvas.top + oy + y0 + (b.y1 + b.y2) / 2, datum: item.datum };
+                y: canvas.top + oy + y0 + b.y1 + fy * (b.y2 - b.y1), datum: item.datum };
       }
     }
   })(view.scenegraph().root, 0, 0);
@@ -92,18 +94,24 @@ def check_counts(data: dict[str, Any], run_dir: Path) -> dict[int, tuple[list[in
     return stored
 
 
-def hover(page: Any, view: str, want: dict[str, Any]) -> dict[str, str]:
-    """Move the mouse onto the drawn mark of ``view`` whose datum matches ``want``; the
-    tooltip's rows (title -> shown text)."""
-    hit = page.eval(f"{FIND_MARK}('{view}', {json.dumps(want)})")
+def hover(
+    page: Any,
+    view: str,
+    want: dict[str, Any],
+    shows: tuple[str, str] | None = None,
+    marktype: str = "",
+) -> dict[str, str]:
+    """Move the mouse onto the middle of the drawn mark of ``view`` whose datum matches
+    ``want`` (of ``marktype`` when given: ``symbol``, ``rect``); the tooltip's rows (title ->
+    shown text) once it shows ``shows`` (title, text; default: the layer of ``want``)."""
+    hit = page.eval(f"{FIND_MARK}('{view}', {json.dumps(want)}, 0.5, '{marktype}')")
     assert hit, f"no drawn mark of {view} with {want}"
-    page.mouse_move(hit["x"] + 1, hit["y"] + 1)  # a move, then onto the centre: hover events
+    page.mouse_move(hit["x"] + 1, hit["y"] + 1)  # a move, then onto the spot: hover events
     page.mouse_move(hit["x"], hit["y"])
-    title = "layer" if "layer" in want else next(iter(want))
-    expected = str(want[title])
+    title, text = shows or ("layer", str(want["layer"]))
     return page.wait_for(
         f"(() => {{ const t = {TOOLTIP.strip()}; "
-        f"return t && t['{title}'] === {json.dumps(expected)} ? t : null; }})()",
+        f"return t && t[{json.dumps(title)}] === {json.dumps(text)} ? t : null; }})()",
         timeout=10,
     )
 

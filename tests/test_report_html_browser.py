@@ -50,7 +50,9 @@ def _reset(page) -> None:
     value = int(page.eval("document.getElementById('window').value"))
     _set(page, "window", "ArrowDown", 40, value - 1)
     _set(page, "layer", "Home", 36, 1)
-    page.wait_for(f"document.getElementById('step-label').textContent.startsWith('steps {STEPS - 1} ')")
+    page.wait_for(
+        f"document.getElementById('step-label').textContent.startsWith('steps {STEPS - 1} ')"
+    )
 
 
 def test_page_opens_offline_draws_every_section_and_saves_a_screenshot(run_page, page, tmp_path):
@@ -123,8 +125,9 @@ def test_the_layer_picker_shows_that_layers_experts_over_steps(run_page, page):
 def test_alerts_are_marked_at_their_step_with_their_message(page):
     alerts = page.eval("nmm.views.throughput.data('alerts')")
     assert [(a["step"], a["kind"]) for a in alerts] == [(ALERT_STEP, "dead")]
-    tip = hover(page, "throughput", {"step": ALERT_STEP})
-    assert "layer 2 expert 5 dead" in tip["alert"]
+    shows = ("alert at step", str(ALERT_STEP))
+    tip = hover(page, "throughput", {"step": ALERT_STEP}, shows, marktype="symbol")
+    assert tip["alert"] == f"moe alert step {ALERT_STEP}: layer 2 expert 5 dead"
 
 
 def test_the_main_jobs_page_shows_the_stores_counts(main_job_run, browser, tmp_path):

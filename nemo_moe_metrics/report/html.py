@@ -24,7 +24,12 @@ import numpy as np
 from nemo_moe_metrics.durable import write_text_durably
 from nemo_moe_metrics.extras import require
 from nemo_moe_metrics.report.html_data import page_data, unpacked
-from nemo_moe_metrics.report.html_specs import heatmap_spec, layer_steps_spec, lines_spec
+from nemo_moe_metrics.report.html_specs import (
+    compiled,
+    heatmap_spec,
+    layer_steps_spec,
+    lines_spec,
+)
 from nemo_moe_metrics.report.pictures import colour_limit, log_ratio
 from nemo_moe_metrics.report.reading import ReportError, Window
 from nemo_moe_metrics.run_files import REPORT_PAGE_FILE
@@ -85,21 +90,23 @@ def _ours(page: Path) -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def vega_runtime() -> tuple[str, str]:
+def vega_runtime() -> tuple[str, str, str]:
     """The inlined runtime (vega-embed, Vega-Lite and Vega as one script that sets
-    ``window.vegaEmbed``) and a line naming its versions; built once per process (seconds)."""
+    ``window.vegaEmbed``), a line naming its versions and its Vega-Lite version (the specs
+    are compiled with it); built once per process (seconds)."""
     vlc = require("vl_convert", "html", _WHAT)
     from importlib.metadata import version
 
-    bundle = vlc.javascript_bundle()
+    vl_version = vlc.get_vegalite_versions()[-1]
+    bundle = vlc.javascript_bundle(vl_version=vl_version)
     if "</script" in bundle.lower():  # would end the inline <script> early
         bundle = bundle.replace("</script", "<\\/script").replace("</SCRIPT", "<\\/SCRIPT")
     versions = (
-        f"Vega {vlc.get_vega_version()}, Vega-Lite {vlc.get_vegalite_versions()[-1]}, "
+        f"Vega {vlc.get_vega_version()}, Vega-Lite {vl_version}, "
         f"vega-embed {vlc.get_vega_embed_version()} (vl-convert-python "
         f"{version('vl-convert-python')})"
     )
-    return bundle, versions
+    return bundle, versions, vl_version
 
 
 def _colour_limit(counts: dict[str, Any]) -> float:
@@ -111,7 +118,7 @@ def _colour_limit(counts: dict[str, Any]) -> float:
     return colour_limit(last, every)
 
 
-def _specs(data: dict[str, Any]) -> dict[str, Any]:
+def _specs(data: dict[str, Any], vl_version: str) -> dict[str, Any]:
     specs: dict[str, Any] = {}
     counts = data["counts"]
     alerts = bool(data["alerts"]["marks"])  # no alert layer without alerts (an empty axis)
@@ -136,7 +143,7 @@ def _specs(data: dict[str, Any]) -> dict[str, Any]:
         specs[f"{p['phase']}_plan"] = lines_spec(
             "MoE layer", "balancedness (mean / max GPU load)", alerts=False
         )
-    return specs
+    return {name: compiled(spec, vl_version) for name, spec in specs.items()}
 
 
 def _json_for_script(value: Any) -> str:
@@ -152,17 +159,17 @@ def _escape(text: str) -> str:
 def page_html(data: dict[str, Any], summary: str) -> str:
     """The whole page for ``data`` (:func:`~nemo_moe_metrics.report.html_data.page_data`) and
     the report's text ``summary``."""
-    runtime, versions = vega_runtime()
-    payload = {**data, "summary": summary, "specs": _specs(data), "runtime": versions}
+    runtime, versions, vl_version = vega_runtime()
+    payload = {**data, "summary": summary, "specs": _specs(data, vl_version), "runtime": versions}
     script = (_HERE / "html_page.js").read_text(encoding="utf-8")
     style = (_HERE / "html_page.css").read_text(encoding="utf-8")
     title = _escape(f"{data['run']}: MoE report")
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         f'<meta name="generator" content="{GENERATOR}">\n'
         '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
         # No request may leave the file: scripts and styles inline, images as data only.
-        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; "
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
         "script-src 'unsafe-inline' 'unsafe-eval'; style-src 'unsafe-inline'; "
         'img-src data: blob:">\n'
         f"<title>{title}</title>\n<style>{style}</style>\n</head>\n<body>\n"

@@ -160,7 +160,7 @@ class CountCube:
         self.bins.add(step, counts)
         if self.bins.width != width:  # the bins merged pairwise: a bin's streak is its last's
             used = self.bins.used - 1  # the bins before this step's new one
-            self.streak[: used] = self.streak[1 : 2 * used : 2]
+            self.streak[:used] = self.streak[1 : 2 * used : 2]
         self.streak[self.bins.used - 1] = self.dead.update(step, layer_ids, counts, widths)
         self.steps += 1
 
@@ -373,7 +373,8 @@ def page_data(
         "logged": len(lines),
         "scalar_width": width,
         "scalar_steps": _round(binned_means(step_list, width), 12),
-        "scalars": _scalar_charts(path, lines, width) + _layer_charts(
+        "scalars": _scalar_charts(path, lines, width)
+        + _layer_charts(
             path, lines, width, LAYER_CHARTS if has_counts else (*LAYER_CHARTS, LOGGED_BALANCE)
         ),
         "alerts": _alerts(path, lines),

@@ -10,7 +10,8 @@
   const mark = (name) => { nmm.timings[name] = Math.round(performance.now()); };
   mark("script");
   window.nmm = nmm;
-  const EMBED = { mode: "vega-lite", actions: false, renderer: "canvas" };
+  // The specs are Vega already (compiled by html_specs.compiled): nothing to compile here.
+  const EMBED = { mode: "vega", actions: false, renderer: "canvas" };
 
   function el(tag, attrs, ...children) {
     const node = document.createElement(tag);
@@ -54,10 +55,7 @@
   // The first render must have its data: a quantitative axis over no data sizes the view to
   // an infinite extent, which Vega does not shrink back. So the values go into the spec.
   function withValues(spec, data) {
-    const copy = JSON.parse(JSON.stringify(spec));
-    for (const part of copy.layer || [copy]) {
-      if (part.data && part.data.name in data) part.data = { name: part.data.name, values: data[part.data.name] };
-    }
+    const copy = { ...spec, data: spec.data.map((d) => (d.name in data && !d.source ? { ...d, values: data[d.name] } : d)) };
     return copy;
   }
   async function draw(id, container, data) {

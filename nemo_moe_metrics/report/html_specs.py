@@ -1,7 +1,11 @@
-"""The Vega-Lite specs of ``report --html``: each chart names its data sets, which the page
+"""The charts of ``report --html``: Vega-Lite specs whose data sets are named, which the page
 fills (and refills when the step slider or the layer picker moves) through Vega's View API.
-The page compiles them with the inlined Vega-Lite (``mode: vega-lite``), so they carry no
-``$schema``: the runtime's own version reads them.
+
+:func:`compiled` turns one into Vega with the runtime's own Vega-Lite version (the page then
+does no compiling) and makes the marks that only decorate (lines, alert rules, outlines,
+shading; layers named ``decor...``) deaf to the mouse: Vega's canvas hands the pointer to the
+first mark whose area holds it, and a line's area is the polygon it encloses, so over a line
+chart no point, and under an outline no cell, would ever show its tooltip.
 
 Colours follow the report's PNGs: a cell's load over the ideal on a log2 scale centred on 1
 (white balanced, red overloaded, blue underloaded), black for an expert that got no token.
@@ -27,6 +31,9 @@ TOOLTIP_TITLES = {
     "steps": "steps",
 }
 
+
+#: Marks of these types never take the pointer (see the module's docstring).
+DEAF_MARKS = ("line", "rule")
 
 # No ARIA description per mark: Vega-Lite would format one string per cell (24,000 of them at
 # 94 x 256), which doubles the heatmap's drawing time; the tooltips carry the numbers.
@@ -92,6 +99,7 @@ def heatmap_spec(
     if not picker:
         return {**spec, **cells}
     pick = {
+        "name": "decor_pick",
         "data": {"name": "pick"},
         "mark": {"type": "rect", "fill": None, "stroke": "#222", "strokeWidth": 2},
         "encoding": {"y": y},
@@ -118,6 +126,7 @@ def layer_steps_spec(experts: int, limit: float, steps: tuple[float, float]) -> 
         },
     }  # fmt: skip
     window = {
+        "name": "decor_window",
         "data": {"name": "window"},
         "mark": {"type": "rect", "fill": None, "stroke": "#222", "strokeWidth": 2},
         "encoding": {"x": {"field": "x0", "type": "quantitative"}, "x2": {"field": "x1"}},
@@ -157,23 +166,46 @@ def lines_spec(
         layers.insert(
             0,
             {
+                "name": "decor_window",
                 "data": {"name": "window"},
                 "mark": {"type": "rect", "color": "#888", "opacity": 0.18},
                 "encoding": {"x": {"field": "x0", "type": "quantitative"}, "x2": {"field": "x1"}},
             },
         )
-    if alerts:
-        layers.append(
+    if alerts:  # a dashed rule across, and a triangle on top to hover for the message
+        x = {"field": "step", "type": "quantitative"}
+        tip = [{"field": "step", "title": "alert at step"}, {"field": "message", "title": "alert"}]
+        layers += [
             {
                 "data": {"name": "alerts"},
-                "mark": {"type": "rule", "color": "#d62728", "strokeDash": [3, 3], "opacity": 0.7},
-                "encoding": {
-                    "x": {"field": "step", "type": "quantitative"},
-                    "tooltip": [
-                        {"field": "step", "title": "alert at step"},
-                        {"field": "message", "title": "alert"},
-                    ],
-                },
-            }
-        )
+                "mark": {"type": "rule", "color": "#d62728", "strokeDash": [3, 3], "opacity": 0.6},
+                "encoding": {"x": x},
+            },
+            {
+                "data": {"name": "alerts"},
+                "mark": {"type": "point", "shape": "triangle-down", "filled": True, "size": 90,
+                         "color": "#d62728", "yOffset": 6},
+                "encoding": {"x": x, "y": {"value": 0}, "tooltip": tip},
+            },
+        ]  # fmt: skip
     return {"width": LINE_PX[0], "height": LINE_PX[1], "config": _CONFIG, "layer": layers}
+
+
+def compiled(spec: dict[str, Any], vl_version: str) -> dict[str, Any]:
+    """``spec`` compiled to Vega (needs vl-convert-python), its decorating marks made deaf to
+    the pointer."""
+    import vl_convert as vlc
+
+    vega = vlc.vegalite_to_vega(spec, vl_version=vl_version)
+
+    def quiet(marks: list[dict[str, Any]]) -> None:
+        for mark in marks:
+            inner = mark.get("marks", [])
+            quiet(inner)
+            deaf = mark.get("type") in DEAF_MARKS or str(mark.get("name", "")).startswith("decor")
+            # A group of deaf marks (a line's facets) would take the pointer over its area.
+            if deaf or (inner and all(m.get("interactive") is False for m in inner)):
+                mark["interactive"] = False
+
+    quiet(vega.get("marks", []))
+    return vega
