@@ -67,6 +67,11 @@ Measures (JSON keys, targets):
   --ep-size 32 --redundant-experts 32 --sweep --out PLAN.json`` in its own process over the
   report's 10,000-step run with a table every step (every step read; the sweep R = 0, 32, ...,
   256), the plan checked (``benchmarks/placement_bench.py``).
+- ``html_report_mb_10k_94x256`` (<= 8) and ``html_first_chart_s`` (<= 3): ``nemo-moe-metrics
+  report --html`` over the same every-step run: the page's size (MB, 1e6 bytes) and, in
+  headless Chromium (Debian's ``chromium``, network off), the seconds from the start of the
+  page's navigation to its first chart drawn, median over a few loads
+  (``benchmarks/html_bench.py``); absent without Chromium (``details.html`` says so).
 
 Exits 1 if a correctness check of the measured path fails (the numbers would mean nothing);
 missed targets are reported, not fatal. Method and results: docs/en/performance.md.
@@ -104,6 +109,7 @@ from benchmarks.harness import (  # noqa: E402
     spawn_ranks,
     step_rank,
 )
+from benchmarks.html_bench import html_bench  # noqa: E402
 from benchmarks.long_run import report_bench, tiled_report_bench  # noqa: E402
 from benchmarks.placement_bench import placement_bench  # noqa: E402
 from benchmarks.routing_bench import router_health_bench, routing_bench  # noqa: E402
@@ -137,8 +143,12 @@ RESULT_KEYS = (
     "attach_seconds_94_layers",
     "table_step_host_ms_94x256",
     "placement_seconds_10k_94x256",
+    "html_report_mb_10k_94x256",
+    "html_first_chart_s",
     "trl_callback_overhead_ratio",
 )
+#: Keys measured only where a browser runs (Chromium); absent elsewhere, never made up.
+BROWSER_KEYS = ("html_first_chart_s",)
 TARGETS: dict[str, tuple[str, float]] = {
     "step_overhead_ratio": ("<=", 1.01),
     "export_ms_40x256": ("<=", 20.0),
@@ -164,6 +174,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "attach_seconds_94_layers": ("<=", 1.0),
     "table_step_host_ms_94x256": ("<=", 3.0),
     "placement_seconds_10k_94x256": ("<=", 10.0),
+    "html_report_mb_10k_94x256": ("<=", 8.0),
+    "html_first_chart_s": ("<=", 3.0),
     "trl_callback_overhead_ratio": ("<=", 1.02),
 }
 FLOPS_FIXTURES = {"qwen3_moe": "qwen3-30b-a3b", "qwen3_5_moe": "qwen3.5-35b-a3b"}
@@ -185,6 +197,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         health_pairs=40,
         attach_layers=94,
         trl=dict(blocks=24, windows_per_block=1),
+        html_loads=5,
     ),
     "quick": dict(
         bench=BenchConfig(warmup_pairs=1, pairs=40, export_repeats=30),
@@ -199,6 +212,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         health_pairs=40,
         attach_layers=94,
         trl=dict(blocks=16, windows_per_block=1),
+        html_loads=3,
     ),
     # Tiny model and few repeats: exercises every path in seconds; the numbers mean little.
     "smoke": dict(
@@ -227,6 +241,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         health_pairs=2,
         attach_layers=8,
         trl=dict(blocks=2, windows_per_block=1, model={}, logging_steps=2),
+        html_loads=1,
     ),
 }
 
@@ -337,6 +352,9 @@ def summarise(
     placement = report.get("placement")
     if placement is not None:
         checks.update(placement["checks"])
+    html = report.get("html")
+    if html is not None:
+        checks.update(html["checks"])
 
     result: dict[str, Any] = {
         "step_overhead_ratio": _median(ratios),
@@ -362,6 +380,9 @@ def summarise(
         result["table_step_host_ms_94x256"] = table["table_step_host_ms_94x256"]
     if placement is not None:
         result["placement_seconds_10k_94x256"] = placement["placement_seconds"]
+    for key, got in (("html_report_mb_10k_94x256", "html_report_mb"), ("html_first_chart_s",) * 2):
+        if html is not None and got in html:
+            result[key] = html[got]
     if tiled is not None:
         result["report_seconds_100k_94x256_every_step"] = tiled["report_seconds"]
         result["report_peak_rss_mb_100k_94x256_every_step"] = tiled["report_peak_rss_mb"]
@@ -410,6 +431,7 @@ def summarise(
         "flops": flops,
         "report": {**report["details"], "tiled": tiled},
         "placement": None if placement is None else placement["details"],
+        "html": None if html is None else html["details"],
         "store": store["details"],
         "routing": (
             None
@@ -540,6 +562,13 @@ def _format(result: dict[str, Any]) -> str:
             f"({trl['log_step_ms_on_median']:.0f} / {trl['log_step_ms_off_median']:.0f} ms, "
             "what logging_steps=1 costs)"
         )
+    hd = result["details"].get("html")
+    if hd and "bytes" in hd:
+        lines.append(
+            f"  report --html: {hd['bytes'] / 1e6:.2f} MB page, command {hd['command_seconds']:.1f}"
+            f" s; first chart {', '.join(f'{s:.2f}' for s in hd.get('first_chart_s', []))} s "
+            f"({hd.get('browser')})"
+        )
     sites = result["details"]["host_reads"]["export_sites_on"]
     lines.append("  host reads added per step: " + (json.dumps(sites) if sites else "none"))
     failed = [k for k, ok in result["checks"].items() if not ok]
@@ -621,6 +650,9 @@ def main(argv: list[str] | None = None) -> int:
             Path(work) / "PLAN.json",
             layers=shape["layers"],
             experts=shape["experts"],
+        )
+        report["html"] = html_bench(
+            Path(work) / "run_every_step", Path(work) / "html", loads=preset["html_loads"]
         )
         if args.slow or args.smoke:  # smoke: 10 x 300 steps at 8 x 16, to test the harness
             report["tiled"] = tiled_report_bench(Path(work), repeats=10)
