@@ -58,9 +58,13 @@
     const copy = { ...spec, data: spec.data.map((d) => (d.name in data && !d.source ? { ...d, values: data[d.name] } : d)) };
     return copy;
   }
+  // Promises chain in one task: without a real yield the browser would paint nothing until
+  // every chart is drawn. After each chart, a frame (the chart shows) and a task boundary.
+  const nextFrame = () => new Promise((resolve) => requestAnimationFrame(() => setTimeout(resolve, 0)));
   async function draw(id, container, data) {
     const { view } = await vegaEmbed(container, withValues(SPECS[id], data || {}), EMBED);
     nmm.views[id] = view;
+    await nextFrame();
     return view;
   }
   async function update(id, data) {
@@ -195,7 +199,7 @@
     const cells = cellsFor(a, b);
     mark("cells");
     const view = await draw("heatmap", heat, { cells, pick: [{ layer: C.picked }] });
-    nmm.firstChartMs = performance.now();
+    nmm.firstChartMs = performance.now();  // its frame painted (draw waits for it)
     view.addEventListener("click", (_, item) => {
       if (item && item.datum && item.datum.layer !== undefined) pickLayer(item.datum.layer);
     });
