@@ -182,7 +182,7 @@
     const rule = C.width === 1
       ? "one bin per logged step."
       : `${C.logged.toLocaleString("en-US")} logged steps in ${n} bins of ${C.width} consecutive logged steps (the last may hold fewer), tokens summed; bins merge pairwise as in the report's expert_load_over_steps.png, to keep this page under 8 MB. Narrow the window with report --steps FIRST:LAST for finer bins.`;
-    const s = section("Expert load: MoE layer × expert", `Colour: the expert's load over the ideal (tokens × experts / the layer's tokens) on a log2 scale; white balanced, red overloaded, blue underloaded, black 0 tokens. Hover a cell for its numbers; click a row to pick its layer. Steps: ${rule}`);
+    const s = section("Expert load: MoE layer × expert", `Colour: the expert's load over the ideal (tokens × experts / the layer's tokens) on a log2 scale; white balanced, red overloaded, blue underloaded, black 0 tokens; values beyond the colour scale take its end colours. Hover a cell for its numbers; click a row to pick its layer. Steps: ${rule}`);
     const controls = el("div", { class: "controls" });
     const slider = el("input", { id: "step", type: "range", min: "0", max: String(n - 1), value: String(n - 1), step: "1" });
     const windowInput = el("input", { id: "window", type: "number", min: "1", max: String(n), value: "1" });
