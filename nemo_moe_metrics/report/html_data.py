@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.moe.load_over_steps import DeadStreaks, real_experts
+from nemo_moe_metrics.moe.load_over_steps import real_experts
 from nemo_moe_metrics.report.expert_counts import jsonl_table_counts, store_blocks
 from nemo_moe_metrics.report.placement import phase_sweeps
 from nemo_moe_metrics.report.reading import (
@@ -132,37 +132,47 @@ def unpacked(data: dict[str, Any]) -> np.ndarray:
 
 class CountCube:
     """Expert counts in step bins (tokens summed) and each cell's dead streak at the end of
-    every bin (the zero-token logged steps up to and including the bin's last step)."""
+    every bin: the logged steps up to and including the bin's last in which the expert got no
+    token while its layer routed some (the rule of :class:`~nemo_moe_metrics.moe.
+    load_over_steps.DeadStreaks`, whose streak records the page does not need)."""
 
     def __init__(self, layer_ids: list[int], shape: tuple[int, int], widths: np.ndarray | None):
         cells = max(1, shape[0] * shape[1])
         self.layer_ids = layer_ids
         self.widths = widths
+        self.real = real_experts(widths, shape[1])  # None: every column is an expert
         self.bins = StepBins(shape, max_bins=max(2, min(MAX_BINS, CUBE_CELLS // cells)))
         self.streak = np.zeros((self.bins.n, *shape), dtype=np.int64)
-        # Only its running lengths are read: no streak is long enough to be kept as a record.
-        self.dead = DeadStreaks(1 << 62)
+        self.run = np.zeros(shape, dtype=np.int64)  # each cell's streak so far
         self.steps = 0
 
-    def add(self, step: int, layer_ids: list[int], counts: np.ndarray, widths: Any) -> None:
-        """One logged step's counts ``[L, E]``, after the steps already added."""
+    def add_block(
+        self, steps: Iterable[int], layer_ids: list[int], counts: np.ndarray, widths: Any
+    ) -> None:
+        """Logged steps' counts ``[K, L, E]`` in order, after the steps already added."""
         same_widths = (widths is None and self.widths is None) or (
             widths is not None and self.widths is not None and np.array_equal(widths, self.widths)
         )
-        if layer_ids != self.layer_ids or counts.shape != self.streak.shape[1:] or not same_widths:
+        if layer_ids != self.layer_ids or counts.shape[1:] != self.run.shape or not same_widths:
             raise ReportError(
-                f"step {step} has MoE layers {layer_ids} x {experts_text(_w(widths, counts))} "
-                f"experts but the first step had {self.layer_ids} x "
-                f"{experts_text(_w(self.widths, counts))}; the model changed within the run: "
-                "report each part on its own with --steps FIRST:LAST"
+                f"step {next(iter(steps))} has MoE layers {layer_ids} x "
+                f"{experts_text(_w(widths, counts))} experts but the first step had "
+                f"{self.layer_ids} x {experts_text(_w(self.widths, counts))}; the model "
+                "changed within the run: report each part on its own with --steps FIRST:LAST"
             )
-        width = self.bins.width
-        self.bins.add(step, counts)
-        if self.bins.width != width:  # the bins merged pairwise: a bin's streak is its last's
-            used = self.bins.used - 1  # the bins before this step's new one
-            self.streak[:used] = self.streak[1 : 2 * used : 2]
-        self.streak[self.bins.used - 1] = self.dead.update(step, layer_ids, counts, widths)
-        self.steps += 1
+        dead = (counts == 0) & (counts.sum(axis=2, keepdims=True) > 0)
+        if self.real is not None:
+            dead &= self.real
+        for k, step in enumerate(steps):
+            self.run += 1
+            self.run *= dead[k]
+            width = self.bins.width
+            self.bins.add(int(step), counts[k])
+            if self.bins.width != width:  # merged pairwise: a bin's streak is its last step's
+                used = self.bins.used - 1  # the bins before this step's new one
+                self.streak[:used] = self.streak[1 : 2 * used : 2]
+            self.streak[self.bins.used - 1] = self.run
+            self.steps += 1
 
     def halve(self) -> None:
         """Merge the bins pairwise once more (the page's byte budget)."""
@@ -248,21 +258,19 @@ def _read_cube(
 ) -> CountCube | None:
     cube: CountCube | None = None
 
-    def add(step: int, ids: Any, counts: np.ndarray, widths: Any) -> None:
+    def add(steps: Any, ids: Any, counts: np.ndarray, widths: Any) -> None:
         nonlocal cube
         ids = [int(i) for i in ids]
+        w = None if real_experts(widths, counts.shape[2]) is None else np.asarray(widths)
         if cube is None:
-            w = None if real_experts(widths, counts.shape[1]) is None else np.asarray(widths)
-            cube = CountCube(ids, counts.shape, w)
-        w = None if real_experts(widths, counts.shape[1]) is None else np.asarray(widths)
-        cube.add(step, ids, counts, w)
+            cube = CountCube(ids, counts.shape[1:], w)
+        cube.add_block(steps, ids, counts, w)
 
     blocks = store_blocks(run_dir, steps, skipped)
     if blocks is not None:
         try:
-            for block in blocks:
-                for k, step in enumerate(block.steps.tolist()):
-                    add(step, block.layer_ids, block.counts[k], block.widths)
+            for block in blocks:  # layers in ascending order (timeline.prepare_block)
+                add(block.steps.tolist(), block.layer_ids, block.counts, block.widths)
         except StoreError:
             return None  # the summary at the top of the page says why
     else:
@@ -270,7 +278,7 @@ def _read_cube(
         path = run_dir / METRICS_FILE
         for step, ids, counts, widths in jsonl_table_counts(path, lines, info.num_experts):
             order = np.argsort(ids, kind="stable")
-            add(step, np.asarray(ids)[order], counts[order], np.asarray(widths)[order])
+            add([step], np.asarray(ids)[order], counts[order][None], np.asarray(widths)[order])
     return cube
 
 

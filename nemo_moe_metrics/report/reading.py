@@ -255,6 +255,7 @@ def key_series(path: Path, lines: list[Line], keys: Sequence[str]) -> dict[str, 
 def layer_stat_series(path: Path, lines: list[Line], stat: str) -> dict[int, np.ndarray]:
     """``moe/layer_{i}/{stat}`` of every layer on every line of ``lines`` (NaN where a line
     lacks it); only the layers that log it. The sink's compact lines are searched, not parsed."""
+    needle = b"/" + stat.encode() + b'":'  # a cheap look before the regular expression
     token = re.compile(rb'"moe/layer_(\d+)/' + re.escape(stat.encode()) + rb'":([^,}]+)')
     pattern = re.compile(r"^moe/layer_(\d+)/" + re.escape(stat) + "$")
     found: dict[int, np.ndarray] = {}
@@ -263,6 +264,8 @@ def layer_stat_series(path: Path, lines: list[Line], stat: str) -> dict[int, np.
             f.seek(line.offset)
             raw = f.readline().rstrip()
             if raw.startswith(_STEP_PREFIX):
+                if needle not in raw:
+                    continue
                 pairs = [(int(m[1]), m[2]) for m in token.finditer(raw)]
             else:
                 pairs = [
