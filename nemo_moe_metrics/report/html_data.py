@@ -26,7 +26,7 @@ import numpy as np
 
 from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.moe.load_over_steps import real_experts
-from nemo_moe_metrics.report.expert_counts import jsonl_table_counts, store_blocks
+from nemo_moe_metrics.report.expert_counts import jsonl_table_counts
 from nemo_moe_metrics.report.placement import phase_sweeps
 from nemo_moe_metrics.report.reading import (
     METRICS_FILE,
@@ -41,7 +41,7 @@ from nemo_moe_metrics.report.reading import (
     scan_jsonl,
 )
 from nemo_moe_metrics.report.timeline import StepBins, bin_width
-from nemo_moe_metrics.sinks.store import StoreError, store_path
+from nemo_moe_metrics.sinks.store import StoreError, read_expert_load_blocks, store_path
 
 #: Step bins of the counts cube at most (the report's over-steps picture keeps as many).
 MAX_BINS = 512
@@ -266,11 +266,20 @@ def _read_cube(
             cube = CountCube(ids, counts.shape[1:], w)
         cube.add_block(steps, ids, counts, w)
 
-    blocks = store_blocks(run_dir, steps, skipped)
-    if blocks is not None:
+    path = store_path(run_dir)
+    if path.is_file():
+        lo, hi = steps if steps is not None else (None, None)
+        # Decoded ahead by two threads (zlib releases the GIL); none of the report's per-step
+        # arithmetic (shares, entropies, drift): the page needs the counts alone.
+        blocks = read_expert_load_blocks(
+            path, slice(lo, None if hi is None else hi + 1), workers=2, widths=True,
+            skipped=skipped,
+        )  # fmt: skip
         try:
-            for block in blocks:  # layers in ascending order (timeline.prepare_block)
-                add(block.steps.tolist(), block.layer_ids, block.counts, block.widths)
+            for block in blocks:
+                order = np.argsort(block.layer_ids, kind="stable")  # ascending, as the report
+                widths = block.widths[order]
+                add(block.steps.tolist(), block.layer_ids[order], block.counts[:, order], widths)
         except StoreError:
             return None  # the summary at the top of the page says why
     else:
