@@ -148,3 +148,30 @@ def test_the_page_stays_small_for_a_small_run(run_dir, tmp_path):
     # The runtime (about 0.9 MB) and a few kB of data: the data is compact, not the rows.
     assert page.stat().st_size < 1_200_000
     assert store_path(run_dir).is_file()
+
+
+def test_layers_with_fewer_experts_have_no_padding_cells_dead_or_counted(tmp_path):
+    # A model whose MoE layers differ (4 and 8 experts): the columns past a layer's own experts
+    # are no expert, so neither dead nor in its max/ideal.
+    from nemo_moe_metrics.sinks.jsonl import METRICS_FILE, JsonlSink
+    from nemo_moe_metrics.sinks.store import ExpertLoadStore
+
+    run = tmp_path / "mixed"
+    run.mkdir()
+    sink = JsonlSink(run / METRICS_FILE, fsync=False)
+    with ExpertLoadStore(store_path(run), fsync=False) as store:
+        for step in range(3):
+            counts = np.array([[5, 1, 1, 1, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7, 0]])
+            store.append(step, [4, 2], counts, widths=[4, 8])  # layer 4 first: sorted on the page
+            sink.log({"train_perf/tokens": 8.0}, step)
+    sink.close()
+    data = html_data.page_data(run)
+    check_counts(data, run)
+    counts = data["counts"]
+    assert counts["layers"] == [2, 4] and counts["widths"] == [8, 4]
+    dead = [row[-1] for row in counts["stats"]["dead"]]
+    assert dead == [1, 0]  # layer 2's expert 7 got nothing; layer 4's columns 4-7 are none
+    moi = [row[-1] for row in counts["stats"]["max_over_ideal"]]
+    assert moi == pytest.approx([7 * 8 / 28, 5 * 4 / 8])
+    streak = unpacked(counts["streak"])
+    assert streak[-1, 0, 7] == 3 and streak[-1, 1, 4:].tolist() == [0, 0, 0, 0]
