@@ -65,6 +65,7 @@
     const { view } = await vegaEmbed(container, withValues(SPECS[id], data || {}), EMBED);
     nmm.views[id] = view;
     await nextFrame();
+    if (nmm.firstChartMs === null) nmm.firstChartMs = performance.now();  // its frame painted
     return view;
   }
   async function update(id, data) {
@@ -199,7 +200,6 @@
     const cells = cellsFor(a, b);
     mark("cells");
     const view = await draw("heatmap", heat, { cells, pick: [{ layer: C.picked }] });
-    nmm.firstChartMs = performance.now();  // its frame painted (draw waits for it)
     view.addEventListener("click", (_, item) => {
       if (item && item.datum && item.datum.layer !== undefined) pickLayer(item.datum.layer);
     });
