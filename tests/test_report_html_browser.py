@@ -5,6 +5,10 @@ NEMO_MOE_METRICS_REQUIRE_BROWSER=1, so there they fail instead."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
+
 import numpy as np
 import pytest
 from html_page_check import check_counts, check_page, embedded, hover, number
@@ -18,10 +22,13 @@ pytestmark = pytest.mark.one_line
 
 @pytest.fixture(scope="module")
 def run_page(tmp_path_factory):
-    """The small run of tests/html_run.py and its page, written by the command."""
+    """The small run of tests/html_run.py, its page written by the command, and what the
+    command printed."""
     run_dir = write_run(tmp_path_factory.mktemp("html_run") / "run")
-    assert main(["report", str(run_dir), "--html"]) == 0
-    return run_dir, run_dir / "report.html"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["report", str(run_dir), "--html"]) == 0
+    return run_dir, run_dir / "report.html", printed.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +72,12 @@ def test_page_opens_offline_draws_every_section_and_saves_a_screenshot(run_page,
     assert {"throughput", "flops", "mfu", "aux", "health", "routing", "routing_layers"} <= drawn
     assert {"train_loads", "rollout_loads", "train_sweep", "train_plan", "rollout_sweep"} <= drawn
     assert page.eval("nmm.firstChartMs") < 10_000
-    summary = page.eval("document.getElementById('summary').textContent")
-    assert summary.startswith("run html_page_run: steps 0–11 (12 logged)")
+    # The summary on top is the one the command printed, before the page's own last line.
+    *summary, last = run_page[2].rstrip("\n").split("\n")
+    assert page.eval("document.getElementById('summary').textContent") == "\n".join(summary)
+    assert summary[0] == "run html_page_run: steps 0–11 (12 logged)"
+    said = rf"wrote {re.escape(str(run_page[1]))} \(\d\.\d+ MB: open it in a browser, no network needed\)"
+    assert re.fullmatch(said, last), last
     shot = page.screenshot(tmp_path / "report.png")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
 
