@@ -159,17 +159,22 @@
     document.getElementById("step-label").textContent =
       `steps ${binLabel(a, b)} (bin${a === b ? "" : "s"} ${a === b ? b + 1 : `${a + 1}–${b + 1}`} of ${C.first.length}; ${C.size.slice(a, b + 1).reduce((s, x) => s + x, 0)} logged step(s) summed)`;
     const win = [{ x0: first - 0.5, x1: last + 0.5 }];
-    await update("heatmap", { cells: cellsFor(a, b) });
-    await Promise.all(["layer_steps", "moi", "cv", "dead"].map((id) => update(id, { window: win })));
+    // Every view's data is set before any await: a quicker second move cannot interleave.
+    await Promise.all([
+      update("heatmap", { cells: cellsFor(a, b) }),
+      ...["layer_steps", "moi", "cv", "dead"].map((id) => update(id, { window: win })),
+    ]);
   }
   async function pickLayer(layer) {
     state.layer = layer;
     document.getElementById("layer").value = String(layer);
     document.getElementById("layer-title").textContent = `Layer ${layer}: each expert's load over the step bins`;
     for (const tr of document.querySelectorAll("table.worst tr[data-layer]")) tr.classList.toggle("picked", Number(tr.dataset.layer) === layer);
-    await update("heatmap", { pick: [{ layer }] });
-    await update("layer_steps", { lcells: layerCells(layer) });
-    await Promise.all([["moi", "max_over_ideal"], ["cv", "cv"], ["dead", "dead"]].map(([id, stat]) => update(id, { lines: statLines(stat, layer) })));
+    await Promise.all([
+      update("heatmap", { pick: [{ layer }] }),
+      update("layer_steps", { lcells: layerCells(layer) }),
+      ...[["moi", "max_over_ideal"], ["cv", "cv"], ["dead", "dead"]].map(([id, stat]) => update(id, { lines: statLines(stat, layer) })),
+    ]);
   }
 
   async function countsSection() {
