@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import select
 import shutil
 import subprocess
 import tempfile
@@ -106,8 +107,11 @@ class Browser:
                         raise RuntimeError(f"{method}: {reply['error']}")
                     return reply.get("result", {})
                 self.events.append(reply)
-            if time.monotonic() > deadline or self.proc.poll() is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.proc.poll() is not None:
                 raise BrowserUnavailable(f"no answer to {method} (browser exited or hung)")
+            if not select.select([self._in], [], [], min(left, 1.0))[0]:
+                continue  # nothing yet: look at the clock and the process again
             chunk = self._in.read(1 << 20)
             if not chunk:
                 raise BrowserUnavailable(f"the browser closed its pipe during {method}")
