@@ -67,6 +67,11 @@ Measures (JSON keys, targets):
   --ep-size 32 --redundant-experts 32 --sweep --out PLAN.json`` in its own process over the
   report's 10,000-step run with a table every step (every step read; the sweep R = 0, 32, ...,
   256), the plan checked (``benchmarks/placement_bench.py``).
+- ``html_report_mb_10k_94x256`` (<= 8) and ``html_first_chart_s`` (<= 3): ``nemo-moe-metrics
+  report --html`` over the same every-step run: the page's size (MB, 1e6 bytes) and, in
+  headless Chromium (Debian's ``chromium``, network off), the seconds from the start of the
+  page's navigation to its first chart drawn, median over a few loads
+  (``benchmarks/html_bench.py``); absent without Chromium (``details.html`` says so).
 
 - ``ray_step_ratio`` (<= 1.05): the step time of ``--engine ray`` (a driver over 2 Ray actors,
   an embedded local Ray) over the torchrun path's (2 ranks) on the quick recipe
@@ -110,6 +115,7 @@ from benchmarks.harness import (  # noqa: E402
     spawn_ranks,
     step_rank,
 )
+from benchmarks.html_bench import html_bench  # noqa: E402
 from benchmarks.long_run import report_bench, tiled_report_bench  # noqa: E402
 from benchmarks.placement_bench import placement_bench  # noqa: E402
 from benchmarks.ray_bench import ray_bench  # noqa: E402
@@ -144,10 +150,14 @@ RESULT_KEYS = (
     "attach_seconds_94_layers",
     "table_step_host_ms_94x256",
     "placement_seconds_10k_94x256",
+    "html_report_mb_10k_94x256",
+    "html_first_chart_s",
     "trl_callback_overhead_ratio",
     "ray_step_ratio",
     "ray_table_transfer_ms_94x256",
 )
+#: Keys measured only where a browser runs (Chromium); absent elsewhere, never made up.
+BROWSER_KEYS = ("html_first_chart_s",)
 TARGETS: dict[str, tuple[str, float]] = {
     "step_overhead_ratio": ("<=", 1.01),
     "export_ms_40x256": ("<=", 20.0),
@@ -173,6 +183,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "attach_seconds_94_layers": ("<=", 1.0),
     "table_step_host_ms_94x256": ("<=", 3.0),
     "placement_seconds_10k_94x256": ("<=", 10.0),
+    "html_report_mb_10k_94x256": ("<=", 8.0),
+    "html_first_chart_s": ("<=", 3.0),
     "trl_callback_overhead_ratio": ("<=", 1.02),
     "ray_step_ratio": ("<=", 1.05),
     "ray_table_transfer_ms_94x256": ("<=", 5.0),
@@ -197,6 +209,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         attach_layers=94,
         trl=dict(blocks=24, windows_per_block=1),
         ray=dict(steps=16, transfers=100),
+        html_loads=5,
     ),
     "quick": dict(
         bench=BenchConfig(warmup_pairs=1, pairs=40, export_repeats=30),
@@ -212,6 +225,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         attach_layers=94,
         trl=dict(blocks=16, windows_per_block=1),
         ray=dict(steps=10, transfers=50),
+        html_loads=3,
     ),
     # Tiny model and few repeats: exercises every path in seconds; the numbers mean little.
     "smoke": dict(
@@ -241,6 +255,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         attach_layers=8,
         trl=dict(blocks=2, windows_per_block=1, model={}, logging_steps=2),
         ray=dict(steps=4, transfers=3, bracket=False),
+        html_loads=1,
     ),
 }
 
@@ -351,6 +366,9 @@ def summarise(
     placement = report.get("placement")
     if placement is not None:
         checks.update(placement["checks"])
+    html = report.get("html")
+    if html is not None:
+        checks.update(html["checks"])
 
     result: dict[str, Any] = {
         "step_overhead_ratio": _median(ratios),
@@ -376,6 +394,9 @@ def summarise(
         result["table_step_host_ms_94x256"] = table["table_step_host_ms_94x256"]
     if placement is not None:
         result["placement_seconds_10k_94x256"] = placement["placement_seconds"]
+    for key, got in (("html_report_mb_10k_94x256", "html_report_mb"), ("html_first_chart_s",) * 2):
+        if html is not None and got in html:
+            result[key] = html[got]
     if tiled is not None:
         result["report_seconds_100k_94x256_every_step"] = tiled["report_seconds"]
         result["report_peak_rss_mb_100k_94x256_every_step"] = tiled["report_peak_rss_mb"]
@@ -424,6 +445,7 @@ def summarise(
         "flops": flops,
         "report": {**report["details"], "tiled": tiled},
         "placement": None if placement is None else placement["details"],
+        "html": None if html is None else html["details"],
         "store": store["details"],
         "routing": (
             None
@@ -562,6 +584,13 @@ def _format(result: dict[str, Any]) -> str:
             + ", ".join(f"{t:.0f}" for t in ray["torchrun_step_ms_each_run"])
             + f" ms); a no-op call {ray['no_op_call_ms']:.2f} ms"
         )
+    hd = result["details"].get("html")
+    if hd and "bytes" in hd:
+        lines.append(
+            f"  report --html: {hd['bytes'] / 1e6:.2f} MB page, command {hd['command_seconds']:.1f}"
+            f" s; first chart {', '.join(f'{s:.2f}' for s in hd.get('first_chart_s', []))} s "
+            f"({hd.get('browser')})"
+        )
     sites = result["details"]["host_reads"]["export_sites_on"]
     lines.append("  host reads added per step: " + (json.dumps(sites) if sites else "none"))
     failed = [k for k, ok in result["checks"].items() if not ok]
@@ -652,6 +681,9 @@ def main(argv: list[str] | None = None) -> int:
             Path(work) / "PLAN.json",
             layers=shape["layers"],
             experts=shape["experts"],
+        )
+        report["html"] = html_bench(
+            Path(work) / "run_every_step", Path(work) / "html", loads=preset["html_loads"]
         )
         if args.slow or args.smoke:  # smoke: 10 x 300 steps at 8 x 16, to test the harness
             report["tiled"] = tiled_report_bench(Path(work), repeats=10)

@@ -62,6 +62,13 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from nemo_moe_metrics.report import ReportError, render_report
 
     try:
+        if args.html:  # refused before any picture is written: the extra, then where it goes
+            from nemo_moe_metrics.extras import check_extra
+            from nemo_moe_metrics.report.html import check_page_target
+            from nemo_moe_metrics.report.summary import resolve_run_dir
+
+            check_extra("html", "nemo-moe-metrics report --html")
+            check_page_target(resolve_run_dir(args.run_dir), args.out)
         summary = render_report(
             args.run_dir,
             steps=args.steps,
@@ -69,6 +76,19 @@ def _cmd_report(args: argparse.Namespace) -> int:
             layers=args.layers,
             dead_steps=args.dead_steps,
         )
+        if args.html:
+            from nemo_moe_metrics.report.html import size_text, write_html_report
+
+            page = write_html_report(
+                resolve_run_dir(args.run_dir),
+                summary,
+                out_dir=args.out,
+                steps=args.steps,
+                layers=args.layers,
+            )
+            summary += (
+                f"\nwrote {page} ({size_text(page)}: open it in a browser, no network needed)"
+            )
     except ReportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -224,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="DIR",
-        help="write the PNGs into DIR (created if needed) instead of the run directory",
+        help="write the PNGs (and report.html) into DIR (created if needed) instead of the run "
+        "directory",
     )
     report.add_argument(
         "--layers",
@@ -238,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=10,
         metavar="N",
         help="list experts with 0 tokens for at least N consecutive logged steps (default 10)",
+    )
+    report.add_argument(
+        "--html",
+        action="store_true",
+        help="also write report.html: one self-contained page to explore the run in a browser "
+        "(step slider, layer picker, hover for an expert's numbers; needs the 'html' extra)",
     )
     report.set_defaults(func=_cmd_report)
     flops = sub.add_parser("flops", help="estimate training FLOPs of a model for a batch")

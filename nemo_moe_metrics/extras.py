@@ -7,6 +7,7 @@ and pyyaml. Everything heavier is an extra of the package, named in ``pyproject.
 - ``launch``: nemo-run (with its leptonai pin), rich and Ray, for ``nemo-moe-metrics run`` (its
   ``--engine ray`` too) and Slurm;
 - ``wandb``, ``tensorboard``: those sinks; ``report``: matplotlib for the pictures;
+- ``html``: vl-convert-python, whose Vega runtime ``report --html`` inlines into its page;
 - ``hf``: transformers, for Hugging Face models (``examples/integrate_hf_fsdp.py``);
 - ``torchtitan``: torchtitan 0.3.0 models (``examples/integrate_torchtitan.py``): not an extra
   of the package, because torchtitan's own pins (``datasets<4.8``) downgrade huggingface_hub
@@ -33,6 +34,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "wandb": ("wandb",),
     "tensorboard": ("tensorboard",),
     "report": ("matplotlib",),
+    "html": ("vl_convert",),
     "hf": ("transformers",),
     "torchtitan": ("torchtitan",),
     "mlflow": ("mlflow", "sqlalchemy", "alembic"),

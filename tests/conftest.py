@@ -122,3 +122,29 @@ def dpo_torchrun_run(tmp_path_factory):
         capture_output=True, text=True, env=env, timeout=240, cwd=root,
     )  # fmt: skip
     return proc, base / "runs" / "dpo_moe_tiny", base / "home"
+
+
+@pytest.fixture(scope="session")
+def page_browser():
+    """Headless Chromium (tests/browser.py) for the ``report --html`` page, started once per
+    session when first asked for. None where none can start, so that a test of another path
+    keeps its own checks; with NEMO_MOE_METRICS_REQUIRE_BROWSER=1 (CI) that fails instead."""
+    from browser import REQUIRE, Browser, BrowserUnavailable
+
+    try:
+        browser = Browser()
+    except BrowserUnavailable as err:
+        if os.environ.get(REQUIRE) == "1":
+            pytest.fail(f"{REQUIRE}=1 but no browser starts: {err}")
+        yield None
+        return
+    yield browser
+    browser.close()
+
+
+@pytest.fixture
+def browser(page_browser):
+    """:func:`page_browser`, skipping the test where there is none (failing on CI)."""
+    if page_browser is None:
+        pytest.skip("no Chromium here (apt-get install chromium); CI installs it")
+    return page_browser

@@ -36,7 +36,20 @@ def test_ci_installs_the_slurm_packages_the_test_cluster_needs_and_requires_it()
     from slurm_cluster import PACKAGES
 
     text = CI_SCRIPT.read_text()
-    installed = re.search(r"apt-get install -y -q \\\n\s+--no-install-recommends ([^)\n]+)", text)
-    assert installed, ".ci/run no longer installs Slurm with apt-get; update this test"
-    assert installed[1].split() == list(PACKAGES)
-    assert re.search(r"^NEMO_MOE_METRICS_REQUIRE_SLURM=1 run_pytest pytest -q ", text, re.M)
+    packages = re.search(r'^  packages="([^"$]+)"$', text, re.M)
+    assert packages, ".ci/run no longer lists the Slurm packages it installs; update this test"
+    assert packages[1].split() == list(PACKAGES)
+    assert re.search(r"apt-get install -y -q \\\n\s+--no-install-recommends \$packages\n", text)
+    assert re.search(r"^NEMO_MOE_METRICS_REQUIRE_SLURM=1 .*run_pytest pytest -q ", text, re.M)
+
+
+def test_ci_installs_chromium_and_requires_the_browser_tests_to_run():
+    # tests/browser.py skips without Chromium; in CI the page's browser tests must run.
+    from browser import CHROMIUM, REQUIRE
+
+    text = CI_SCRIPT.read_text()
+    assert CHROMIUM == "/usr/bin/chromium"  # where Debian's package puts it
+    assert re.search(r'^if ! command -v chromium .*packages="\$packages chromium"; fi$', text, re.M)
+    assert re.search(
+        rf"^NEMO_MOE_METRICS_REQUIRE_SLURM=1 {REQUIRE}=1 run_pytest pytest -q", text, re.M
+    )

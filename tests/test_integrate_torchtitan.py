@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from dist import ok_values, run_ranks
+from html_page_check import check_page
 
 pytestmark = pytest.mark.torchtitan
 
@@ -60,7 +61,7 @@ def _rank(rank, world_size, out_dir):
 
 
 @pytest.mark.timeout(400)
-def test_torchtitan_example_matches_router_outputs_and_bias_buffers(tmp_path):
+def test_torchtitan_example_matches_router_outputs_and_bias_buffers(tmp_path, page_browser):
     pytest.importorskip(
         "torchtitan", reason="needs torchtitan 0.3.0 (docs/en/torchtitan.md: the install line)"
     )
@@ -83,6 +84,8 @@ def test_torchtitan_example_matches_router_outputs_and_bias_buffers(tmp_path):
     assert last["moe/expert_bias_range"] > 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(STEPS))
+    # report --html of the example's run (tests/html_page_check.py).
+    check_page(tmp_path, page_browser, out_dir=tmp_path / "page")
 
 
 def test_torchtitan_example_names_the_extra_when_torchtitan_is_missing(monkeypatch, tmp_path):

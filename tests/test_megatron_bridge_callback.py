@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from dist import ok_values, run_ranks
+from html_page_check import check_page
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -457,6 +458,16 @@ def test_rank_without_writers_writes_nothing_and_the_store_has_each_step_once(br
     (first, _, counts), _ = list(read_expert_loads(path))
     rows = ranks[0][scenario]["steps"][0]["ours"][EXPERT_LOADS]
     assert first == 1 and int(counts.sum()) == sum(int(r[2]) for r in rows)
+
+
+@pytest.mark.timeout(300)
+def test_report_html_of_the_callbacks_run_shows_the_stores_counts(
+    bridge_run, page_browser, tmp_path
+):
+    # The page of a run the Megatron-Bridge callback wrote (tests/html_page_check.py; in the
+    # browser where Chromium runs).
+    tmp, _ = bridge_run
+    check_page(tmp / "ep", page_browser, out_dir=tmp_path)
 
 
 @pytest.mark.timeout(300)

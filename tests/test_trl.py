@@ -25,6 +25,7 @@ except ImportError as err:  # pragma: no cover - CI installs the 'trl' extra
 
 import torch  # noqa: E402
 import trl_tiny as tt  # noqa: E402
+from html_page_check import check_page  # noqa: E402
 
 from nemo_moe_metrics.config import MetricsConfig  # noqa: E402
 from nemo_moe_metrics.integrations.transformers import MoEMetricsCallback  # noqa: E402
@@ -270,7 +271,7 @@ def test_router_aux_loss_coef_zero_trl_logs_none_we_log_the_diagnostic(model_dir
     assert logged["moe/load_balancing_loss"] > 0  # the balance diagnostic, coefficient excluded
 
 
-def test_two_ranks_under_torchrun_reduce_the_counts_and_log_once(tmp_path):
+def test_two_ranks_under_torchrun_reduce_the_counts_and_log_once(tmp_path, page_browser):
     import json
     import subprocess
     import sys
@@ -315,6 +316,9 @@ def test_two_ranks_under_torchrun_reduce_the_counts_and_log_once(tmp_path):
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 1  # one window, written once (rank 0)
     assert json.loads(lines[0])["moe/routed_tokens"] == logged["moe/routed_tokens"]
+    # report --html of the callback's run: its counts are the store's (and, where Chromium
+    # runs, the page opens offline without an error and hovers right).
+    check_page(tmp_path / "run", page_browser, out_dir=tmp_path / "page")
 
 
 def test_trackio_sink_and_report_to_trackio_side_by_side_in_the_run_directory(tmp_path):

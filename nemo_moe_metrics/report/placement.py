@@ -14,6 +14,7 @@ Both read the last :data:`REPORT_STEPS` stored steps of each phase.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +43,10 @@ __all__ = [
     "REPORT_STEPS",
     "ROLLOUT_VS_TRAIN_FILE",
     "SWEEP_FILE",
+    "PhaseSweep",
     "draw_sweep",
+    "last_stored_loads",
+    "phase_sweeps",
     "placement_report_lines",
 ]
 
@@ -103,7 +107,7 @@ def _draw_sweeps(path: Path, panels: list[Panel]) -> str:
     return f"wrote {path}"
 
 
-def _last_steps(run_dir: Path, phase: str) -> WindowLoads | None:
+def last_stored_loads(run_dir: Path, phase: str) -> WindowLoads | None:
     """The last stored steps of ``phase``; None without any (an unreadable store is the rest
     of the report's to name)."""
     path = store_path(run_dir, phase)
@@ -178,26 +182,51 @@ def _slowdown_lines(path: Path, lines: list[Line]) -> list[str]:
     return [text]
 
 
+@dataclass(frozen=True)
+class PhaseSweep:
+    """EPLB's sweep over one phase's last stored loads, for ``ep_size`` GPUs (the run's own
+    expert-parallel size when ``known``, else an assumed one)."""
+
+    phase: str
+    loads: WindowLoads
+    ep_size: int
+    known: bool
+    rows: list[SweepRow]
+    today: np.ndarray  # [L] balancedness of today's contiguous placement
+
+
+def phase_sweeps(run_dir: Path) -> list[PhaseSweep]:
+    """The sweeps the report draws: training's loads, then the rollout engine's, each over
+    its last :data:`REPORT_STEPS` stored steps (the phases without stored loads left out)."""
+    run_g = _run_ep_size(run_dir)
+    out = []
+    for phase in ("train", "rollout"):
+        w = last_stored_loads(run_dir, phase)
+        if w is None:
+            continue
+        experts = w.weight.shape[1]
+        known = bool(run_g and run_g > 1 and experts % run_g == 0)
+        g = run_g if known else _ep_size(experts)
+        rows = sweep(w.weight, ep_size=g, most=min(experts, REPORT_SWEEP_GPUS_WORTH * g))
+        today = balancedness(gpu_loads(w.weight, contiguous_placement(*w.weight.shape, g), g))
+        out.append(PhaseSweep(phase, w, g, known, rows, today))
+    return out
+
+
 def placement_report_lines(
     run_dir: Path, out_dir: Path, draw: bool, path: Path, lines: list[Line]
 ) -> list[str]:
     """The report's placement section (``[]`` when the run has no stored loads): the cost of
     imbalance, the busiest EP ranks per layer, EPLB's sweep, rollout beside training."""
     out = _slowdown_lines(path, lines)
-    phases = [(p, w) for p in ("train", "rollout") if (w := _last_steps(run_dir, p)) is not None]
-    run_g = _run_ep_size(run_dir)
+    sweeps = phase_sweeps(run_dir)
     panels = []
-    for phase, w in phases:
-        experts = w.weight.shape[1]
-        known = bool(run_g and run_g > 1 and experts % run_g == 0)
-        g = run_g if known else _ep_size(experts)
+    for ps in sweeps:
+        phase, w, g, known, rows = ps.phase, ps.loads, ps.ep_size, ps.known, ps.rows
         if phase == "train" and known:  # the run's own EP ranks (an assumed G says nothing)
             out += _ep_rank_lines(w, g)
-        rows = sweep(w.weight, ep_size=g, most=min(experts, REPORT_SWEEP_GPUS_WORTH * g))
         b1 = rows[min(1, len(rows) - 1)]
-        today = float(
-            balancedness(gpu_loads(w.weight, contiguous_placement(*w.weight.shape, g), g)).mean()
-        )
+        today = float(ps.today.mean())
         out.append(
             f"placement ({phase} loads, steps {w.first}–{w.last}, {g} GPUs"
             f"{'' if known else ', assumed: run.json names no expert_model_parallel_size'}): "
@@ -209,7 +238,7 @@ def placement_report_lines(
         panels.append((f"{phase} loads, G={g}", rows, w.layer_ids, today))
     if draw and panels:
         out.append(_draw_sweeps(out_dir / SWEEP_FILE, panels))
-    loads = dict(phases)
+    loads = {ps.phase: ps.loads for ps in sweeps}
     if "rollout" in loads and "train" in loads:
         t, r = loads["train"], loads["rollout"]
         common = np.intersect1d(t.layer_ids, r.layer_ids)

@@ -262,6 +262,55 @@ def layer_key_series(
     return steps, dict(sorted(series.items()))
 
 
+def key_series(path: Path, lines: list[Line], keys: Sequence[str]) -> dict[str, np.ndarray]:
+    """Each key's value on every line of ``lines`` (NaN where a line lacks it), in one pass
+    that parses only the lines written by something other than the JSONL sink."""
+    out = {key: np.full(len(lines), np.nan) for key in keys}
+    with path.open("rb") as f:
+        for i, line in enumerate(lines):
+            f.seek(line.offset)
+            raw = f.readline().rstrip()
+            record = None if raw.startswith(_STEP_PREFIX) else json.loads(raw)
+            for key in keys:
+                try:
+                    value = _number(raw, key) if record is None else record.get(key)
+                except ValueError:  # not a number (a list, a string): no value of this series
+                    value = None
+                if isinstance(value, int | float):
+                    out[key][i] = value
+    return out
+
+
+def layer_stat_series(path: Path, lines: list[Line], stat: str) -> dict[int, np.ndarray]:
+    """``moe/layer_{i}/{stat}`` of every layer on every line of ``lines`` (NaN where a line
+    lacks it); only the layers that log it. The sink's compact lines are searched, not parsed."""
+    needle = b"/" + stat.encode() + b'":'  # a cheap look before the regular expression
+    token = re.compile(rb'"moe/layer_(\d+)/' + re.escape(stat.encode()) + rb'":([^,}]+)')
+    pattern = re.compile(r"^moe/layer_(\d+)/" + re.escape(stat) + "$")
+    found: dict[int, np.ndarray] = {}
+    with path.open("rb") as f:
+        for i, line in enumerate(lines):
+            f.seek(line.offset)
+            raw = f.readline().rstrip()
+            if raw.startswith(_STEP_PREFIX):
+                if needle not in raw:
+                    continue
+                pairs = [(int(m[1]), m[2]) for m in token.finditer(raw)]
+            else:
+                pairs = [
+                    (int(m[1]), v)
+                    for k, v in json.loads(raw).items()
+                    if (m := pattern.match(k)) and isinstance(v, int | float)
+                ]
+            for layer, value in pairs:
+                try:
+                    number = float(value)
+                except ValueError:  # null
+                    continue
+                found.setdefault(layer, np.full(len(lines), np.nan))[i] = number
+    return dict(sorted(found.items()))
+
+
 # --- pictures ----------------------------------------------------------------------------------
 
 

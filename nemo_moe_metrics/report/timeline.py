@@ -39,13 +39,28 @@ def _room(sums: np.ndarray, step: int) -> None:
         raise _Overflow(int(np.argmax(rows)), step)
 
 
+def bin_width(logged: int, max_bins: int = _MAX_BINS) -> int:
+    """The logged steps per bin that :class:`StepBins` ends with after ``logged`` steps in at
+    most ``max_bins`` bins: the smallest power of two ``w`` with ``ceil(logged / w) <=
+    max_bins``. Its bins are the consecutive runs of ``w`` logged steps (the last may be
+    shorter), whatever order the merges happened in."""
+    width = 1
+    while -(-logged // width) > max(1, max_bins):
+        width *= 2
+    return width
+
+
 class StepBins:
     """Step bins of summed counts ``[bins, L, E]`` for a run of unknown length: when the bins
-    are full, neighbours merge pairwise and each bin covers twice as many logged steps."""
+    are full, neighbours merge pairwise and each bin covers twice as many logged steps, so
+    the bins are always runs of :func:`bin_width` logged steps. ``max_bins`` lowers the
+    number of bins (default: up to 512, as many as 256 MiB of counts hold)."""
 
-    def __init__(self, shape: tuple[int, int]) -> None:
+    def __init__(self, shape: tuple[int, int], max_bins: int | None = None) -> None:
         cells = max(1, shape[0] * shape[1])
         n = int(min(_MAX_BINS, max(16, _BIN_BYTES // (8 * cells))))
+        if max_bins is not None:
+            n = min(n, max(2, int(max_bins)))
         self.n = n - n % 2
         self.sums = np.zeros((self.n, *shape), dtype=np.int64)
         self.first = np.zeros(self.n, dtype=np.int64)
@@ -60,7 +75,7 @@ class StepBins:
             self.sums[i] += counts
         else:
             if self.used == self.n:
-                self._halve()
+                self.halve()
             i = self.used
             self.used += 1
             self.sums[i] = counts
@@ -80,7 +95,7 @@ class StepBins:
                 self.sums[b] += counts[i : i + n].sum(axis=0)
             else:
                 if self.used == self.n:
-                    self._halve()
+                    self.halve()
                 b = self.used
                 self.used += 1
                 n = min(self.width, k - i)
@@ -92,19 +107,21 @@ class StepBins:
             i += n
             _room(self.sums[b], int(self.last[b]))
 
-    def _halve(self) -> None:
-        h = self.n // 2
-        self.sums[:h] = self.sums[0::2] + self.sums[1::2]
-        for b in range(h):
-            _room(self.sums[b], int(self.last[2 * b + 1]))
-        self._merge_steps(h)
-
-    def _merge_steps(self, h: int) -> None:
-
-        self.first[:h] = self.first[0::2]
-        self.last[:h] = self.last[1::2]
-        self.size[:h] = self.size[0::2] + self.size[1::2]
-        self.used = h
+    def halve(self) -> None:
+        """Merge neighbouring bins pairwise (each then covers twice as many logged steps); an
+        odd last bin stays alone, and the next steps fill it up to the new width."""
+        used, pairs = self.used, self.used // 2
+        ends = slice(1, 2 * pairs, 2)
+        self.sums[:pairs] = self.sums[0 : 2 * pairs : 2] + self.sums[ends]
+        self.size[:pairs] = self.size[0 : 2 * pairs : 2] + self.size[ends]
+        self.first[:pairs] = self.first[0 : 2 * pairs : 2]
+        self.last[:pairs] = self.last[ends]
+        for b in range(pairs):
+            _room(self.sums[b], int(self.last[b]))
+        if used % 2:  # the odd bin out moves down unchanged
+            for a in (self.sums, self.size, self.first, self.last):
+                a[pairs] = a[used - 1]
+        self.used = pairs + used % 2
         self.width *= 2
 
 

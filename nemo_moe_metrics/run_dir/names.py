@@ -2,7 +2,7 @@
 
 A run directory (``<--output-dir>/<recipe name>/``) holds only these entries: the sinks' records
 (:data:`RUN_RECORD`: ``metrics.jsonl``, the expert-load store, ``run.json``, TensorBoard, W&B,
-MLflow, trackio and the pictures ``report`` draws), what the launcher writes (:data:`LAUNCH_FILES`:
+MLflow, trackio, the pictures ``report`` draws and its page ``report.html``), what the launcher writes (:data:`LAUNCH_FILES`:
 ``recipe.yaml``, ``launch.log``, nemo-run's state) and the lock (``.run.lock``, which also
 marks the directory as a run's, even one that failed before it logged a step). Deleting a run
 deletes these names and nothing else; a directory that holds anything else is not a run's
@@ -50,6 +50,8 @@ PICTURES = (
     SWEEP_FILE,
     ROLLOUT_VS_TRAIN_FILE,
 )
+#: The page ``nemo-moe-metrics report --html`` writes beside the pictures.
+REPORT_PAGE_FILE = "report.html"
 
 #: What the sinks and ``report`` write: ``build_sinks(..., overwrite=True)`` deletes these.
 RUN_RECORD = (
@@ -63,6 +65,7 @@ RUN_RECORD = (
     MLFLOW_ARTIFACTS_DIR,
     TRACKIO_DIR,
     *PICTURES,
+    REPORT_PAGE_FILE,
 )
 #: What a launcher (``nemo-moe-metrics run``, the per-rank entrypoint) writes beside the record.
 LAUNCH_FILES = (RECIPE_FILE, LAUNCH_LOG, NEMORUN_DIR)
@@ -158,6 +161,7 @@ __all__ = [
     "OVER_STEPS_FILE",
     "PICTURES",
     "RECIPE_FILE",
+    "REPORT_PAGE_FILE",
     "ROLLOUT_STORE_FILE",
     "ROLLOUT_VS_TRAIN_FILE",
     "ROUTER_HEALTH_FILE",

@@ -14,7 +14,8 @@ write, so that none of them writes anything it does not own.
   (:func:`check_run_dir`). A user's directory (``.git``, ``notes.txt``) is refused whole.
 - **A directory of pictures** (``report --out DIR``): a new or empty directory, a run
   directory, or one an earlier report wrote; in any other directory a picture never replaces
-  a file of the same name (:func:`check_picture_dir`).
+  a file of the same name (:func:`check_picture_dir`). The page of ``report --html`` replaces
+  only a page an earlier report wrote (:func:`check_report_page`).
 - **Never through a link**: a symbolic link where a file would go is refused (even with
   ``--force``), and a file is created with ``O_NOFOLLOW | O_EXCL``.
 - **Siblings only by name**: a command writes the files the user named and nothing beside them.
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from nemo_moe_metrics.run_dir.names import (
@@ -43,6 +44,7 @@ __all__ = [
     "OutputError",
     "check_new_file",
     "check_picture_dir",
+    "check_report_page",
     "check_run_dir",
     "write_new_file",
 ]
@@ -221,6 +223,32 @@ def check_picture_dir(out_dir: Path, names: Iterable[str]) -> Path:
                 "it is not replaced; move it, or choose a new or empty directory"
             )
     return out_dir
+
+
+def check_report_page(folder: Path, name: str, earlier: Callable[[Path], bool]) -> Path:
+    """``folder / name``, the page a report writes, checked before anything is written: no
+    link on the way, no file where the folder should be, and an existing page replaced only
+    when ``earlier(page)`` says an earlier report wrote it."""
+    folder = Path(folder)
+    if folder.is_symlink():
+        raise OutputError(
+            f"{folder} is a symbolic link (to {_link_target(folder)}) and a report never writes "
+            "through one: give the real directory"
+        )
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise OutputError(f"cannot write {name} into {folder}: it is a file, not a directory")
+    page = folder / name
+    if page.is_symlink():
+        raise OutputError(
+            f"{page} is a symbolic link (to {_link_target(page)}) and a report never writes "
+            "through one: remove the link (rm leaves its target alone) or choose another --out"
+        )
+    if os.path.lexists(page) and not earlier(page):
+        raise OutputError(
+            f"{page} exists and no report wrote it, so it is not replaced; move it aside or "
+            "choose another --out DIR"
+        )
+    return page
 
 
 def _is_png(path: Path) -> bool:
