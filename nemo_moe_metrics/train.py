@@ -28,8 +28,8 @@ from nemo_moe_metrics.run_dir.lock import TOKEN_ENV, RunDirLock
 from nemo_moe_metrics.run_dir.names import RECIPE_FILE
 from nemo_moe_metrics.run_dir.record import logged_run, refuse_logged_run
 from nemo_moe_metrics.run_dir.resume import ResumeState, prepare_resume
-from nemo_moe_metrics.run_dir.session import build_sinks
-from nemo_moe_metrics.sinks.base import Sink
+from nemo_moe_metrics.run_dir.session import RunSession, build_sinks
+from nemo_moe_metrics.sinks.base import NullSink
 from nemo_moe_metrics.train_args import rank_argv
 
 
@@ -110,7 +110,7 @@ def open_recipe_run(
     *,
     facts: ModelFacts | None = None,
     lock: RunDirLock | None = None,
-) -> Sink:
+) -> RunSession | NullSink:
     """This run's records in ``output_dir``, opened by the process that logs (rank 0 under
     torchrun, the driver under Ray): one run per directory, ``recipe.yaml``, the resume note,
     then the sinks through :func:`~nemo_moe_metrics.run_dir.session.open_run` (``run.json``

@@ -48,7 +48,8 @@ from nemo_moe_metrics.launch.supervise import SRC_ROOT
 from nemo_moe_metrics.preflight import preflight
 from nemo_moe_metrics.run_dir.lock import RunDirError
 from nemo_moe_metrics.run_dir.resume import prepare_resume
-from nemo_moe_metrics.run_dir.run_json import read_run_json, write_run_json
+from nemo_moe_metrics.run_dir.run_json import read_run_json
+from nemo_moe_metrics.run_dir.session import RunSession
 from nemo_moe_metrics.train import open_recipe_run, own_run_dir, requeued_run_resumes
 
 
@@ -139,7 +140,7 @@ def _drive(recipe: Recipe, plan: Any, run_dir: Path, session: RaySession, say) -
         group = RayWorkerGroup(
             recipe, placement, totals=totals, start_step=start_step, env=actor_env()
         )
-        record_placement(run_dir, group, session, earlier)
+        record_placement(sink, group, session, earlier)
         say(
             f"driver: {plan.world_size} Ray actor(s) ({plan.strategy}, "
             f"{'GPU' if plan.use_gpu else 'CPU'}) on {len({w['node_id'] for w in group.where})} "
@@ -196,23 +197,23 @@ def _earlier_placements(run_dir: Path) -> list[Any]:
 
 
 def record_placement(
-    run_dir: Path, group: Any, session: RaySession, earlier: list[Any] | None = None
+    sink: RunSession, group: Any, session: RaySession, earlier: list[Any] | None = None
 ) -> None:
     """Add where every rank runs to ``run.json`` (``ray``): the cluster, the strategy, and per
     rank its node id and address, host, pid and GPUs; ``earlier``: the ranks of the starts a
     resumed run had before."""
-    meta = read_run_json(run_dir)
-    meta["engine"] = "ray"
-    meta["ray"] = {
-        "address": session.address,
-        "embedded": session.embedded,
-        "strategy": group.placement.plan.strategy,
-        "use_gpu": group.placement.plan.use_gpu,
-        "nodes": len({w["node_id"] for w in group.where}),
-        "ranks": group.ranks_table(),
-        **({"earlier": earlier} if earlier else {}),
-    }
-    write_run_json(run_dir, meta)
+    sink.record(
+        engine="ray",
+        ray={
+            "address": session.address,
+            "embedded": session.embedded,
+            "strategy": group.placement.plan.strategy,
+            "use_gpu": group.placement.plan.use_gpu,
+            "nodes": len({w["node_id"] for w in group.where}),
+            "ranks": group.ranks_table(),
+            **({"earlier": earlier} if earlier else {}),
+        },
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -110,6 +110,12 @@ class RunSession(MultiSink):
     def _store(self) -> ExpertLoadSink | None:
         return next((s for s in self.sinks if isinstance(s, ExpertLoadSink)), None)
 
+    def record(self, **fields: Any) -> None:
+        """Add top-level fields to ``run.json`` (e.g. where each rank runs), kept by every
+        later write of it."""
+        self.meta.update(fields)
+        write_run_json(self.run_dir, self.meta)
+
     @property
     def next_step(self) -> int:
         """The first step this run logs (0 for a new run)."""
