@@ -95,6 +95,11 @@ def window_loads(
                     "fewer steps (--steps) or check the store's counts"
                 )
     if not totals:
+        if skipped:
+            raise ValueError(
+                f"no stored {phase} step of {path} could be read: {len(skipped)} record(s) "
+                f"skipped ({skipped[0]}{', ...' if len(skipped) > 1 else ''})"
+            )
         if first is None and last is None and phase == "train":
             raise ValueError(
                 f"{path} holds no {phase} step yet: the run stores its table every "
