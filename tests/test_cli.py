@@ -44,3 +44,18 @@ def test_override_after_option_reaches_the_recipe(capsys):
     # `run` validates the recipe before launching anything: a typo after --nproc is reported.
     assert main(["run", str(RECIPE), "--nproc", "2", "policy.megatron_cfg.track_flop=true"]) == 2
     assert "did you mean 'track_flops'" in capsys.readouterr().err
+
+
+def test_the_command_and_its_light_subcommands_start_without_torch():
+    # check, report, placement, ingest and flops need no torch; importing it costs every
+    # invocation about two seconds of CPU (a launch, a Slurm dry run, each CLI test).
+    modules = ["nemo_moe_metrics.cli", "nemo_moe_metrics.report", "nemo_moe_metrics.preflight"]
+    modules += ["nemo_moe_metrics.placement.command", "nemo_moe_metrics.run_dir.session"]
+    heavy = ("torch", "megatron", "transformers", "ray", "nemo_run", "matplotlib")
+    code = (
+        f"import sys\nfor m in {modules!r}: __import__(m)\n"
+        f"print(sorted(h for h in {heavy!r} if h in sys.modules))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

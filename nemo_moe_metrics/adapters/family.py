@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from torch import nn
+if TYPE_CHECKING:  # no torch at import: run.json and the CLI read ModelFacts without it
+    from torch import nn
 
-from nemo_moe_metrics.flops.core import FlopsEstimator
-from nemo_moe_metrics.moe.router_spec import RouterSpec
+    from nemo_moe_metrics.flops.core import FlopsEstimator
+    from nemo_moe_metrics.moe.router_spec import RouterSpec
 
 
 @dataclass(frozen=True)
