@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 from browser import REQUIRE as REQUIRE_BROWSER  # noqa: E402
 
 from benchmarks.host_reads import HostReadCounter  # noqa: E402
-from benchmarks.run import BROWSER_KEYS, RESULT_KEYS, median_ci95  # noqa: E402
+from benchmarks.run import BROWSER_KEYS, NOT_IN_SMOKE, RESULT_KEYS, median_ci95  # noqa: E402
 
 
 def _count(fn) -> int:
@@ -130,8 +130,9 @@ def test_smoke_run_reports_every_result_key_with_its_target(smoke):
     no_browser = "not measured" in str((result["details"].get("html") or {}).get("browser"))
     if os.environ.get(REQUIRE_BROWSER) == "1":
         assert not no_browser, result["details"]["html"]
+    assert "not measured in --smoke" in result["details"]["ray"]
     for key in RESULT_KEYS:
-        if no_browser and key in BROWSER_KEYS:
+        if (no_browser and key in BROWSER_KEYS) or key in NOT_IN_SMOKE:
             continue
         assert key in result, key
         assert key in result["met"] and key in result["targets"]
