@@ -1,5 +1,8 @@
+import functools
 import os
+import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -7,6 +10,42 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+
+#: pytest-xdist (``-n 2`` in pyproject.toml) runs one group of tests per worker at a time: a
+#: module is a group (its module fixtures run once), or joins a named one with
+#: ``pytestmark = pytest.mark.xdist_group(NAME)`` (``cluster``: what shares this host's Slurm
+#: daemons and Ray processes). Named groups are the long ones and start first, then modules
+#: with end-to-end runs (``slow``), then the rest, in collection order. The grouping is ours
+#: (``pytest_xdist_make_scheduler``): xdist's own ``--dist loadgroup`` groups nothing under
+#: pytest 9 (each test went its own way, and module fixtures ran once per worker).
+_GROUP_MARK = re.compile(r"pytest\.mark\.xdist_group\(\s*[\"']([^\"']+)[\"']")
+
+
+@functools.cache
+def _module_group(path: str) -> str:
+    """The module's named group, or its own path."""
+    found = _GROUP_MARK.search((Path(__file__).parent.parent / path).read_text(encoding="utf-8"))
+    return found.group(1) if found else path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _module_group(nodeid.split("::")[0])
+
+    return ByGroup(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+
+    def rank(item):
+        path = item.nodeid.split("::")[0]
+        return 0 if _module_group(path) != path else 1 if path in slow else 2
+
+    items.sort(key=rank)  # stable: collection order within each rank
 
 
 @pytest.fixture(scope="module")

@@ -386,7 +386,8 @@ def test_slurm_dry_run_is_readable_named_after_the_recipe_and_writes_nothing(tmp
     )
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
-    assert max(len(line) for line in text.splitlines()) <= 200
+    # Readable whatever the temporary folder's path (longer under pytest-xdist's workers).
+    assert max(len(line.replace(str(tmp_path), "T")) for line in text.splitlines()) <= 200
     assert "#SBATCH --job-name=grpo_moe_tiny\n" in text
     assert "A-A." not in text
     assert text.startswith("# submit with:\nsbatch ")

@@ -23,7 +23,7 @@ from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
 
 # The CLI, Ray and the driver's merge: what they check does not depend on the megatron-core
 # line (the actors run the same worker the torchrun tests run on both lines).
-pytestmark = pytest.mark.one_line
+pytestmark = [pytest.mark.one_line, pytest.mark.xdist_group("cluster")]
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "examples" / "configs" / "grpo_moe_tiny.yaml"

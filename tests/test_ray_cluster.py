@@ -33,7 +33,7 @@ from test_ray import assert_same_numbers, rows
 from nemo_moe_metrics import processes
 from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
 
-pytestmark = pytest.mark.one_line  # as tests/test_ray.py
+pytestmark = [pytest.mark.one_line, pytest.mark.xdist_group("cluster")]  # as tests/test_ray.py
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "examples" / "configs"

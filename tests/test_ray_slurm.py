@@ -18,7 +18,7 @@ import pytest
 from ray_local import ray_port
 from test_ray import assert_same_numbers
 
-pytestmark = pytest.mark.one_line  # Slurm, Ray and the CLI (tests/test_slurm.py's reasoning)
+pytestmark = [pytest.mark.one_line, pytest.mark.xdist_group("cluster")]  # Slurm, Ray and the CLI (tests/test_slurm.py's reasoning)
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = "examples/configs/grpo_moe_tiny.yaml"

@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks import fault_injection as fi  # noqa: E402
 
-pytestmark = pytest.mark.one_line  # CLI behaviour: the same on both megatron-core lines
+pytestmark = [pytest.mark.one_line, pytest.mark.xdist_group("faults")]  # CLI behaviour: the same on both megatron-core lines
 
 STEP_BATCH = 1  # logged steps to wait for before each fault
 #: faults of benchmarks/fault_injection.py that make no Python error: a stopped rank (named
