@@ -20,6 +20,7 @@ def attach_bench(layers: int = 94, experts: int = 128, repeats: int = 3) -> dict
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
     from nemo_moe_metrics.config import MetricsConfig
+    from nemo_moe_metrics.families.throughput import Throughput
     from nemo_moe_metrics.metrics import PolicyMetrics
 
     config = Glm4MoeConfig(num_hidden_layers=layers, n_routed_experts=experts)
@@ -42,7 +43,8 @@ def attach_bench(layers: int = 94, experts: int = 128, repeats: int = 3) -> dict
             metrics.attach(model, model.config)
         times.append(time.perf_counter() - started)
         routers = len(metrics._collector.layer_ids)
-        flops = metrics._meter is not None and metrics._meter._estimator is not None
+        throughput = metrics.family(Throughput)
+        flops = throughput is not None and throughput.meter._estimator is not None
         metrics.detach()
     return {
         "attach_seconds": statistics.median(times),

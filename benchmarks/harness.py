@@ -450,12 +450,12 @@ class StepBench:
                 wrap(family, name, bucket)
             family.enqueue = timed_enqueue(family.enqueue, bucket)
             undo.append(lambda f=family: delattr(f, "enqueue"))
-        collector = metrics._collector
         nested = [0.0]  # health / routing observe inside the collector's hooks
-        for attr, family_name in (("health", "RouterHealth"), ("routing", "RoutingConsistency")):
-            tracker = getattr(collector, attr, None) if collector is not None else None
-            if tracker is not None and family_name in spent:
-                inner = _cpu_timed(tracker.observe, spent[family_name])
+        for family in families:
+            # Their trackers' observe runs in the collector's hooks (their subscriptions).
+            tracker = getattr(family, "tracker", None)
+            if type(family).__name__ in ("RouterHealth", "RoutingConsistency") and tracker:
+                inner = _cpu_timed(tracker.observe, spent[type(family).__name__])
                 tracker.observe = _cpu_timed(inner, nested)
                 undo.append(lambda t=tracker: delattr(t, "observe"))
         hooks, throughput_hooks = [0.0], spent.get("Throughput", [0.0])

@@ -37,8 +37,9 @@ def _rank(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from benchmarks.host_reads import HostReadCounter
-    from nemo_moe_metrics import families
     from nemo_moe_metrics.config import MegatronConfig, MetricsConfig, ModelConfig
+    from nemo_moe_metrics.families.router_health import RouterHealth
+    from nemo_moe_metrics.families.routing_consistency import RoutingConsistency
     from nemo_moe_metrics.megatron import compat
     from nemo_moe_metrics.megatron.cpu_shims import cpu_device_mode
     from nemo_moe_metrics.megatron.model import (
@@ -75,8 +76,7 @@ def _rank(
     )
     metrics.attach(model, model.config)
     collector = metrics._collector
-    measured = families.RoutingConsistency if routing_family else families.RouterHealth
-    family = next(f for f in metrics._families if isinstance(f, measured))
+    family = metrics.family(RoutingConsistency if routing_family else RouterHealth)
     routers = compat.megatron_routers(model)
     mask = causal_attention_mask(s.seq_length)
     pos = torch.arange(s.seq_length).expand(s.micro_batch_size, s.seq_length)
@@ -95,20 +95,21 @@ def _rank(
             out.append((tokens, scores.argsort(dim=-1)[..., : s.topk]))
         return out
 
+    subscribed = [True]  # attach subscribed the family's observer to the collector
+
     def routing(on: bool) -> None:
-        # What the flag off builds: no family, no tracker in the collector (and for router
-        # health no logit capture).
+        # What the flag off builds: no family, no subscription to the collector (and for
+        # router health no logit capture).
         if on and family not in metrics._families:
             metrics._families.append(family)
         if not on and family in metrics._families:
             metrics._families.remove(family)
+        if on != subscribed[0]:
+            (collector.subscribe if on else collector.unsubscribe)(family.observer)
+            subscribed[0] = on
         if not routing_family:
-            collector.health = family.tracker if on else None
             for router in routers:
                 (compat.capture_router_logits if on else compat.release_router_logits)(router)
-            return
-        collector.routing = family.tracker if on else None
-        metrics._routing = family if on else None
 
     cpu: dict[bool, list[float]] = {True: [], False: []}
 

@@ -20,8 +20,9 @@ packed).
 
 ``finish_step`` returns the same dict on every rank, with keys exactly as in
 ``nemo_moe_metrics.metric_names``; loops merge it as is (no extra prefix). What is measured is
-a list of metric families (``nemo_moe_metrics.families``) built at ``attach``; this facade
-calls them at the same points of every step and knows none of them.
+a list of metric families built at ``attach`` from one registration list
+(``nemo_moe_metrics.families.REGISTERED``); this facade calls them at the same points of every
+step and knows none of them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,21 +42,16 @@ from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.adapters.family import ModelFacts, ModelFamily
 from nemo_moe_metrics.adapters.registry import attach_collector, family_of, model_facts
 from nemo_moe_metrics.config import MetricsConfig
-from nemo_moe_metrics.flops import UnknownModelTypeError, resolve_peak_flops
+from nemo_moe_metrics.families.base import BuildContext, MetricFamily
 from nemo_moe_metrics.host_read import read_once
-from nemo_moe_metrics.megatron import compat
 from nemo_moe_metrics.moe.collector import ExpertLoadCollector
-from nemo_moe_metrics.moe.expert_bias import ExpertBiasTracker
 from nemo_moe_metrics.moe.generation_mask import EndOfSequence
-from nemo_moe_metrics.moe.hf_aux_loss import HFAuxLossAccumulator
-from nemo_moe_metrics.moe.imbalance_cost import expert_imbalance_slowdown, routed_flops_per_token
-from nemo_moe_metrics.moe.overload import OverloadTracker
-from nemo_moe_metrics.moe.reduction import ExpertLoadReducer
-from nemo_moe_metrics.throughput import StepMeter
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ModelFacts", "PolicyMetrics", "model_facts"]
+
+M = TypeVar("M", bound=MetricFamily)
 
 
 #: transformers' encoder-decoder MoE families: their routers predate the experts interface and
@@ -122,12 +118,8 @@ class PolicyMetrics:
         """``vocab_size`` sizes the lm_head in the FLOP estimate (megatron configs lack it)."""
         self.cfg = cfg
         self.vocab_size = vocab_size
-        self._transformer_config: Any = None
-        self._families: list[families.MetricFamily] = []
-        self._loads: families.ExpertLoads | None = None
-        self._routing: families.RoutingConsistency | None = None
-        self._meter: StepMeter | None = None
-        self._routed_flops_per_token: float | None = None  # for expert_imbalance_slowdown
+        self._families: list[MetricFamily] = []
+        self._collector: ExpertLoadCollector | None = None  # the router hooks, when MoE
         self._attached = False
         self._facts: ModelFacts | None = None
         self._family: ModelFamily | None = None
@@ -151,9 +143,10 @@ class PolicyMetrics:
         top-k, expert-parallel size; integrations give it to ``open_run`` for ``run.json``."""
         return self._facts
 
-    @property
-    def _collector(self) -> ExpertLoadCollector | None:
-        return self._loads.collector if self._loads is not None else None
+    def family(self, kind: type[M]) -> M | None:
+        """The attached metric family of class ``kind`` (``nemo_moe_metrics.families``), or
+        None (its flag is off, or the model leaves it out)."""
+        return next((f for f in self._families if isinstance(f, kind)), None)
 
     def attach(self, model: nn.Module | list[nn.Module], config: Any) -> None:
         """Hook the model chunks as the flags say; nothing at all when they are off or not MoE.
@@ -171,141 +164,43 @@ class PolicyMetrics:
         chunks = model if isinstance(model, list | tuple) else [model]
         self._family = family_of(config)
         config = self._family.as_built(chunks, config)
-        self._transformer_config = config
         self._facts = self._family.facts(config)
-        if self.cfg.track_moe_metrics:
-            self._attach_moe(chunks, self._facts)
-        if self.cfg.track_throughput:
-            self._meter = self._build_meter(config, chunks[0] if len(chunks) == 1 else None)
-            self._families.append(families.Throughput(self._meter, chunks))
+        moe = self.cfg.track_moe_metrics and self._attach_collector(chunks, self._facts)
+        context = BuildContext(
+            cfg=self.cfg,
+            model_family=self._family,
+            facts=self._facts,
+            config=config,
+            chunks=chunks,
+            vocab_size=self.vocab_size,
+            collector=self._collector,
+            moe=moe,
+        )
+        # One loop over the registration list, in its order (the export's); the list is
+        # ours from the start, so detach() undoes what a build that raised left hooked.
+        self._families = context.built
+        for build in families.REGISTERED:
+            family = build(context)
+            if family is not None:
+                context.built.append(family)
 
-    def _attach_moe(self, chunks: list[nn.Module], facts: ModelFacts) -> None:
+    def _attach_collector(self, chunks: list[nn.Module], facts: ModelFacts) -> bool:
+        """Hook the routers; whether the MoE families apply (MoE layers on some rank)."""
         # megatron decides from the config, not from this rank's modules: a pipeline stage
         # without MoE layers must still join every collective the other stages make. Hugging
         # Face and torchtitan models are whole on every rank: their modules decide.
-        family = self._family
         collector = None
-        if facts.num_experts or family.whole_on_every_rank:
+        if facts.num_experts or self._family.whole_on_every_rank:
             collector = attach_collector(chunks, num_layers=facts.num_layers or None)
         if not facts.num_experts and collector is None:
             log.warning(
                 "track_moe_metrics is on but the model has no MoE layers: no moe/ metrics, no hooks"
             )
-            return
+            return False
         if collector is None:
             warnings.warn(_no_router_message(facts), RuntimeWarning, stacklevel=3)
-        cfg = self.cfg
-        # The order is the export's: aux losses, then the loads (their first export agrees the
-        # layers), then the families that use the agreed layers.
-        model_aux = self._model_aux_loss(chunks, collector)
-        if model_aux is not None:
-            self._families.append(model_aux)
-        elif facts.aux_loss == "megatron":
-            self._families.append(families.MegatronAuxLoss(self._transformer_config, cfg))
-        self._loads = families.ExpertLoads(collector, ExpertLoadReducer(None), cfg, facts.ep_size)
-        self._families.append(self._loads)
-        if facts.ep_size > 1:  # tokens cross expert-parallel ranks (megatron)
-            self._families.append(self._overload_family(collector, facts))
-        if collector is not None and family.whole_on_every_rank:
-            # Whole models on every rank: each rank generates, each joins (see generation()).
-            self._families.append(families.RolloutLoad(collector, cfg.moe_per_layer_logging))
-        sources = collector.expert_bias_sources() if collector else []
-        if family.bias_from_modules:  # no config flag says it: the layers that hold a bias do
-            sources = [(layer, get) for layer, get in sources if get() is not None]
-        if facts.expert_bias or (family.bias_from_modules and sources):
-            # Every rank joins the bias reduce, also a pipeline stage without MoE layers.
-            tracker = ExpertBiasTracker(sources)
-            self._families.append(
-                families.ExpertBias(tracker, self._loads, cfg.moe_per_layer_logging)
-            )
-        if cfg.track_router_health:
-            self._families.append(families.RouterHealth(self._loads, cfg))
-        if cfg.track_routing_consistency:
-            self._routing = self._routing_family(facts, collector)
-            if self._routing is not None:
-                self._families.append(self._routing)
-
-    def _overload_family(
-        self, collector: ExpertLoadCollector | None, facts: ModelFacts
-    ) -> families.OverloadFactor:
-        # megatron's overload factor needs each forward's tokens per EP rank and the EP group.
-        group, rank = compat.expert_parallel_group() if dist.is_initialized() else (None, 0)
-        if collector is not None:
-            tracker = collector.enable_overload(facts.ep_size)
-        else:  # a stage without MoE layers joins the reduce with nothing
-            tracker = OverloadTracker(facts.ep_size)
-        mtp = int(getattr(self._transformer_config, "mtp_num_layers", 0) or 0)
-        per_layer = self.cfg.moe_per_layer_logging
-        return families.OverloadFactor(
-            tracker, collector, facts.num_layers + mtp, group, rank, per_layer
-        )
-
-    def _model_aux_loss(
-        self, chunks: list[nn.Module], collector: ExpertLoadCollector | None
-    ) -> families.ModelAuxLoss | None:
-        # The loss the model's own training computes (transformers' load_balancing_loss_func),
-        # per layer, from the router logits the model records as router_logits.
-        find = self._family.aux_loss_sources
-        if find is None or collector is None:
-            return None
-        kind, sources = find(chunks, collector.blocks)
-        if not sources:
-            return None
-        layers = collector.layer_ids
-        experts = dict(zip(layers, collector.num_experts, strict=True))
-        topks = dict(zip(layers, collector.topks, strict=True))
-        size = max(self._facts.num_layers, max(layers) + 1)
-        accumulator = HFAuxLossAccumulator(
-            size, [source[0] for source in sources], kind, staging=collector.staging
-        )
-        for layer, router, logits_at, ids_at in sources:
-            observe = accumulator.observer(logits_at, experts[layer], topks[layer], ids_at)
-            collector.observe_module(router, layer, observe)
-        return families.ModelAuxLoss(accumulator, self.cfg)
-
-    def _routing_family(
-        self, facts: ModelFacts, collector: ExpertLoadCollector | None
-    ) -> families.RoutingConsistency | None:
-        if self._family.moe_layers is not None:  # the config says them (megatron)
-            moe_layers, topk = self._family.moe_layers(self._transformer_config)
-        elif collector is None:
-            return None
-        else:
-            moe_layers, topk = collector.layer_ids, collector.topk
-        # With router health, the rollout engine's own load too (moe/rollout_max_over_ideal).
-        rollout_experts = facts.num_experts if self.cfg.track_router_health else 0
-        return families.RoutingConsistency(collector, moe_layers, topk, rollout_experts, self.cfg)
-
-    def _build_meter(self, transformer_config: Any, model: nn.Module | None = None) -> StepMeter:
-        estimator, peak = None, None
-        if self.cfg.track_flops:
-            # Unknown model type: one warning and no FLOP keys, never a reported 0. A
-            # transformers model without a formula is read from its own modules, once here.
-            try:
-                estimator = self._family.flops(transformer_config, self.vocab_size, model)
-            except UnknownModelTypeError as err:
-                warnings.warn(f"FLOP metrics disabled: {err}", stacklevel=4)
-            device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-            if estimator is not None:
-                peak = resolve_peak_flops(device_name, self.cfg.peak_flops_per_gpu)
-                self._routed_flops_per_token = routed_flops_per_token(estimator)
-        # None: every rank a data-parallel replica (DDP, FSDP)
-        data_group = compat.data_parallel_group() if dist.is_initialized() else None
-        device = (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        )
-        host_timing_group = None
-        if device is not None and dist.is_initialized() and dist.get_backend() != "gloo":
-            # CUDA events: the step seconds' MAX goes host to host, so the export waits once.
-            # Creating a group is collective: every rank attaches with the same flags.
-            host_timing_group = dist.new_group(backend="gloo")
-        return StepMeter(
-            flops_estimator=estimator,
-            peak_flops_per_gpu=peak,
-            device=device,
-            data_group=data_group,
-            host_timing_group=host_timing_group,
-        )
+        self._collector = collector
+        return True
 
     def resume_totals(
         self,
@@ -318,8 +213,8 @@ class PolicyMetrics:
         """Continue ``train_perf/total_*`` and the cumulative rates of a resumed run (after
         ``attach``, before the first step; ``restart=True``: also after steps, when training
         went back to a checkpoint); a no-op without throughput tracking."""
-        if self._meter is not None:
-            self._meter.resume(total_tokens, total_seconds, total_flops, restart=restart)
+        for family in self._families:
+            family.resume(total_tokens, total_seconds, total_flops, restart)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -418,7 +313,8 @@ class PolicyMetrics:
                 "microbatch inside `with metrics.step():` (before the microbatch's forward), "
                 "then finish_step() after the block"
             )
-        if rollout_routes is not None and self._routing is None and not self._routes_ignored:
+        takes_routes = any(family.takes_rollout_routes for family in self._families)
+        if rollout_routes is not None and not takes_routes and not self._routes_ignored:
             self._routes_ignored = True
             warnings.warn(
                 "PolicyMetrics.microbatch: rollout_routes are ignored because "
@@ -515,7 +411,8 @@ class PolicyMetrics:
                 _check_tokens_against_routers(out)
             for family in self._families:
                 family.check(out, self._microbatches_since_export)
-            self._imbalance_cost(out)
+            for family in self._families:
+                family.complete(out)
         finally:
             # The families consumed the interval at enqueue: an export that raises (bad input,
             # found on every rank alike) discards it, and the next step starts afresh.
@@ -524,20 +421,6 @@ class PolicyMetrics:
             for family in self._families:
                 family.end_export()
         return out
-
-    def _imbalance_cost(self, out: dict[str, Any]) -> None:
-        # Host numbers of this export: the routed experts' share of the estimated FLOPs and
-        # the busiest EP rank's share of the routed work (moe/imbalance_cost.py).
-        per_token, loads = self._routed_flops_per_token, self._loads
-        flops, tokens = out.get(mn.ESTIMATED_FLOPS), out.get(mn.TOKENS)
-        if not per_token or loads is None or not flops or not tokens:
-            return
-        share = loads.busiest_share
-        if share is not None and out.get(mn.ROUTED_TOKENS):
-            routed = min(1.0, per_token * tokens / flops)
-            out[mn.EXPERT_IMBALANCE_SLOWDOWN] = expert_imbalance_slowdown(
-                routed, share, loads.ep_size
-            )
 
     def _drop_empty_moe_step(self, out: dict[str, Any]) -> None:
         # No expert received a training token: balance statistics and aux losses of nothing
@@ -557,3 +440,4 @@ class PolicyMetrics:
         """Remove every hook (the model runs exactly as before)."""
         for family in self._families:
             family.detach()
+        self._collector = None

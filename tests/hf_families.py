@@ -433,7 +433,7 @@ def support_row(model_type: str) -> str:
     with torch.device("meta"):
         model = fam.model_class(tiny_config(model_type))
     collector = attach_collector(model, num_layers=LAYERS)
-    specs = {spec for _, _, spec in collector._routers}
+    specs = {router.spec for router in collector.routers}
     counted = "; ".join(sorted(_counted_by(s) for s in specs))
     kind = hf_models.aux_loss_kind([model])
     sources = hf_models.router_logit_sources([model], collector.blocks) if kind else []
@@ -458,8 +458,9 @@ def support_row(model_type: str) -> str:
 def _health_support(collector: Any) -> tuple[str, str]:
     """ "all layers", "some layers" or "no", and why not, from the routers' health readers."""
     found = []
-    for _, module, spec in collector._routers:
-        source = spec.health(module, collector._parents.get(id(module))) if spec.health else None
+    for router in collector.routers:
+        spec = router.spec
+        source = spec.health(router.module, router.parent) if spec.health else None
         found.append(source)
         if source is not None and not isinstance(source, str) and source.release is not None:
             source.release()  # the reader hooked the router: unhook it again

@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_moe_metrics import attach_collector, register_router
+from nemo_moe_metrics.families.router_health import enable_health
 
 aten = torch.ops.aten
 torch.set_num_threads(1)
@@ -154,7 +155,7 @@ def test_router_health_hook_path_makes_no_host_sync(build):
     router = build()
     chunk = Chunk(MoEBlock(router))
     collector = attach_collector(chunk)
-    tracker = collector.enable_health(near_tie_gap=0.01)
+    tracker = enable_health(collector, near_tie_gap=0.01)
     x = torch.randn(10, 16)
     with no_host_sync():
         for _ in range(3):
@@ -182,7 +183,7 @@ def test_router_health_of_transformers_families_makes_no_host_sync(family):
         block.experts.config = text
     chunk = Chunk(block)
     collector = attach_collector(chunk)
-    tracker = collector.enable_health(near_tie_gap=0.01)
+    tracker = enable_health(collector, near_tie_gap=0.01)
     assert tracker.scoring(0) is not None, family
     x = torch.randn(1, 10, text.hidden_size)
     with no_host_sync():

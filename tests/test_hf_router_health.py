@@ -26,6 +26,7 @@ from health_oracle import NEAR_TIE_GAP, Layer, Router, assert_matches, expected_
 from test_hf_families import BATCH, FAMILIES, SEQ, _run  # noqa: E402
 
 from nemo_moe_metrics import metric_names as mn  # noqa: E402
+from nemo_moe_metrics.families.router_health import enable_health  # noqa: E402
 from nemo_moe_metrics.moe.router_health import RouterScoring, chosen_experts  # noqa: E402
 
 #: Families with routers that are not a top-k of scores -> the reason their warning gives.
@@ -44,7 +45,7 @@ def _scorings(model_type: str) -> dict[int, RouterScoring | None]:
         collector = attach_collector(_run(model_type).model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # asserted on the run's own attach
-            tracker = collector.enable_health(NEAR_TIE_GAP)
+            tracker = enable_health(collector, NEAR_TIE_GAP)
         _SCORINGS[model_type] = {layer: tracker.scoring(layer) for layer in collector.layer_ids}
         collector.detach()
     return _SCORINGS[model_type]

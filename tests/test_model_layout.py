@@ -52,6 +52,7 @@ def _megatron_hybrid_step(rank, world_size):
     from torch.utils.flop_counter import FlopCounterMode
 
     from nemo_moe_metrics.config import MegatronConfig, MetricsConfig
+    from nemo_moe_metrics.families.throughput import Throughput
     from nemo_moe_metrics.flops import get_flops_estimator
     from nemo_moe_metrics.layer_pattern import config_hybrid_pattern
     from nemo_moe_metrics.megatron import compat
@@ -101,7 +102,9 @@ def _megatron_hybrid_step(rank, world_size):
     lengths = [SEQ] * BATCH
     out["counted_flops"] = float(counter.get_total_flops())
     # The counter counts the full T x T attention product: compare the non-causal estimate.
-    out["estimate_full_attention"] = metrics._meter._estimator(lengths, causal=False).total
+    out["estimate_full_attention"] = (
+        metrics.family(Throughput).meter._estimator(lengths, causal=False).total
+    )
     out["estimate_plain_config"] = get_flops_estimator(config, vocab_size=VOCAB)(
         lengths, causal=False
     ).total

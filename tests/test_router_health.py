@@ -17,6 +17,7 @@ from health_oracle import NEAR_TIE_GAP, Layer, Router, assert_matches, expected_
 from hf_tiny import FAMILIES, VOCAB, K, tiny_model
 
 from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.families.router_health import enable_health
 from nemo_moe_metrics.moe.router_health import (
     RouterScoring,
     chosen_experts,
@@ -181,7 +182,7 @@ def test_router_without_a_known_score_function_gets_no_health_keys_and_one_warni
     chunk = _Chunk(_OpaqueRouter())
     collector = attach_collector(chunk)
     with pytest.warns(RuntimeWarning, match="no moe/...router_\\* keys .*_OpaqueRouter|layers.0"):
-        tracker = collector.enable_health(NEAR_TIE_GAP)
+        tracker = enable_health(collector, NEAR_TIE_GAP)
     x = torch.randn(5, 6)
     chunk(x)
     counts = np.bincount(chunk.layers[0](x)[2].reshape(-1).numpy(), minlength=4)
@@ -400,7 +401,7 @@ def test_a_router_naming_its_score_function_is_read_and_bad_groups_are_skipped()
     chunk = _Chunk(MoEBlock(router))
     collector = attach_collector(chunk)
     with pytest.warns(RuntimeWarning, match="the groups must divide the experts"):
-        tracker = collector.enable_health(NEAR_TIE_GAP)
+        tracker = enable_health(collector, NEAR_TIE_GAP)
     chunk(torch.randn(5, 16))
     sums, _ = tracker.local_stats()
     # No decision judged (never a guess), the microbatch balance still measured.

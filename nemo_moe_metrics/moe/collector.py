@@ -30,12 +30,15 @@ docs/en/expert_load.md):
   collector used on its own counts whenever the rules above hold (``counting`` stays True).
 - Counts accumulate as int64 per layer on the router's device; the hook path only launches
   device ops (no ``.item()``, ``.tolist()``, ``.cpu()``, ``nonzero`` or branching on values).
+- It knows no metric family either: a family that needs more of a router forward than its
+  counts (router health, routing consistency, the overload factor) subscribes with
+  :meth:`ExpertLoadCollector.subscribe` and sees each forward, each batch of kept forwards
+  counted together, and each reset (``moe.subscriptions``).
 """
 
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -44,14 +47,12 @@ from torch import nn
 
 from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors, HostStaging
 from nemo_moe_metrics.moe.generation_mask import EndOfSequence
-from nemo_moe_metrics.moe.health_tracker import RouterHealthTracker
 from nemo_moe_metrics.moe.layer_counts import (
     KeptPicks,
     LayerAccumulator,
     LayerBuffers,
     forward_counts,
 )
-from nemo_moe_metrics.moe.overload import OverloadTracker
 from nemo_moe_metrics.moe.reduction import ExpertLoadReducer
 from nemo_moe_metrics.moe.router_spec import (
     RouterSpec,
@@ -59,10 +60,16 @@ from nemo_moe_metrics.moe.router_spec import (
     layer_id_from_name,
     mtp_index,
     per_expert,
-    rows_of,
     same_layer_message,
 )
-from nemo_moe_metrics.moe.routing import RoutingTracker
+from nemo_moe_metrics.moe.subscriptions import (
+    GENERATION,
+    TRAINING,
+    CountedForwards,
+    ForwardObserver,
+    HookedRouter,
+    RouterForward,
+)
 
 if TYPE_CHECKING:
     from nemo_moe_metrics.moe.balance import ExpertLoads
@@ -137,24 +144,21 @@ class ExpertLoadCollector:
         #: Set for one generate call (PolicyMetrics.generation(eos_token_ids=...)): its
         #: forwards count no position after a sequence's end (moe.generation_mask)
         self.end_of_sequence: EndOfSequence | None = None
-        #: Follows each counted forward's tokens per EP rank (enable_overload): moe.overload
-        self.overload: OverloadTracker | None = None
         self._entered: list[bool] = []
         self._masks: list[torch.Tensor | None] = []  # real-token mask per open chunk forward
         self._handles: list[Any] = []
         self._accs: list[LayerAccumulator] = []
         self._reducers: dict[Any, Any] = {}
         self.sequence_parallel = False
-        self.routing: RoutingTracker | None = None  # once enable_routing() ran
-        self._compared: set[int] = set()  # the layers routing consistency compares
-        self._routers = routers
         self._num_layers = num_layers
         #: module-name prefix of each layer's MoE block (the matched module's parent, or the
         #: matched module itself when its spec hooks a submodule)
         self.blocks: dict[int, str] = {}
-        self.health: RouterHealthTracker | None = None  # once enable_health() ran
-        self._health_sources: dict[int, Any] = {}  # id(matched module) -> HealthSource
-        self._parents = parents or {}
+        # The metric families' per-forward subscriptions (moe.subscriptions), in order.
+        self._observers: list[ForwardObserver] = []
+        self._serial = 0  # training forwards counted since the last reset
+        self._hooked: list[HookedRouter] = []
+        parents = parents or {}
         self._bias_sources: list[tuple[int, Callable[[], torch.Tensor | None]]] = []
         seen: dict[int, str] = {}
         for name, module, spec in routers:
@@ -171,8 +175,10 @@ class ExpertLoadCollector:
             device = param.device if param is not None else torch.device("cpu")
             acc = LayerAccumulator(layer, experts, topk, device, spec.zero_computation)
             self._accs.append(acc)
+            parent = parents.get(id(module))
+            self._hooked.append(HookedRouter(name, module, spec, layer, parent))
             if spec.expert_bias is not None:
-                get, parent = spec.expert_bias, self._parents.get(id(module))
+                get = spec.expert_bias
                 self._bias_sources.append((layer, lambda get=get, m=module, p=parent: get(m, p)))
             self._handles.append(
                 hooked.register_forward_hook(self._router_hook(acc, spec, module), with_kwargs=True)
@@ -273,83 +279,70 @@ class ExpertLoadCollector:
         if self._masks:
             self._masks.pop()
 
-    def _overload_forward(self, acc: LayerAccumulator, output: Any) -> int | None:
-        if self.overload is None:
-            return None
-        return self.overload.forward(acc.layer_id, output)
+    def subscribe(self, observer: ForwardObserver) -> None:
+        """Call ``observer`` at every router forward, counted batch, reset and detach
+        (``moe.subscriptions``), after the observers subscribed before it."""
+        self._observers.append(observer)
 
-    def enable_overload(self, ep_size: int) -> OverloadTracker:
-        """Follow every counted forward's executed tokens per EP rank (``moe.overload``)."""
-        self.overload = OverloadTracker(ep_size)
-        return self.overload
+    def unsubscribe(self, observer: ForwardObserver) -> None:
+        """Stop calling ``observer`` (nothing is undone: see its ``detach``)."""
+        self._observers.remove(observer)
+
+    @property
+    def routers(self) -> list[HookedRouter]:
+        """Every hooked router: name, matched module, spec, global layer id, parent module."""
+        return list(self._hooked)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the accumulators of the first layer live (the trackers' device)."""
+        return self._accs[0].counts.device
 
     def _counts_now(self, module: nn.Module) -> bool:
         return self.counting and self._active_depth > 0 and module.training and not in_backward()
 
     def _router_hook(self, acc: LayerAccumulator, spec: RouterSpec, matched: nn.Module):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            source = self._health_sources.get(id(matched)) if self.health is not None else None
-            # Read on every forward: a captured logits tensor never outlives its forward.
-            decision = source.read(args, kwargs, output) if source is not None else None
             # No autograd graph: a measurement op on grad-requiring outputs (llama4's topk of
             # its logits) would save tensors for backward in the first forward only, since a
             # recomputation is not counted, and non-reentrant activation checkpointing refuses a
             # recomputation that saves fewer tensors than the forward did.
             with torch.no_grad():
                 extra = {}
+                valid = None
                 if spec.padding_from_model:
-                    extra["valid"] = self._masks[-1] if self._masks else None
+                    valid = extra["valid"] = self._masks[-1] if self._masks else None
+                kind = counts = executed = serial = None
                 if self._counts_now(module):
+                    kind, serial = TRAINING, self._serial
+                    self._serial += 1
                     if spec.picks_fn is not None:  # kept, counted with the step's others
-                        counts = None
-                        picks, valid = spec.picks_fn(module, args, kwargs, output, **extra)
+                        picks, kept_valid = spec.picks_fn(module, args, kwargs, output, **extra)
                         if picks.device != acc.device:  # the model moved after attach
                             self._move(acc, picks.device)
                         if self.staging.nbytes >= FLUSH_BYTES:  # count the kept ones first
                             self.staging.flush()
-                        tag = self._overload_forward(acc, output)
-                        self._kept.keep(acc, picks, valid, tag)
+                        self._kept.keep(acc, picks, kept_valid, serial)
                     else:
                         counted = spec.counts_fn(module, args, kwargs, output, **extra)
                         counts = per_expert(counted[0])
                         if counts.device != acc.device:  # the model moved after attach
                             self._move(acc, counts.device)
                         acc.add(*counted)
-                        tag = self._overload_forward(acc, output)
-                        if tag is not None:  # dropless: the executed picks are rows x top-k
-                            ran = counted[2] if len(counted) > 2 else None
-                            done = counts if ran is None else per_expert(ran)
-                            self.overload.add([tag], done.unsqueeze(0), [done.sum()])
-                    if self.health is not None:
-                        logits, bias, valid = (
-                            decision if decision is not None else (None, None, None)
-                        )
-                        if valid is None and logits is not None and extra.get("valid") is not None:
-                            valid = rows_of(
-                                extra["valid"], logits.reshape(-1, logits.shape[-1]).shape[0]
-                            )
-                        chosen = (  # zero-computation picks arrive remapped: not the choice
-                            source.chosen(args, kwargs, output)
-                            if source is not None
-                            and source.chosen is not None
-                            and not spec.zero_computation
-                            else None
-                        )
-                        self.health.observe(
-                            acc.layer_id, counts, logits, bias=bias, valid=valid, chosen=chosen
-                        )
-                    if self.routing is not None and acc.layer_id in self._compared:
-                        assert spec.routes_fn is not None
-                        self.routing.observe(
-                            acc.layer_id, *spec.routes_fn(module, args, kwargs, output, **extra)
-                        )
+                        executed = counted[2] if len(counted) > 2 else None
                 elif self.rollout_counting and self._masks and not in_backward():
                     # A generation forward (prefill or decode): the rollout's load, real tokens.
+                    kind = GENERATION
                     counts = per_expert(spec.counts_fn(module, args, kwargs, output, **extra)[0])
                     if counts.device != acc.device:
                         self._move(acc, counts.device)
                     acc.rollout.add_(counts)
                     self.rollout_seen = True
+                if self._observers:  # every forward: a reader may drop what it captured
+                    fields = (args, kwargs, output, valid, kind, counts, executed, serial)
+                    seen = RouterForward(acc, matched, module, spec, *fields)
+                    for observer in self._observers:
+                        observer.forward(seen)
 
         return hook
 
@@ -370,88 +363,6 @@ class ExpertLoadCollector:
                     observe(layer_id, mod, output, valid)
 
         self._handles.append(module.register_forward_hook(hook))
-
-    def enable_routing(self, moe_layers: list[int], *, rollout_experts: int = 0) -> Any:
-        """Compare rollout routes with these routers' choices (``moe.routing.RoutingTracker``).
-
-        ``moe_layers``: every MoE layer of the model (global ids, model order), the layer axis
-        of the rollout routes. Megatron routers with router replay configured also report their
-        own top-k under replay (``megatron.compat.capture_router_choice``). ``rollout_experts``
-        > 0 also counts the rollout's own expert load (``RoutingTracker``).
-        """
-        specs = {spec for _, _, spec in self._routers}
-        unsupported = [name for name, _, spec in self._routers if spec.routes_fn is None]
-        if unsupported:
-            raise ValueError(
-                f"track_routing_consistency: routers {unsupported[:3]} were registered without a "
-                "routes function; routing consistency supports megatron-core and Hugging Face "
-                "routers"
-            )
-        # Rollout engines return routes for the decoder's MoE layers only: MTP layers (and any
-        # other layer outside moe_layers) are counted but not compared.
-        compared = [a for a in self._accs if a.layer_id in set(moe_layers)]
-        topks = {a.topk for a in compared}
-        if len(topks) > 1:
-            raise ValueError(
-                f"track_routing_consistency: the MoE layers route to different numbers of "
-                f"experts per token {sorted(topks)}; rollout routes need one top-k"
-            )
-        for name, module, spec in self._routers:
-            if spec.capture_choice is not None and mtp_index(name) is None:
-                spec.capture_choice(module)
-        self._compared = {a.layer_id for a in compared}
-        self.routing = RoutingTracker(
-            [a.layer_id for a in compared],
-            moe_layers,
-            topks.pop(),
-            [a.num_experts for a in compared],
-            self._accs[0].counts.device,
-            sequence_major=any(spec.sequence_major for spec in specs),
-            rollout_experts=rollout_experts,
-        )
-        return self.routing
-
-    def enable_health(self, near_tie_gap: float) -> Any:
-        """Judge these routers' decisions from their own logits (``moe.router_health``).
-
-        Routers whose class knows no health reader, or whose score function cannot be
-        determined, get no router-health keys (one warning names them); every router still
-        reports ``max_over_ideal_microbatch``.
-        """
-        scorings: dict[int, Any] = {acc.layer_id: None for acc in self._accs}
-        skipped: list[str] = []
-        for name, module, spec in self._routers:
-            layer = self._layer_of(name, module, spec)
-            try:
-                found = (
-                    spec.health(module, self._parents.get(id(module)))
-                    if spec.health is not None
-                    else "registered without a health reader"
-                )
-            except ValueError as err:  # a scoring the arithmetic cannot follow (RouterScoring)
-                found = str(err)
-            if isinstance(found, str):
-                skipped.append(f"{name} ({found})")
-                continue
-            self._health_sources[id(module)] = found
-            scorings[layer] = found.scoring
-        if skipped:
-            warnings.warn(
-                "track_router_health: no moe/...router_* keys for the layers of "
-                f"{len(skipped)} router(s): {'; '.join(skipped[:3])}"
-                f"{' ...' if len(skipped) > 3 else ''}. Their max_over_ideal_microbatch is "
-                "still logged.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        self.health = RouterHealthTracker(
-            scorings,
-            near_tie_gap=near_tie_gap,
-            device=self._accs[0].counts.device,
-            before_stats=self.count_kept,
-            staging=self.staging,
-        )
-        return self.health
 
     # -- step boundary -----------------------------------------------------------------------
     @property
@@ -487,9 +398,9 @@ class ExpertLoadCollector:
         return [a.zero_computation for a in self._accs]
 
     def count_kept(self) -> None:
-        """Count the kept picks into the accumulators (and the forwards' counts into router
-        health's microbatch balance), after every tracker's pass over what the shared staging
-        holds: device ops only, a few per batch of forwards."""
+        """Count the kept picks into the accumulators (and hand them to the subscribers'
+        ``counted``), after every tracker's pass over what the shared staging holds: device
+        ops only, a few per batch of forwards."""
         self.staging.flush()
 
     def _count_picks(self) -> None:
@@ -498,14 +409,11 @@ class ExpertLoadCollector:
             device = batch.owners[0].device
             buffers = next(b for b in self._buffers if b.state.device == device)
             buffers.add_forwards(batch.owners, routed, executed, tokens)
-            if self.overload is not None and batch.tags:
-                balanced = [
-                    p.shape[0] * a.topk for p, a in zip(batch.picks, batch.owners, strict=True)
-                ]
-                done = executed if executed is not None else routed
-                self.overload.add(batch.tags, done, balanced)
-            if self.health is not None:
-                self.health.observe_forwards([acc.layer_id for acc in batch.owners], routed)
+            if self._observers:
+                rows = [p.shape[0] for p in batch.picks]
+                seen = CountedForwards(batch.owners, batch.serials, rows, routed, executed)
+                for observer in self._observers:
+                    observer.counted(seen)
 
     def local_counts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """This rank's device accumulators (per-layer routed counts [E] and tokens []), not copied."""
@@ -546,12 +454,9 @@ class ExpertLoadCollector:
         self.staging.reset()
         for buffers in self._buffers:
             buffers.reset()
-        if self.overload is not None:
-            self.overload.reset()
-        if self.routing is not None:
-            self.routing.reset()
-        if self.health is not None:
-            self.health.reset()
+        self._serial = 0
+        for observer in self._observers:
+            observer.reset()
 
     def export(self, group: Any = None, *, contribute: bool | None = None) -> ExpertLoads:
         """Reduce over ``group`` (default: world), reset, return loads identical on every rank.
@@ -567,7 +472,5 @@ class ExpertLoadCollector:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for source in self._health_sources.values():
-            if source.release is not None:
-                source.release()
-        self._health_sources.clear()
+        for observer in self._observers:
+            observer.detach()

@@ -185,7 +185,7 @@ class PickBatch:
     owners: list[LayerAccumulator] = field(default_factory=list)
     picks: list[torch.Tensor] = field(default_factory=list)
     valid: list[torch.Tensor] = field(default_factory=list)
-    tags: list[int] = field(default_factory=list)  #: the forwards' overload-tracker indices
+    serials: list[int] = field(default_factory=list)  #: the forwards' numbers (collector's)
 
 
 class KeptPicks:
@@ -202,12 +202,12 @@ class KeptPicks:
         owner: LayerAccumulator,
         picks: torch.Tensor,
         valid: torch.Tensor | None,
-        tag: int | None = None,
+        serial: int | None = None,
     ) -> None:
         """One forward's picks of ``owner``'s layer, ``[T, k]`` expert ids or a ``[T, E]``
         bool map; ``valid`` ``[T]`` bool (False = padding) or None (every row real, its
-        tokens counted on the host now); ``tag``: the forward's index in the overload
-        tracker (``moe.overload``), when one follows the forwards."""
+        tokens counted on the host now); ``serial``: the forward's number, by which the
+        collector's subscribers know it when the batch is counted (``moe.subscriptions``)."""
         maps = picks.dtype == torch.bool
         # Maps stack (one T), ids concatenate (one k)
         key = (owner.num_experts, maps, picks.shape[0 if maps else 1], picks.device)
@@ -217,8 +217,8 @@ class KeptPicks:
             batch = self._batches[key] = PickBatch(owner.num_experts, maps)
         batch.owners.append(owner)
         batch.picks.append(self._staging.keep(picks))
-        if tag is not None:
-            batch.tags.append(tag)
+        if serial is not None:
+            batch.serials.append(serial)
         if valid is None:
             owner.host_tokens += picks.shape[0]
         else:
