@@ -91,8 +91,8 @@ class TableActor:
     def __init__(self, layers: int, experts: int) -> None:
         import numpy as np
 
-        from nemo_moe_metrics.expert_table import ExpertTable
-        from nemo_moe_metrics.worker_results import worker_result
+        from nemo_moe_metrics.export.expert_table import ExpertTable
+        from nemo_moe_metrics.worker.results import worker_result
 
         counts = np.random.default_rng(0).integers(0, 10_000, (layers, experts))
         metrics = {"moe/expert_loads": ExpertTable(np.arange(layers), counts)}

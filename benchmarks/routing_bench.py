@@ -37,7 +37,7 @@ def _rank(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from benchmarks.host_reads import HostReadCounter
-    from nemo_moe_metrics import families
+    from nemo_moe_metrics import PolicyMetrics, families
     from nemo_moe_metrics.config import MegatronConfig, MetricsConfig, ModelConfig
     from nemo_moe_metrics.megatron import compat
     from nemo_moe_metrics.megatron.cpu_shims import cpu_device_mode
@@ -46,7 +46,6 @@ def _rank(
         causal_attention_mask,
         init_distributed,
     )
-    from nemo_moe_metrics.metrics import PolicyMetrics
 
     s = step_cfg
     init_distributed(MegatronConfig(), seed=1234)

@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 from nemo_moe_metrics.config import ConfigError, dump_recipe, load_recipe
-from nemo_moe_metrics.extras import MissingExtraError
 from nemo_moe_metrics.placement.command import add_ingest_parser, add_placement_parser
+from nemo_moe_metrics.runtime.extras import MissingExtraError
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from nemo_moe_metrics.preflight import layout_summary, preflight
+    from nemo_moe_metrics.config.preflight import layout_summary, preflight
 
     recipe = load_recipe(args.recipe, args.overrides)
     preflight(recipe, args.nproc)  # what `run` checks before launching, on the same ranks
@@ -63,9 +63,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     try:
         if args.html:  # refused before any picture is written: the extra, then where it goes
-            from nemo_moe_metrics.extras import check_extra
             from nemo_moe_metrics.report.html import check_page_target
             from nemo_moe_metrics.report.summary import resolve_run_dir
+            from nemo_moe_metrics.runtime.extras import check_extra
 
             check_extra("html", "nemo-moe-metrics report --html")
             check_page_target(resolve_run_dir(args.run_dir), args.out)

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import MetricsConfig
-from nemo_moe_metrics.host_read import Pending, collective_device, done
+from nemo_moe_metrics.export import metric_names as mn
+from nemo_moe_metrics.export.host_read import Pending, collective_device, done
 from nemo_moe_metrics.megatron import compat
 from nemo_moe_metrics.moe import aux_loss
 from nemo_moe_metrics.moe.balance import ExpertLoads as BalanceLoads

@@ -16,21 +16,21 @@ from typing import Any
 
 import torch
 
-from nemo_moe_metrics import processes
 from nemo_moe_metrics.adapters.family import ModelFacts
 from nemo_moe_metrics.config import ConfigError, Recipe, dump_recipe, load_recipe
-from nemo_moe_metrics.durable import write_text_durably
-from nemo_moe_metrics.failures import record_failure, record_refusal
+from nemo_moe_metrics.config.preflight import preflight
+from nemo_moe_metrics.launch.failures import record_failure, record_refusal
 from nemo_moe_metrics.launch.slurm_job import SlurmError, rank_env_from_slurm, requeue_count
-from nemo_moe_metrics.metrics import PolicyMetrics
-from nemo_moe_metrics.preflight import preflight
+from nemo_moe_metrics.launch.train_args import rank_argv
 from nemo_moe_metrics.run_dir.lock import TOKEN_ENV, RunDirLock
 from nemo_moe_metrics.run_dir.names import RECIPE_FILE
 from nemo_moe_metrics.run_dir.record import logged_run, refuse_logged_run
 from nemo_moe_metrics.run_dir.resume import ResumeState, prepare_resume
 from nemo_moe_metrics.run_dir.session import RunSession, build_sinks
+from nemo_moe_metrics.runtime import processes
+from nemo_moe_metrics.runtime.durable import write_text_durably
 from nemo_moe_metrics.sinks.base import NullSink
-from nemo_moe_metrics.train_args import rank_argv
+from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
 
 def make_metrics(recipe: Recipe) -> PolicyMetrics | None:

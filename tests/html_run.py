@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.sinks import RUN_FILE, run_metadata
 from nemo_moe_metrics.sinks.jsonl import METRICS_FILE, JsonlSink
 from nemo_moe_metrics.sinks.rollout_store import record_rollout_loads

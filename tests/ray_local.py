@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from nemo_moe_metrics import processes
 from nemo_moe_metrics.launch.ray_slurm import active_nodes
+from nemo_moe_metrics.runtime import processes
 from nemo_moe_metrics.testing import free_port
 
 RAY = str(Path(sys.executable).parent / "ray")

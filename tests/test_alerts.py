@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import ConfigError, LoggerConfig, load_recipe
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.sinks import build_sinks
 
 # CLI, report, config and Hugging Face checks: the same on every megatron-core line

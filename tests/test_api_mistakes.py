@@ -13,11 +13,11 @@ import torch
 from hf_tiny import VOCAB, tiny_model
 from torch import nn
 
-from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics import register_router
 from nemo_moe_metrics.config import MetricsConfig
-from nemo_moe_metrics.metrics import PolicyMetrics
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.moe.routing import RoutingShapeError
+from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
 pytestmark = pytest.mark.megatron
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from dist import ok_values, run_ranks
 
-from nemo_moe_metrics.metric_names import aux_loss_key, aux_loss_layer_key
+from nemo_moe_metrics.export.metric_names import aux_loss_key, aux_loss_layer_key
 
 pytestmark = pytest.mark.megatron
 

@@ -26,7 +26,7 @@ from test_aux_loss import (
     switch_loss,
 )
 
-from nemo_moe_metrics.metric_names import aux_loss_key, aux_loss_layer_key
+from nemo_moe_metrics.export.metric_names import aux_loss_key, aux_loss_layer_key
 
 pytestmark = pytest.mark.megatron
 

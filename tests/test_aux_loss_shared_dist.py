@@ -44,8 +44,8 @@ def _scenarios(rank, world_size):
         build_transformer_config,
         init_distributed,
     )
-    from nemo_moe_metrics.metrics import PolicyMetrics
     from nemo_moe_metrics.moe.aux_loss import tracked_aux_loss_names
+    from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
     out: dict = {}
     # 1. Pipeline parallel 2: layers 0, 1 dense (stage 0), layers 2, 3 MoE (stage 1).

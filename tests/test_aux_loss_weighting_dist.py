@@ -15,7 +15,7 @@ import torch
 from dist import ok_values, run_ranks
 from test_aux_loss import _capture_routers, _lbl, _run_schedule
 
-from nemo_moe_metrics.metric_names import aux_loss_key
+from nemo_moe_metrics.export.metric_names import aux_loss_key
 
 pytestmark = pytest.mark.megatron
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.moe.balance import (
     ExpertLoads,
     coefficient_of_variation,

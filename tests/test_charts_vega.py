@@ -16,7 +16,7 @@ from collections import defaultdict
 import pytest
 
 from nemo_moe_metrics import charts
-from nemo_moe_metrics.metric_names import EXPERT_LOAD_COLUMNS
+from nemo_moe_metrics.export.metric_names import EXPERT_LOAD_COLUMNS
 
 vlc = pytest.importorskip("vl_convert")
 

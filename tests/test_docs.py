@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.export import metric_names as mn
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 LANGS = ("en", "zh")

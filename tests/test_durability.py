@@ -40,7 +40,7 @@ def _metrics(step: int) -> dict[str, float]:
 
 
 def test_tensorboard_jsonl_and_run_json_keep_every_step_before_an_io_error(disk):
-    from nemo_moe_metrics.durable import write_text_durably
+    from nemo_moe_metrics.runtime.durable import write_text_durably
 
     run_dir = disk.mount / "run"
     cfg = LoggerConfig(tensorboard_enabled=True, wandb_enabled=False)

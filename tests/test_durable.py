@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from nemo_moe_metrics.config import LoggerConfig
-from nemo_moe_metrics.durable import write_text_durably
+from nemo_moe_metrics.runtime.durable import write_text_durably
 from nemo_moe_metrics.sinks import build_sinks
 
 pytestmark = pytest.mark.one_line

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_moe_metrics.host_read import read_once
+from nemo_moe_metrics.export.host_read import read_once
 from nemo_moe_metrics.moe.expert_bias import ExpertBiasTracker
 
 

@@ -22,7 +22,7 @@ def _bias_run(rank, world_size):
 
     import nemo_moe_metrics.megatron.model as mm
     from nemo_moe_metrics.config import MetricsConfig, load_recipe
-    from nemo_moe_metrics.metrics import PolicyMetrics
+    from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
     recipe = load_recipe(
         RECIPE,

@@ -222,7 +222,7 @@ def test_full_recompute_counts_equal_no_recompute(single):
 
 
 def test_capacity_dropped_assignments_are_not_counted(single):
-    from nemo_moe_metrics import metric_names as mn
+    from nemo_moe_metrics.export import metric_names as mn
     from nemo_moe_metrics.moe.balance import ExpertLoads, expert_load_metrics
 
     assert single["drop_counts"] == single["drop_dispatched"]
@@ -284,7 +284,7 @@ def _two_rank_layouts(rank, world_size):
     # A padded step (True = padding): megatron still dispatches the padding tokens.
     import torch
 
-    from nemo_moe_metrics import metric_names as mn
+    from nemo_moe_metrics.export import metric_names as mn
     from nemo_moe_metrics.moe.balance import expert_load_metrics
 
     for k in seen:
@@ -333,9 +333,9 @@ def _overload_step(model, cfg, seen, rank):
     (the probe) is the oracle."""
     import torch
 
-    from nemo_moe_metrics import metric_names as mn
     from nemo_moe_metrics.config import MetricsConfig
-    from nemo_moe_metrics.metrics import PolicyMetrics
+    from nemo_moe_metrics.export import metric_names as mn
+    from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
     metrics = PolicyMetrics(MetricsConfig(track_moe_metrics=True, moe_per_layer_logging=True))
     metrics.attach(model, model.config)
@@ -408,7 +408,7 @@ def test_routed_counts_exclude_padding_and_fill_the_table(two_ranks):
 
 @pytest.mark.timeout(240)
 def test_ep_imbalance_is_computed_from_the_experts_executed_work(two_ranks):
-    from nemo_moe_metrics import metric_names as mn
+    from nemo_moe_metrics.export import metric_names as mn
 
     metrics = two_ranks[0]["pad"]["metrics"]
     assert metrics == two_ranks[1]["pad"]["metrics"]
@@ -427,7 +427,7 @@ def test_ep_imbalance_is_computed_from_the_experts_executed_work(two_ranks):
 
 @pytest.mark.timeout(240)
 def test_padding_fraction_is_the_padding_share_of_executed_assignments(two_ranks):
-    from nemo_moe_metrics import metric_names as mn
+    from nemo_moe_metrics.export import metric_names as mn
 
     p0 = two_ranks[0]["pad"]
     valid = p0["valid"] + two_ranks[1]["pad"]["valid"]
@@ -482,7 +482,7 @@ def test_overload_factor_equals_megatrons_definitions_from_its_own_dispatch(two_
     # entry max_r tokens(r) / balanced, balanced = (both ranks' rows x top-k) / 2; the mean and
     # max over entries; on each rank the running tokens held (+ forward in layer order, -
     # backward in reverse) over the same for its own rows x top-k, peak over peak, max over ranks.
-    from nemo_moe_metrics import metric_names as mn
+    from nemo_moe_metrics.export import metric_names as mn
 
     r0, r1 = two_ranks[0]["overload"], two_ranks[1]["overload"]
     assert r0["metrics"] == r1["metrics"]

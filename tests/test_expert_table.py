@@ -5,8 +5,8 @@ import pickle
 import numpy as np
 import pytest
 
-from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.expert_table import ExpertTable
+from nemo_moe_metrics.export import metric_names as mn
+from nemo_moe_metrics.export.expert_table import ExpertTable
 from nemo_moe_metrics.moe.balance import ExpertLoads, expert_load_metrics
 from nemo_moe_metrics.sinks.base import MultiSink, validate_metrics
 from nemo_moe_metrics.sinks.store import ExpertLoadSink, read_expert_loads

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_cli_ux import _cli, _env  # the real CLI in a clean HOME, as test_cli_ux runs it
 
-from nemo_moe_metrics import preflight as _preflight
+from nemo_moe_metrics.config import preflight as _preflight
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "examples" / "configs" / "grpo_moe_tiny.yaml"
@@ -41,7 +41,7 @@ def test_top_level_exports_the_public_api_lazily(tmp_path):
         "import nemo_moe_metrics\n"
         "bare = {m.split('.')[0] for m in sys.modules}\n"
         "from nemo_moe_metrics import PolicyMetrics, MetricsConfig, LoggerConfig, build_sinks\n"
-        "from nemo_moe_metrics.metrics import PolicyMetrics as P\n"
+        "from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics as P\n"
         "assert PolicyMetrics is P, 'the same class, not a copy'\n"
         "for name in nemo_moe_metrics.__all__:\n"
         "    getattr(nemo_moe_metrics, name)\n"
@@ -100,7 +100,7 @@ def test_the_all_extra_installs_every_import_of_both_examples(example):
     third_party -= {p.stem for p in (ROOT / "examples").glob("*.py")}  # a sibling example
     provided = _extra_requirements("all") | {"torch", "numpy", "pydantic", "pyyaml"}
     if example == "integrate_torchtitan.py":  # its own install line: its pins clash with [all]
-        from nemo_moe_metrics.extras import TORCHTITAN_INSTALL
+        from nemo_moe_metrics.runtime.extras import TORCHTITAN_INSTALL
 
         provided |= {
             w.split("==")[0].lower().replace("_", "-")
@@ -674,7 +674,7 @@ def test_top_level_help_mentions_hugging_face_models(tmp_path):
 def test_troubleshooting_says_attach_takes_a_config_json_dict():
     from hf_tiny import tiny_config
 
-    from nemo_moe_metrics.metrics import model_facts
+    from nemo_moe_metrics.worker.policy_metrics import model_facts
 
     en = " ".join((ROOT / "docs" / "en" / "troubleshooting.md").read_text().split())
     assert "not a dict" not in en

@@ -490,9 +490,9 @@ def test_unknown_type_still_raises_with_a_model():
 
 
 def test_attach_reads_flops_from_the_attached_model():
-    from nemo_moe_metrics import metric_names as mn
     from nemo_moe_metrics.config import MetricsConfig
-    from nemo_moe_metrics.metrics import PolicyMetrics
+    from nemo_moe_metrics.export import metric_names as mn
+    from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
     model = flops_model("glm4_moe")  # no formula registered
     assert not _registered("glm4_moe")

@@ -20,7 +20,6 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import (
     ConfigError,
     LoggerConfig,
@@ -30,12 +29,13 @@ from nemo_moe_metrics.config import (
     dump_recipe,
     recipe_from_dict,
 )
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.flops import get_flops_estimator
-from nemo_moe_metrics.metrics import PolicyMetrics
 from nemo_moe_metrics.sinks import METRICS_FILE, TENSORBOARD_DIR, build_sinks
 from nemo_moe_metrics.sinks.base import MultiSink, SinkWriteError
 from nemo_moe_metrics.sinks.jsonl import JsonlSink
 from nemo_moe_metrics.throughput import StepMeter
+from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
 pytestmark = pytest.mark.megatron
 

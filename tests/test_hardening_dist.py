@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from dist import ok_values, run_ranks
 
-from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.export import metric_names as mn
 
 pytestmark = pytest.mark.megatron
 
@@ -39,7 +39,7 @@ def _scenario(rank, world_size, fail):
         causal_attention_mask,
         init_distributed,
     )
-    from nemo_moe_metrics.metrics import PolicyMetrics
+    from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
     ep = 1 if world_size == 1 else 2
     recipe = load_recipe(

@@ -14,10 +14,10 @@ import pytest
 import torch
 from hf_tiny import FAMILIES, VOCAB, K, tiny_config, tiny_model
 
-from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import MetricsConfig
-from nemo_moe_metrics.metrics import PolicyMetrics, model_facts
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.moe.hf_aux_loss import layer_load_balancing_loss
+from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics, model_facts
 
 # CLI, report, config and Hugging Face checks: the same on every megatron-core line
 # (tests/conftest.py), so CI runs them on one line.

@@ -19,9 +19,9 @@ pytest.importorskip("transformers")
 
 from hf_families import moe_families, shared_tiny_model  # noqa: E402
 
-from nemo_moe_metrics import metric_names as mn  # noqa: E402
 from nemo_moe_metrics.config import MetricsConfig  # noqa: E402
-from nemo_moe_metrics.metrics import PolicyMetrics  # noqa: E402
+from nemo_moe_metrics.export import metric_names as mn  # noqa: E402
+from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics  # noqa: E402
 
 pytestmark = pytest.mark.one_line
 FAMILIES = [f.model_type for f in moe_families()]

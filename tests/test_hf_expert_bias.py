@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 from hf_families import tiny_model  # noqa: E402
 
 from nemo_moe_metrics import LoggerConfig, MetricsConfig, PolicyMetrics, build_sinks  # noqa: E402
-from nemo_moe_metrics import metric_names as mn  # noqa: E402
+from nemo_moe_metrics.export import metric_names as mn  # noqa: E402
 
 pytestmark = pytest.mark.one_line
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 from health_oracle import NEAR_TIE_GAP, Layer, Router, assert_matches, expected_keys  # noqa: E402
 from test_hf_families import BATCH, FAMILIES, SEQ, _run  # noqa: E402
 
-from nemo_moe_metrics import metric_names as mn  # noqa: E402
+from nemo_moe_metrics.export import metric_names as mn  # noqa: E402
 from nemo_moe_metrics.moe.router_health import RouterScoring, chosen_experts  # noqa: E402
 
 #: Families with routers that are not a top-k of scores -> the reason their warning gives.

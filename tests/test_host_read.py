@@ -10,7 +10,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.host_reads import HostReadCounter  # noqa: E402
-from nemo_moe_metrics.host_read import Pending, done, read_once  # noqa: E402
+from nemo_moe_metrics.export.host_read import Pending, done, read_once  # noqa: E402
 
 
 def test_values_arrive_exactly_with_their_shapes():

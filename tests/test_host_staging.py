@@ -74,10 +74,10 @@ def test_a_step_flushed_mid_step_logs_what_the_step_kept_whole_logs(family, monk
     pytest.importorskip("transformers")
     from hf_families import shared_tiny_model
 
-    from nemo_moe_metrics import metric_names as mn
     from nemo_moe_metrics.config import MetricsConfig
-    from nemo_moe_metrics.metrics import PolicyMetrics
+    from nemo_moe_metrics.export import metric_names as mn
     from nemo_moe_metrics.moe import collector, health_tracker, hf_aux_loss
+    from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
     model = shared_tiny_model(family)
     cfg = MetricsConfig(
@@ -116,7 +116,7 @@ def test_a_step_flushed_mid_step_logs_what_the_step_kept_whole_logs(family, monk
 
 
 def _assert_same(whole: dict, flushed: dict) -> None:
-    from nemo_moe_metrics import metric_names as mn
+    from nemo_moe_metrics.export import metric_names as mn
 
     assert whole[mn.EXPERT_LOADS] == flushed[mn.EXPERT_LOADS]
     assert set(whole) == set(flushed)

@@ -14,7 +14,7 @@ import torch
 from dist import ok_values, run_ranks
 from test_aux_loss import MICRO_BATCH, _megatron_report_of, assert_equals_megatrons_report
 
-from nemo_moe_metrics.metric_names import aux_loss_key, aux_loss_layer_key
+from nemo_moe_metrics.export.metric_names import aux_loss_key, aux_loss_layer_key
 
 pytestmark = pytest.mark.megatron
 
@@ -182,7 +182,7 @@ def test_pattern_and_num_layers_must_agree():
 
 
 def test_pipe_symbols_are_not_layers_and_mtp_is_refused():
-    from nemo_moe_metrics.layer_pattern import hybrid_layer_symbols
+    from nemo_moe_metrics.config.layer_pattern import hybrid_layer_symbols
 
     assert hybrid_layer_symbols("*E|*E") == ["*", "E", "*", "E"]
     with pytest.raises(ValueError, match="multi-token-prediction"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from dist import ok_values, run_ranks
 
-from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.moe.imbalance_cost import (
     busiest_rank_share,
     expert_imbalance_slowdown,
@@ -65,7 +65,7 @@ def _ep_run(rank, world_size):
         causal_attention_mask,
         init_distributed,
     )
-    from nemo_moe_metrics.metrics import PolicyMetrics
+    from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
     ep = MegatronConfig(expert_model_parallel_size=2)
     init_distributed(ep)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_moe_metrics.extras import TORCHTITAN_INSTALL, install_hint
+from nemo_moe_metrics.runtime.extras import TORCHTITAN_INSTALL, install_hint
 
 ROOT = Path(__file__).resolve().parent.parent
 # Where a user reads (or CI runs) the torchtitan install, and the same line must be there.

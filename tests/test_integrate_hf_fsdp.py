@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from dist import ok_values, run_ranks
 
-from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.export import metric_names as mn
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "integrate_hf_fsdp.py"
 STEPS, MICRO, K = 2, 2, 2

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
 from nemo_moe_metrics.testing import free_port
 

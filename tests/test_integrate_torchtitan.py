@@ -65,7 +65,7 @@ def test_torchtitan_example_matches_router_outputs_and_bias_buffers(tmp_path, pa
     pytest.importorskip(
         "torchtitan", reason="needs torchtitan 0.3.0 (docs/en/torchtitan.md: the install line)"
     )
-    from nemo_moe_metrics import metric_names as mn
+    from nemo_moe_metrics.export import metric_names as mn
 
     results = ok_values(run_ranks(_rank, 2, str(tmp_path), timeout=380))
     (h0, p0, b0), (h1, p1, b1) = results
@@ -89,7 +89,7 @@ def test_torchtitan_example_matches_router_outputs_and_bias_buffers(tmp_path, pa
 
 
 def test_torchtitan_example_names_the_extra_when_torchtitan_is_missing(monkeypatch, tmp_path):
-    from nemo_moe_metrics.extras import MissingExtraError
+    from nemo_moe_metrics.runtime.extras import MissingExtraError
 
     monkeypatch.setitem(sys.modules, "torchtitan", None)  # import torchtitan now fails
     with pytest.raises(MissingExtraError, match=r"install it with: pip install --no-deps torch"):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_moe_metrics import metric_names as names
 from nemo_moe_metrics.config import load_recipe
+from nemo_moe_metrics.export import metric_names as names
 from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
 
 pytestmark = pytest.mark.megatron

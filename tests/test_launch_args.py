@@ -17,8 +17,8 @@ import pytest
 import yaml
 from conftest import SFT_TORCHRUN_OVERRIDES
 
-from nemo_moe_metrics.failures import LAST_WORDS_ENV, rank_failure_lines, read_failures
-from nemo_moe_metrics.train_args import ARGV_ENV, ARGV_FROM_ENV, rank_argv
+from nemo_moe_metrics.launch.failures import LAST_WORDS_ENV, rank_failure_lines, read_failures
+from nemo_moe_metrics.launch.train_args import ARGV_ENV, ARGV_FROM_ENV, rank_argv
 
 REPO = Path(__file__).resolve().parent.parent
 SFT = REPO / "examples" / "configs" / "sft_moe_tiny.yaml"

@@ -381,7 +381,7 @@ def test_every_rank_gets_megatrons_total_loss_dict_values(bridge_run, scenario):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_expert_counts_equal_independent_router_counts(bridge_run, scenario):
-    from nemo_moe_metrics.metric_names import EXPERT_LOADS
+    from nemo_moe_metrics.export.metric_names import EXPERT_LOADS
 
     _, ranks = bridge_run
     for i in range(STEPS):
@@ -446,7 +446,7 @@ def test_scalars_reach_bridges_writers_at_training_logs_iteration(bridge_run, sc
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_rank_without_writers_writes_nothing_and_the_store_has_each_step_once(bridge_run, scenario):
-    from nemo_moe_metrics.metric_names import EXPERT_LOADS
+    from nemo_moe_metrics.export.metric_names import EXPERT_LOADS
     from nemo_moe_metrics.sinks.store import _scan, read_expert_loads, store_path
 
     tmp, ranks = bridge_run

@@ -15,7 +15,7 @@ import torch
 from dist import ok_values, run_ranks
 from test_aux_loss import _megatron_report_of, assert_equals_megatrons_report
 
-from nemo_moe_metrics.metric_names import aux_loss_key, aux_loss_layer_key
+from nemo_moe_metrics.export.metric_names import aux_loss_key, aux_loss_layer_key
 
 pytestmark = pytest.mark.megatron
 
@@ -52,11 +52,11 @@ def _megatron_hybrid_step(rank, world_size):
     from torch.utils.flop_counter import FlopCounterMode
 
     from nemo_moe_metrics.config import MegatronConfig, MetricsConfig
+    from nemo_moe_metrics.config.layer_pattern import config_hybrid_pattern
     from nemo_moe_metrics.flops import get_flops_estimator
-    from nemo_moe_metrics.layer_pattern import config_hybrid_pattern
     from nemo_moe_metrics.megatron import compat
     from nemo_moe_metrics.megatron.model import causal_attention_mask, init_distributed
-    from nemo_moe_metrics.metrics import PolicyMetrics
+    from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
     init_distributed(MegatronConfig())
     compat.reset_tracker()

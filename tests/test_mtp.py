@@ -46,8 +46,8 @@ def _megatron_mtp(rank, world_size):
         causal_attention_mask,
         init_distributed,
     )
-    from nemo_moe_metrics.metrics import PolicyMetrics
     from nemo_moe_metrics.moe.aux_loss import tracked_aux_loss_names
+    from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
     recipe = load_recipe(RECIPE, [ONE_RANK])
     model_cfg, megatron_cfg = recipe.policy.model, recipe.policy.megatron_cfg
@@ -187,7 +187,7 @@ def test_torchtitan_mtp_layer_is_counted_and_costed():
     from nemo_moe_metrics.config import MetricsConfig
     from nemo_moe_metrics.flops import get_flops_estimator
     from nemo_moe_metrics.integrations import torchtitan as tt
-    from nemo_moe_metrics.metrics import PolicyMetrics
+    from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
     config = tt.use_sdpa_attention(tt.tiny_config("deepseek_v3", layers=3))
     last = copy.deepcopy(config.layers[-1])

@@ -13,9 +13,9 @@ import pytest
 import torch
 from hostile_files import fingerprint
 
-from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.cli import main
 from nemo_moe_metrics.config import LoggerConfig
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.run_dir.outputs import OutputError, check_new_file, write_new_file
 from nemo_moe_metrics.sinks import build_sinks
 

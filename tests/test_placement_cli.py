@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.cli import main
 from nemo_moe_metrics.config import LoggerConfig
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.placement.eplb import rebalance_experts
 from nemo_moe_metrics.placement.sglang_dump import SglangDumpError, read_sglang_dump
 from nemo_moe_metrics.report import render_report

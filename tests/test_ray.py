@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from ray_local import named, still_running
 
-from nemo_moe_metrics import metric_names as names
-from nemo_moe_metrics import processes
+from nemo_moe_metrics.export import metric_names as names
+from nemo_moe_metrics.runtime import processes
 from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
 
 # The CLI, Ray and the driver's merge: what they check does not depend on the megatron-core
@@ -174,7 +174,7 @@ def test_a_cluster_too_small_is_refused_naming_what_is_missing():
 
 
 def test_the_merge_takes_the_groups_dict_once_and_refuses_mixed_results():
-    from nemo_moe_metrics.worker_results import (
+    from nemo_moe_metrics.worker.results import (
         WorkerResult,
         log_worker_results,
         merge_worker_results,
@@ -210,7 +210,7 @@ def test_the_merge_takes_the_groups_dict_once_and_refuses_mixed_results():
 
 
 def test_the_expert_table_crosses_a_pickle_as_its_arrays_never_its_rows():
-    from nemo_moe_metrics.expert_table import ExpertTable
+    from nemo_moe_metrics.export.expert_table import ExpertTable
 
     table = ExpertTable(np.arange(94), np.random.default_rng(0).integers(0, 999, (94, 256)))
     arrays = len(pickle.dumps(table))
@@ -221,7 +221,7 @@ def test_the_expert_table_crosses_a_pickle_as_its_arrays_never_its_rows():
 
 
 def test_a_dead_actor_is_reported_as_its_rank_and_node_with_how_it_died(tmp_path, monkeypatch):
-    from nemo_moe_metrics.failures import LAST_WORDS_ENV, read_failures, record_rank_failure
+    from nemo_moe_metrics.launch.failures import LAST_WORDS_ENV, read_failures, record_rank_failure
     from nemo_moe_metrics.launch.ray_group import WorkerGroupError
 
     where = {"pid": 321, "host": "gpu7", "node_ip": "10.0.0.7", "node_id": "abcdef0123456789"}

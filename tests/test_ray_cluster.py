@@ -30,7 +30,7 @@ import pytest
 from ray_local import LocalRayCluster, named, ray_env, still_running
 from test_ray import assert_same_numbers, rows
 
-from nemo_moe_metrics import processes
+from nemo_moe_metrics.runtime import processes
 from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
 
 pytestmark = pytest.mark.one_line  # as tests/test_ray.py

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import LoggerConfig
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.report import (
     DRIFT_FILE,
     HEATMAP_FILE,

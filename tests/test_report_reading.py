@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from hostile_files import fingerprint
 
-from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.cli import main
 from nemo_moe_metrics.config import LoggerConfig
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.sinks import build_sinks
 
 pytestmark = pytest.mark.one_line

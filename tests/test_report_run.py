@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_moe_metrics import metric_names as names
+from nemo_moe_metrics.export import metric_names as names
 
 ROOT = Path(__file__).resolve().parent.parent
 GRPO = ROOT / "examples" / "configs" / "grpo_moe_tiny.yaml"

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from dist import ok_values, run_ranks
 
-from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import LoggerConfig
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.run_dir.resume import last_record
 from nemo_moe_metrics.sinks import RUN_FILE, TENSORBOARD_DIR, build_sinks, read_resume_state
 from nemo_moe_metrics.sinks.store import read_expert_loads, store_path

@@ -16,7 +16,7 @@ from dist import ok_values, run_ranks
 from health_oracle import NEAR_TIE_GAP, Layer, Router, assert_matches, expected_keys
 from hf_tiny import FAMILIES, VOCAB, K, tiny_model
 
-from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.moe.router_health import (
     RouterScoring,
     chosen_experts,
@@ -68,7 +68,7 @@ class _Probe:
 
 def _metrics(per_layer=True, **flags):
     from nemo_moe_metrics.config import MetricsConfig
-    from nemo_moe_metrics.metrics import PolicyMetrics
+    from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
     return PolicyMetrics(
         MetricsConfig(

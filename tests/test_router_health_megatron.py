@@ -105,7 +105,7 @@ def _run(rank, world_size, kinds):
 
     from nemo_moe_metrics.config import MetricsConfig
     from nemo_moe_metrics.megatron.model import causal_attention_mask
-    from nemo_moe_metrics.metrics import PolicyMetrics
+    from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
     out = {}
     for kind in kinds:

@@ -12,8 +12,8 @@ import pytest
 import torch
 from matplotlib.image import imread
 
-from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import AlertsConfig, LoggerConfig, MetricsConfig
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.moe.routing import (
     RoutingShapeError,
     RoutingTracker,
@@ -241,7 +241,7 @@ def test_hugging_face_router_batch_major_routes_against_router_output_hooks():
     import transformers
     from hf_tiny import tiny_config
 
-    from nemo_moe_metrics.metrics import PolicyMetrics
+    from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
     torch.manual_seed(0)
     cfg = tiny_config("qwen3_moe")

@@ -146,7 +146,7 @@ def _expected(oracle, routes, pad, use_executed):
 
 def _metrics(per_layer=True):
     from nemo_moe_metrics.config import MetricsConfig
-    from nemo_moe_metrics.metrics import PolicyMetrics
+    from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
     return PolicyMetrics(
         MetricsConfig(

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from nemo_moe_metrics import processes
 from nemo_moe_metrics.run_dir import LOCK_FILE, RunDirBusyError, RunDirLock
 from nemo_moe_metrics.run_dir import lock as lock_module
+from nemo_moe_metrics.runtime import processes
 
 REPO = Path(__file__).resolve().parent.parent
 _HOLDER = (

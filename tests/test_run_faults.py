@@ -193,8 +193,8 @@ def test_a_full_disk_ends_the_run_with_one_message_naming_the_file(tmp_path):
     # What `run` prints when rank 0 stopped at a failed write (the whole job on a full disk:
     # benchmarks/fault_injection.py --faults disk-full --disk-full): rank 0's own words, kept
     # outside the full disk, then the disk's state; the rank log itself may be cut.
-    from nemo_moe_metrics.failures import LAST_WORDS_ENV, record_failure
     from nemo_moe_metrics.launch import failure_report
+    from nemo_moe_metrics.launch.failures import LAST_WORDS_ENV, record_failure
     from nemo_moe_metrics.sinks.base import SinkWriteError
 
     with fi.small_filesystem(1) as small:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import LoggerConfig
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.report import read_metrics
 from nemo_moe_metrics.sinks import METRICS_FILE, RUN_FILE, MultiSink, NullSink, build_sinks
 from nemo_moe_metrics.sinks.jsonl import JsonlSink

@@ -20,8 +20,8 @@ STEPS = 3
 def _train_and_log(rank, world_size, run_dir):
     import torch
 
-    from nemo_moe_metrics import metric_names as mn
     from nemo_moe_metrics.config import LoggerConfig, load_recipe
+    from nemo_moe_metrics.export import metric_names as mn
     from nemo_moe_metrics.megatron.model import (
         build_gpt_model,
         causal_attention_mask,

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import LoggerConfig
-from nemo_moe_metrics.extras import MissingExtraError
+from nemo_moe_metrics.export import metric_names as mn
+from nemo_moe_metrics.runtime.extras import MissingExtraError
 from nemo_moe_metrics.sinks import RUN_FILE, build_sinks, logged_run
 
 pytest.importorskip("mlflow")
@@ -120,7 +120,7 @@ def test_tracking_uri_setting_logs_elsewhere(run, tmp_path):
 
 
 def test_missing_extra_names_it(monkeypatch, tmp_path):
-    from nemo_moe_metrics import extras
+    from nemo_moe_metrics.runtime import extras
     from nemo_moe_metrics.sinks.mlflow import MlflowSink
 
     monkeypatch.setattr(extras, "_installed", lambda module: module != "alembic")

@@ -3,8 +3,8 @@
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import LoggerConfig
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.sinks import TENSORBOARD_DIR, build_sinks
 
 

@@ -5,8 +5,8 @@ import warnings
 
 import pytest
 
-from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import LoggerConfig
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.sinks import METRICS_FILE, build_sinks
 
 
@@ -86,7 +86,7 @@ def test_wandb_follows_table_every_when_wandb_table_every_is_unset(tmp_path):
 def test_wandb_table_declares_number_columns_and_refuses_a_missing_cell(tmp_path):
     import wandb
 
-    from nemo_moe_metrics.metric_names import EXPERT_LOADS
+    from nemo_moe_metrics.export.metric_names import EXPERT_LOADS
     from nemo_moe_metrics.sinks.wandb import WandbSink
 
     sink = WandbSink(tmp_path, mode="offline", project="t", run_name="t")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from slurm_cluster import LocalSlurm
 
-from nemo_moe_metrics import metric_names as names
+from nemo_moe_metrics.export import metric_names as names
 from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
 from nemo_moe_metrics.testing import free_port
 
@@ -326,11 +326,11 @@ def test_srun_per_task_dry_run_gives_every_rank_a_task_and_the_first_node_addres
 
 def test_cpu_nodes_need_ranks_per_node_and_paths_with_nemo_run_are_refused(tmp_path):
     from nemo_moe_metrics.config import ConfigError, load_recipe
+    from nemo_moe_metrics.config.preflight import preflight, slurm_rank_words
     from nemo_moe_metrics.launch.slurm_submit import (
         check_paths_survive_nemo_run,
         ranks_on_each_node,
     )
-    from nemo_moe_metrics.preflight import preflight, slurm_rank_words
 
     with pytest.raises(ConfigError, match="--gpus-per-node 0 runs on CPU nodes: say how many"):
         ranks_on_each_node({"gpus_per_node": 0, "ranks_per_node": None})
@@ -379,7 +379,7 @@ SCONTROL_LINE = (
 
 
 def test_scontrol_line_gives_state_exit_code_and_nodes():
-    from nemo_moe_metrics.slurm import job_info_from_scontrol, parse_scontrol_job
+    from nemo_moe_metrics.launch.slurm_job import job_info_from_scontrol, parse_scontrol_job
 
     fields = parse_scontrol_job(SCONTROL_LINE)
     assert fields["Command"] == "/tmp/a dir/train_sbatch.sh"  # values may hold spaces
@@ -396,7 +396,7 @@ def test_scontrol_line_gives_state_exit_code_and_nodes():
 
 
 def test_sacct_line_gives_the_same_fields():
-    from nemo_moe_metrics.slurm import job_info_from_sacct
+    from nemo_moe_metrics.launch.slurm_job import job_info_from_sacct
 
     text = "12|TIMEOUT|0:15|TimeLimit|gpu[01-02]|04:00:00\n12.batch|CANCELLED|0:15||gpu01|\n"
     info = job_info_from_sacct(text, "12")
@@ -422,7 +422,7 @@ def test_sacct_line_gives_the_same_fields():
     ],
 )
 def test_exit_codes_are_explained(state, exit_code, reason, expected):
-    from nemo_moe_metrics.slurm import JobInfo, explain
+    from nemo_moe_metrics.launch.slurm_job import JobInfo, explain
 
     code, sig = map(int, exit_code.split(":"))
     info = JobInfo("12", state, code, sig, reason=reason, time_limit="04:00:00")
@@ -432,7 +432,7 @@ def test_exit_codes_are_explained(state, exit_code, reason, expected):
 
 
 def test_rank_comes_from_slurm_only_inside_an_srun_step():
-    from nemo_moe_metrics.slurm import SlurmError, rank_env_from_slurm
+    from nemo_moe_metrics.launch.slurm_job import SlurmError, rank_env_from_slurm
 
     batch = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
     assert rank_env_from_slurm(batch) == {}  # the batch script itself is no rank
@@ -499,7 +499,7 @@ def test_a_job_slurm_has_forgotten_is_reported_from_its_batch_log(slurm, tmp_pat
     # accounting (sacct: "Slurm accounting storage is disabled"): both are asked for real.
     import io
 
-    from nemo_moe_metrics.slurm import SubmittedJob, follow_job, query_job
+    from nemo_moe_metrics.launch.slurm_job import SubmittedJob, follow_job, query_job
 
     monkeypatch.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])
     monkeypatch.setenv("PATH", slurm.env["PATH"])
@@ -536,7 +536,13 @@ def test_a_controller_that_does_not_answer_is_asked_again_not_taken_for_a_finish
     # A real outage takes scontrol 18 s to report, so Slurm's answers are given here.
     import io
 
-    from nemo_moe_metrics.slurm import JobInfo, SlurmError, SubmittedJob, follow_job, query_job
+    from nemo_moe_metrics.launch.slurm_job import (
+        JobInfo,
+        SlurmError,
+        SubmittedJob,
+        follow_job,
+        query_job,
+    )
 
     def down(cmd, **kwargs):
         said = "slurm_load_jobs error: Unable to contact slurm controller (connect failure)\n"
@@ -561,7 +567,7 @@ def test_a_controller_that_does_not_answer_is_asked_again_not_taken_for_a_finish
 
 
 def test_following_a_job_this_job_directory_never_submitted_names_the_ones_it_did(tmp_path):
-    from nemo_moe_metrics.slurm import SlurmError, SubmittedJob
+    from nemo_moe_metrics.launch.slurm_job import SlurmError, SubmittedJob
 
     SubmittedJob("12", "grpo_moe_tiny", "/runs/grpo_moe_tiny", "/jobs/x/train", 8).save(tmp_path)
     assert SubmittedJob.load(tmp_path, "12").run_dir == "/runs/grpo_moe_tiny"

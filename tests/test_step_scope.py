@@ -13,10 +13,10 @@ import pytest
 import torch
 from hf_tiny import VOCAB, K, tiny_model
 
-from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import AlertsConfig, LoggerConfig, MetricsConfig
-from nemo_moe_metrics.metrics import PolicyMetrics
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.sinks.alerts import AlertMonitor
+from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
 BATCH, SEQ = 2, 16  # 32 tokens per forward
 FLAGS = MetricsConfig(track_moe_metrics=True, moe_per_layer_logging=True, log_expert_table=True)
@@ -78,7 +78,7 @@ def test_a_step_in_which_no_expert_got_a_training_token_logs_only_routed_tokens(
     metrics = PolicyMetrics(FLAGS)
     metrics.attach(model, model.config)
     empty = []
-    logger, seen = logging.getLogger("nemo_moe_metrics.metrics"), _Records()
+    logger, seen = logging.getLogger("nemo_moe_metrics.worker.policy_metrics"), _Records()
     level = logger.level
     logger.setLevel(logging.WARNING)
     logger.addHandler(seen)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from throughput_helpers import TOY_ATTN, TOY_PARAMS, FakeClock, FakeStream, toy_flops
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.throughput import (
     StepMeter,
     lengths_from_attention_mask,

@@ -11,7 +11,7 @@ import pytest
 from dist import ok_values, run_ranks
 from throughput_helpers import TOY_ATTN, TOY_PARAMS
 
-from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.export import metric_names as mn
 
 pytestmark = pytest.mark.megatron
 

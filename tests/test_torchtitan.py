@@ -33,14 +33,14 @@ def _train(family, *, ac=False, compiled=False, steps=STEPS):
     from torchtitan.components.optimizer import register_moe_load_balancing_hook
     from torchtitan.distributed import ParallelDims
 
-    from nemo_moe_metrics import metric_names as mn
     from nemo_moe_metrics.config import MetricsConfig
+    from nemo_moe_metrics.export import metric_names as mn
     from nemo_moe_metrics.integrations.torchtitan import (
         build_model,
         tiny_config,
         use_sdpa_attention,
     )
-    from nemo_moe_metrics.metrics import PolicyMetrics
+    from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
     config = use_sdpa_attention(tiny_config(family))
     model = build_model(config, seed=0)

@@ -20,9 +20,8 @@ transformers = pytest.importorskip("transformers")
 from matplotlib.image import imread  # noqa: E402
 from torch import nn  # noqa: E402
 
-from nemo_moe_metrics import metric_names as mn  # noqa: E402
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig  # noqa: E402
-from nemo_moe_metrics.metrics import PolicyMetrics  # noqa: E402
+from nemo_moe_metrics.export import metric_names as mn  # noqa: E402
 from nemo_moe_metrics.moe.load_over_steps import DeadStreaks  # noqa: E402
 from nemo_moe_metrics.report import HEATMAP_FILE, OVER_STEPS_FILE, render_report  # noqa: E402
 from nemo_moe_metrics.report.timeline import prepare_block  # noqa: E402
@@ -36,6 +35,7 @@ from nemo_moe_metrics.sinks.store import (  # noqa: E402
     store_path,
     table_to_counts_and_widths,
 )
+from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics  # noqa: E402
 
 pytestmark = pytest.mark.one_line
 HIDDEN, TOKENS = 16, 24

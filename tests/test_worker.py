@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from dist import ok_values, run_ranks
 
-from nemo_moe_metrics import metric_names as names
+from nemo_moe_metrics.export import metric_names as names
 
 pytestmark = pytest.mark.megatron
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from dist import run_ranks
 
-from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.export import metric_names as mn
 
 
 def _steps(rank, world_size, callers):
@@ -13,7 +13,7 @@ def _steps(rank, world_size, callers):
     import torch.distributed as dist
 
     from nemo_moe_metrics.config import MetricsConfig
-    from nemo_moe_metrics.metrics import PolicyMetrics
+    from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
     dist.init_process_group("gloo")
     metrics = PolicyMetrics(MetricsConfig(track_throughput=True))

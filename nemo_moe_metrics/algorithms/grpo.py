@@ -10,7 +10,6 @@ import math
 
 import torch
 
-from nemo_moe_metrics import metric_names as names
 from nemo_moe_metrics.algorithms.common import (
     LogFn,
     masked_sequence_mean,
@@ -26,6 +25,7 @@ from nemo_moe_metrics.algorithms.data import (
 )
 from nemo_moe_metrics.algorithms.ranks import as_rank_group
 from nemo_moe_metrics.config import Recipe
+from nemo_moe_metrics.export import metric_names as names
 
 ADVANTAGES = "advantages"
 OLD_LOGPROBS = "old_logprobs"

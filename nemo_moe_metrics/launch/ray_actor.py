@@ -4,7 +4,7 @@ NeMo RL's shape: the actor joins the group's torch.distributed process group (gl
 NCCL on GPUs) with the rank the driver gives it, builds the same worker and metrics as a
 torchrun rank (:func:`nemo_moe_metrics.train.make_metrics`), and answers the driver's calls
 (:mod:`.ray_group`) with CPU tensors and, per training step, a
-:class:`~nemo_moe_metrics.worker_results.WorkerResult` whose metrics were reduced inside the
+:class:`~nemo_moe_metrics.worker.results.WorkerResult` whose metrics were reduced inside the
 group. This module does not import ``ray`` at import time; :mod:`.ray_group` makes the class
 an actor.
 """
@@ -19,7 +19,7 @@ import torch
 
 from nemo_moe_metrics.config import Recipe
 from nemo_moe_metrics.train import make_metrics
-from nemo_moe_metrics.worker_results import WorkerResult, worker_result
+from nemo_moe_metrics.worker.results import WorkerResult, worker_result
 
 
 class MegatronPolicyActor:

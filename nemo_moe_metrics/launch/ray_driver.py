@@ -28,12 +28,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from nemo_moe_metrics import metric_names as names
-from nemo_moe_metrics import processes
 from nemo_moe_metrics.algorithms import run_algorithm
 from nemo_moe_metrics.config import ConfigError, Recipe, load_recipe
-from nemo_moe_metrics.extras import MissingExtraError
-from nemo_moe_metrics.failures import record_failure, record_rank_failure
+from nemo_moe_metrics.config.preflight import preflight
+from nemo_moe_metrics.export import metric_names as names
+from nemo_moe_metrics.launch.failures import record_failure, record_rank_failure
 from nemo_moe_metrics.launch.ray_cluster import (
     ADDRESS_ENV,
     RaySession,
@@ -45,11 +44,12 @@ from nemo_moe_metrics.launch.ray_cluster import (
 )
 from nemo_moe_metrics.launch.ray_group import RayWorkerGroup, WorkerGroupError
 from nemo_moe_metrics.launch.supervise import SRC_ROOT
-from nemo_moe_metrics.preflight import preflight
 from nemo_moe_metrics.run_dir.lock import RunDirError
 from nemo_moe_metrics.run_dir.resume import prepare_resume
 from nemo_moe_metrics.run_dir.run_json import read_run_json
 from nemo_moe_metrics.run_dir.session import RunSession
+from nemo_moe_metrics.runtime import processes
+from nemo_moe_metrics.runtime.extras import MissingExtraError
 from nemo_moe_metrics.train import open_recipe_run, own_run_dir, requeued_run_resumes
 
 
@@ -95,7 +95,7 @@ def drive(
 
 @contextlib.contextmanager
 def stopping_signals_raise() -> Iterator[None]:
-    """SIGINT, SIGTERM and SIGHUP raise :class:`~nemo_moe_metrics.processes.Interrupted` in
+    """SIGINT, SIGTERM and SIGHUP raise :class:`~nemo_moe_metrics.runtime.processes.Interrupted` in
     the block, over whatever handler Ray installed (restored afterwards when Python can)."""
 
     def handler(signum: int, frame: object) -> None:

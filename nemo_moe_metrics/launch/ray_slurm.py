@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from nemo_moe_metrics.config import ConfigError, load_recipe
+from nemo_moe_metrics.config.preflight import preflight, slurm_rank_words
 from nemo_moe_metrics.launch.checks import check_resume_has_steps_left, claim_run_dir
 from nemo_moe_metrics.launch.slurm_job import SlurmError, SubmittedJob
 from nemo_moe_metrics.launch.supervise import SRC_ROOT
-from nemo_moe_metrics.preflight import preflight, slurm_rank_words
 
 #: The script's name in the job's folder.
 SCRIPT_NAME = "ray_job.sbatch"

@@ -21,17 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_moe_metrics import processes
 from nemo_moe_metrics.config import ConfigError, Recipe, load_recipe
-from nemo_moe_metrics.failures import (
-    LAST_WORDS_ENV,
-)
+from nemo_moe_metrics.config.preflight import preflight
 from nemo_moe_metrics.launch.checks import (
     check_launch_extras,
     check_resume_has_steps_left,
     claim_run_dir,
 )
 from nemo_moe_metrics.launch.failure_report import failure_report
+from nemo_moe_metrics.launch.failures import (
+    LAST_WORDS_ENV,
+)
 from nemo_moe_metrics.launch.job_watch import JobWatch
 from nemo_moe_metrics.launch.progress import (
     GRPO_LOSS_NOTE,
@@ -42,10 +42,10 @@ from nemo_moe_metrics.launch.progress import (
     say,
 )
 from nemo_moe_metrics.launch.ray_cluster import ADDRESS_ENV, check_embedded
-from nemo_moe_metrics.preflight import preflight
 from nemo_moe_metrics.run_dir.lock import TOKEN_ENV
 from nemo_moe_metrics.run_dir.names import LAUNCH_LOG
 from nemo_moe_metrics.run_dir.resume import ResumeError, prepare_resume, read_resume_state
+from nemo_moe_metrics.runtime import processes
 
 #: Where this package's source tree is: the children import the package from it too (an
 #: editable install or a source checkout).

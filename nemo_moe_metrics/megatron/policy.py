@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from nemo_moe_metrics import metric_names as names
 from nemo_moe_metrics.algorithms.data import PAD_ID, SequenceBatch
 from nemo_moe_metrics.config import Recipe
+from nemo_moe_metrics.export import metric_names as names
 from nemo_moe_metrics.megatron.cpu_shims import cpu_device_mode, cuda_available
 from nemo_moe_metrics.megatron.model import build_model, causal_attention_mask, init_distributed
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nemo_moe_metrics.limits import check_step
+from nemo_moe_metrics.config.limits import check_step
 from nemo_moe_metrics.placement.engines import sglang_init_expert_location, vllm_eplb_config
 from nemo_moe_metrics.placement.loads import WindowLoads, window_loads
 from nemo_moe_metrics.placement.plan import PlacementPlan, SweepRow, build_plan, sweep

@@ -15,7 +15,7 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from nemo_moe_metrics.config import ConfigError, DPOConfig, Recipe
+from nemo_moe_metrics.config.recipe import ConfigError, DPOConfig, Recipe
 
 MODEL = "policy.model"
 MCFG = "policy.megatron_cfg"

@@ -37,12 +37,12 @@ import torch.distributed as dist
 from torch import nn
 
 from nemo_moe_metrics import families
-from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.adapters.family import ModelFacts, ModelFamily
 from nemo_moe_metrics.adapters.registry import attach_collector, family_of, model_facts
 from nemo_moe_metrics.config import MetricsConfig
+from nemo_moe_metrics.export import metric_names as mn
+from nemo_moe_metrics.export.host_read import read_once
 from nemo_moe_metrics.flops import UnknownModelTypeError, resolve_peak_flops
-from nemo_moe_metrics.host_read import read_once
 from nemo_moe_metrics.megatron import compat
 from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 from nemo_moe_metrics.moe.expert_bias import ExpertBiasTracker

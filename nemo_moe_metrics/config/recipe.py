@@ -17,9 +17,9 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from nemo_moe_metrics.layer_pattern import hybrid_layer_symbols, moe_layer_flags
+from nemo_moe_metrics.config.layer_pattern import hybrid_layer_symbols, moe_layer_flags
+from nemo_moe_metrics.config.strict_model import ConfigError, StrictModel, recipe_error_text
 from nemo_moe_metrics.run_dir.names import check_run_name
-from nemo_moe_metrics.strict_model import ConfigError, StrictModel, recipe_error_text
 
 
 class MetricsConfig(StrictModel):

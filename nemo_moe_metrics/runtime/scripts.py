@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from nemo_moe_metrics.extras import missing_extra_message, missing_modules
+from nemo_moe_metrics.runtime.extras import missing_extra_message, missing_modules
 
 #: The exit status of a script that cannot start (as the CLI's usage errors).
 CANNOT_START = 2

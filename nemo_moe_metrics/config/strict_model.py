@@ -14,7 +14,7 @@ from typing import Any, ClassVar, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from nemo_moe_metrics.key_suggestions import nested_key_paths
+from nemo_moe_metrics.config.key_suggestions import nested_key_paths
 
 
 class ConfigError(ValueError):

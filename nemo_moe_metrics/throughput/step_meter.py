@@ -22,8 +22,8 @@ Conventions (docs/en/throughput.md has every key with its formula and caveats):
 - the per-microbatch path makes no host-device synchronisation; ``export()`` makes one, shared
   with the other families when the worker reads them together (``enqueue`` + ``read_once``).
 
-The lengths and their device sums live in :mod:`nemo_moe_metrics.sequence_lengths`, the step
-timers (host clock, device events) in :mod:`nemo_moe_metrics.step_timers`.
+The lengths and their device sums live in :mod:`nemo_moe_metrics.throughput.sequence_lengths`, the step
+timers (host clock, device events) in :mod:`nemo_moe_metrics.throughput.step_timers`.
 """
 
 from __future__ import annotations
@@ -40,18 +40,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.host_read import Pending, collective_device, host_values, read_once
+from nemo_moe_metrics.export import metric_names as mn
+from nemo_moe_metrics.export.host_read import Pending, collective_device, host_values, read_once
 from nemo_moe_metrics.moe.deferred import HostStaging
 
 # lengths_from_*: public here too (docs/en/throughput.md, docs/en/integration.md).
-from nemo_moe_metrics.sequence_lengths import (
+from nemo_moe_metrics.throughput.sequence_lengths import (
     MAX_SEQUENCE_LENGTH,
     length_sums,
     lengths_from_attention_mask,
     lengths_from_cu_seqlens,
 )
-from nemo_moe_metrics.step_timers import EventTimer, WallClockTimer
+from nemo_moe_metrics.throughput.step_timers import EventTimer, WallClockTimer
 
 #: ``estimator(seq_lens: np.ndarray[int64], causal: bool) -> obj with .total`` (training FLOPs).
 FlopsEstimator = Callable[..., Any]
