@@ -56,8 +56,8 @@ def spmd_rank(steps: int, out: str) -> None:
 
     torch.set_num_threads(1)
     from nemo_moe_metrics.algorithms import run_algorithm
-    from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
-    from nemo_moe_metrics.train import make_metrics
+    from nemo_moe_metrics.algorithms.megatron_policy import MegatronPolicyWorker
+    from nemo_moe_metrics.launch.recipe_run import make_metrics
 
     recipe = _recipe(steps)
     worker = MegatronPolicyWorker(recipe, metrics=make_metrics(recipe))

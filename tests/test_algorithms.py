@@ -22,8 +22,8 @@ def _run_loops(rank, world_size):
     # imported, and two spinning threads per rank on a shared 2-core machine cost 10x.
     torch.set_num_threads(1)
     from nemo_moe_metrics.algorithms import run_algorithm
+    from nemo_moe_metrics.algorithms.megatron_policy import MegatronPolicyWorker
     from nemo_moe_metrics.config import load_recipe
-    from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
 
     out = {}
     for algo, steps in (("sft", SFT_STEPS), ("dpo", 2), ("grpo", 2)):

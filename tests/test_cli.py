@@ -50,7 +50,7 @@ def test_the_command_and_its_light_subcommands_start_without_torch():
     # check, report, placement, ingest and flops need no torch; importing it costs every
     # invocation about two seconds of CPU (a launch, a Slurm dry run, each CLI test).
     modules = ["nemo_moe_metrics.cli", "nemo_moe_metrics.report", "nemo_moe_metrics.config.preflight"]
-    modules += ["nemo_moe_metrics.placement.command", "nemo_moe_metrics.run_dir.session"]
+    modules += ["nemo_moe_metrics.cli.placement", "nemo_moe_metrics.run_dir.session"]
     heavy = ("torch", "megatron", "transformers", "ray", "nemo_run", "matplotlib")
     code = (
         f"import sys\nfor m in {modules!r}: __import__(m)\n"

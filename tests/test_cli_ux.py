@@ -284,7 +284,7 @@ def test_failed_rank_prints_its_first_exception_log_path_and_a_working_status_hi
         r"tensor b \(16\)",
         text,
     ), text
-    assert "nemo_moe_metrics/megatron/policy.py:" in text  # the frame in this library
+    assert "nemo_moe_metrics/algorithms/megatron_policy.py:" in text  # the frame in this library
     assert "raised in megatron/core/models/common/embeddings/rope_utils.py:" in text
     lines = text.splitlines()
     rank_log = next(line for line in lines if line.startswith("rank log: "))

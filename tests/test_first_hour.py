@@ -752,15 +752,15 @@ def test_readme_lines_use_their_own_venv_and_run_directory():
 def test_the_per_rank_entrypoint_refuses_a_logged_run_in_recipe_terms(tmp_path):
     # torchrun -m nemo_moe_metrics.train (e.g. a Slurm rerun) checks before touching recipe.yaml.
     from nemo_moe_metrics.config import load_recipe
+    from nemo_moe_metrics.launch.recipe_run import refuse_a_logged_run
     from nemo_moe_metrics.sinks import RunExistsError
-    from nemo_moe_metrics.train import _refuse_a_logged_run
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
     with pytest.raises(RunExistsError, match="pass the override logger.resume=true to continue"):
-        _refuse_a_logged_run(tmp_path, load_recipe(GRPO))
-    _refuse_a_logged_run(tmp_path, load_recipe(GRPO, ["logger.resume=true"]))  # continues
+        refuse_a_logged_run(tmp_path, load_recipe(GRPO))
+    refuse_a_logged_run(tmp_path, load_recipe(GRPO, ["logger.resume=true"]))  # continues
     (tmp_path / "metrics.jsonl").write_text("")  # failed before logging: not a run
-    _refuse_a_logged_run(tmp_path, load_recipe(GRPO))
+    refuse_a_logged_run(tmp_path, load_recipe(GRPO))
 
 
 # --------------------------------------------------------------------------- documented run commands

@@ -41,9 +41,9 @@ from hf_families import (  # noqa: E402
     tiny_model,
 )
 
-from nemo_moe_metrics.adapters.hf_fields import config_num_experts, config_topk  # noqa: E402
 from nemo_moe_metrics.config import MetricsConfig  # noqa: E402
 from nemo_moe_metrics.export import metric_names as mn  # noqa: E402
+from nemo_moe_metrics.flops.hf_fields import config_num_experts, config_topk  # noqa: E402
 from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics, model_facts  # noqa: E402
 
 BATCH, SEQ = 2, 12

@@ -12,8 +12,8 @@ pytest.importorskip("transformers")
 from hf_families import tiny_config, tiny_model  # noqa: E402
 
 from nemo_moe_metrics import MetricsConfig, PolicyMetrics  # noqa: E402
-from nemo_moe_metrics.adapters.hf_fields import config_num_experts, config_topk  # noqa: E402
 from nemo_moe_metrics.export import metric_names as mn  # noqa: E402
+from nemo_moe_metrics.flops.hf_fields import config_num_experts, config_topk  # noqa: E402
 
 pytestmark = pytest.mark.one_line
 ALL_ON = MetricsConfig(track_moe_metrics=True, track_throughput=True, track_flops=True)

@@ -247,7 +247,7 @@ def test_report_shows_placement_and_rollout_beside_training(tmp_path):
     [("2-7", (2, 7)), ("2:7", (2, 7)), ("5-", (5, None)), ("-5", (None, 5)), ("4", (4, 4))],
 )
 def test_steps_windows(text, window):
-    from nemo_moe_metrics.placement.command import parse_window
+    from nemo_moe_metrics.cli.placement import parse_window
 
     assert parse_window(text) == window
 

@@ -51,8 +51,8 @@ def _parallel_step(rank, world_size):
     # One intra-op thread per rank: tests/dist.py sets OMP_NUM_THREADS after torch is
     # imported, and two spinning threads per rank on a shared 2-core machine cost 10x.
     torch.set_num_threads(1)
+    from nemo_moe_metrics.algorithms.megatron_policy import MegatronPolicyWorker
     from nemo_moe_metrics.algorithms.sft import sft_loss
-    from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
 
     recipe = _recipe(2)
     worker = MegatronPolicyWorker(recipe)
@@ -69,8 +69,8 @@ def _single_rank(rank, world_size, parallel):
     # imported, and two spinning threads per rank on a shared 2-core machine cost 10x.
     torch.set_num_threads(1)
     from nemo_moe_metrics.algorithms.data import SequenceBatch, copy_prompts, generator
+    from nemo_moe_metrics.algorithms.megatron_policy import MegatronPolicyWorker
     from nemo_moe_metrics.algorithms.sft import sft_loss
-    from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
 
     parallel = to_torch(parallel)
     recipe = _recipe(1)
@@ -275,8 +275,8 @@ def test_logged_loss_is_the_data_parallel_mean(runs):
 
 
 def test_pipeline_parallel_is_rejected_before_any_process_group():
+    from nemo_moe_metrics.algorithms.megatron_policy import MegatronPolicyWorker
     from nemo_moe_metrics.config import load_recipe
-    from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
 
     recipe = load_recipe(RECIPE, ["policy.megatron_cfg.pipeline_model_parallel_size=2"])
     with pytest.raises(ValueError, match="pipeline_model_parallel_size=1"):

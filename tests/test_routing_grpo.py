@@ -23,9 +23,9 @@ def _loop(rank, world_size):
 
     torch.set_num_threads(1)
     from nemo_moe_metrics.algorithms import run_algorithm
+    from nemo_moe_metrics.algorithms.megatron_policy import MegatronPolicyWorker
     from nemo_moe_metrics.config import load_recipe
-    from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
-    from nemo_moe_metrics.train import make_metrics
+    from nemo_moe_metrics.launch.recipe_run import make_metrics
 
     out = {}
     for replay in (True, False):

@@ -278,7 +278,7 @@ def test_failed_job_shows_its_state_exit_code_and_first_rank_error(slurm, tmp_pa
         proc.stdout,
         re.M,
     ), proc.stdout
-    assert "nemo_moe_metrics/megatron/policy.py:" in proc.stdout  # the frame in this library
+    assert "nemo_moe_metrics/algorithms/megatron_policy.py:" in proc.stdout  # the frame in this library
     logs = dict(re.findall(r"^(rank log|batch log): (.+)$", proc.stdout, re.M))
     assert Path(logs["rank log"]).is_file() and Path(logs["batch log"]).is_file()
     assert "--resume" not in proc.stdout  # nothing was logged, so nothing to continue
@@ -518,7 +518,7 @@ def test_a_job_slurm_has_forgotten_is_reported_from_its_batch_log(slurm, tmp_pat
 
 
 def test_a_requeued_job_continues_only_a_run_it_logged(tmp_path, monkeypatch):
-    from nemo_moe_metrics.train import requeued_run_resumes
+    from nemo_moe_metrics.launch.recipe_run import requeued_run_resumes
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -19,7 +19,8 @@ SFT = CONFIGS / "sft_moe_tiny.yaml"
 
 def _train_flags_off(rank, world_size, out_dir):
     from nemo_moe_metrics.config import load_recipe
-    from nemo_moe_metrics.train import make_metrics, train
+    from nemo_moe_metrics.launch.recipe_run import make_metrics
+    from nemo_moe_metrics.train import train
 
     off = [
         f"policy.megatron_cfg.{flag}=false"
@@ -50,10 +51,10 @@ def test_flags_off_emit_no_metric_keys(tmp_path):
 def _worker_scenarios(rank, world_size):
     import torch
 
+    from nemo_moe_metrics.algorithms.megatron_policy import MegatronPolicyWorker
     from nemo_moe_metrics.algorithms.sft import sft_loss
     from nemo_moe_metrics.config import load_recipe
-    from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
-    from nemo_moe_metrics.train import make_metrics
+    from nemo_moe_metrics.launch.recipe_run import make_metrics
 
     recipe = load_recipe(SFT, ["policy.megatron_cfg.moe_per_layer_logging=true"])
     hooks = make_metrics(recipe)
@@ -117,9 +118,9 @@ def test_two_ranks_get_identical_metrics_and_failed_step_leaves_no_counts():
 def _dense_model_with_moe_flag(rank, world_size):
     import torch
 
+    from nemo_moe_metrics.algorithms.megatron_policy import MegatronPolicyWorker
     from nemo_moe_metrics.config import load_recipe
-    from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
-    from nemo_moe_metrics.train import make_metrics
+    from nemo_moe_metrics.launch.recipe_run import make_metrics
 
     records = []
 

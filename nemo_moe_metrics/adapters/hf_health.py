@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nemo_moe_metrics.adapters.hf_fields import (
+from nemo_moe_metrics.flops.hf_fields import (
     config_topk,
     experts_num,
     hf_model_type,

@@ -30,7 +30,7 @@ from nemo_moe_metrics.export import metric_names as names
 ADVANTAGES = "advantages"
 OLD_LOGPROBS = "old_logprobs"
 CLIP_EPS = 0.2
-ROLLOUT_ROUTES = "rollout_routes"  # the worker's SequenceBatch.extras key (megatron.policy)
+ROLLOUT_ROUTES = "rollout_routes"  # the worker's SequenceBatch.extras key (megatron_policy.py)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:

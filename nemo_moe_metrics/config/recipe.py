@@ -18,8 +18,8 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from nemo_moe_metrics.config.layer_pattern import hybrid_layer_symbols, moe_layer_flags
+from nemo_moe_metrics.config.run_name import check_run_name
 from nemo_moe_metrics.config.strict_model import ConfigError, StrictModel, recipe_error_text
-from nemo_moe_metrics.run_dir.names import check_run_name
 
 
 class MetricsConfig(StrictModel):

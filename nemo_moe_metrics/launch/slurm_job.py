@@ -27,6 +27,7 @@ from typing import Any, TextIO
 
 from nemo_moe_metrics.launch.failures import first_rank_failure
 from nemo_moe_metrics.launch.progress import describe_step, read_new_lines
+from nemo_moe_metrics.report import render_report
 from nemo_moe_metrics.run_dir.record import logged_run
 from nemo_moe_metrics.run_dir.resume import read_resume_state
 
@@ -378,8 +379,6 @@ def follow_job(
         last = last_row["step"] if last_row else read_resume_state(run_dir).last_step
         say(f"done: {run_dir}  (last step {last})")
         if report and metrics.is_file():
-            from nemo_moe_metrics.report import render_report
-
             say(render_report(run_dir))
         return 0
     log = job.rank_log()

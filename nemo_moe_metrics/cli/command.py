@@ -1,4 +1,10 @@
-"""The ``nemo-moe-metrics`` command."""
+"""The ``nemo-moe-metrics`` command: its parser, ``main``, and the subcommands ``check``, ``run``,
+``report`` and ``flops`` (``placement`` and ``ingest``: :mod:`.placement`).
+
+A subcommand imports what it runs when it runs (``report``: the report and its page;
+``flops``: the estimators; ``run``: the launcher), so ``--help`` and ``check`` start without
+torch, matplotlib or nemo-run.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +13,14 @@ import os
 import sys
 from pathlib import Path
 
+from nemo_moe_metrics.cli.placement import add_ingest_parser, add_placement_parser
 from nemo_moe_metrics.config import ConfigError, dump_recipe, load_recipe
-from nemo_moe_metrics.placement.command import add_ingest_parser, add_placement_parser
-from nemo_moe_metrics.runtime.extras import MissingExtraError
+from nemo_moe_metrics.config.preflight import layout_summary, preflight
+from nemo_moe_metrics.run_dir.lock import RunDirError
+from nemo_moe_metrics.runtime.extras import MissingExtraError, check_extra
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from nemo_moe_metrics.config.preflight import layout_summary, preflight
-
     recipe = load_recipe(args.recipe, args.overrides)
     preflight(recipe, args.nproc)  # what `run` checks before launching, on the same ranks
     print(dump_recipe(recipe), end="")
@@ -59,14 +65,11 @@ def _positive(text: str) -> int:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     # Imported here: matplotlib is only needed by this subcommand.
-    from nemo_moe_metrics.report import ReportError, render_report
+    from nemo_moe_metrics.report import ReportError, render_report, resolve_run_dir
+    from nemo_moe_metrics.report.html import check_page_target, size_text, write_html_report
 
     try:
         if args.html:  # refused before any picture is written: the extra, then where it goes
-            from nemo_moe_metrics.report.html import check_page_target
-            from nemo_moe_metrics.report.summary import resolve_run_dir
-            from nemo_moe_metrics.runtime.extras import check_extra
-
             check_extra("html", "nemo-moe-metrics report --html")
             check_page_target(resolve_run_dir(args.run_dir), args.out)
         summary = render_report(
@@ -77,8 +80,6 @@ def _cmd_report(args: argparse.Namespace) -> int:
             dead_steps=args.dead_steps,
         )
         if args.html:
-            from nemo_moe_metrics.report.html import size_text, write_html_report
-
             page = write_html_report(
                 resolve_run_dir(args.run_dir),
                 summary,
@@ -332,8 +333,6 @@ def main(argv: list[str] | None = None) -> int:
         # The subcommand's usage, not the top level's: that is where the typo is.
         sub = parser.subparsers[args.command]  # type: ignore[attr-defined]
         sub.error(f"unrecognized arguments: {' '.join(extra)}{_did_you_mean(sub, extra)}")
-    from nemo_moe_metrics.run_dir.lock import RunDirError
-
     try:
         return args.func(args)
     except (ConfigError, MissingExtraError, RunDirError) as err:
@@ -355,6 +354,3 @@ def _did_you_mean(sub: argparse.ArgumentParser, extra: list[str]) -> str:
                 return f" (did you mean {close[0]}?)"
     return ""
 
-
-if __name__ == "__main__":
-    sys.exit(main())

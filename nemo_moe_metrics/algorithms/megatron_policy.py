@@ -25,6 +25,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from nemo_moe_metrics.algorithms.data import PAD_ID, SequenceBatch
 from nemo_moe_metrics.config import Recipe
 from nemo_moe_metrics.export import metric_names as names
+from nemo_moe_metrics.megatron import compat
 from nemo_moe_metrics.megatron.cpu_shims import cpu_device_mode, cuda_available
 from nemo_moe_metrics.megatron.model import build_model, causal_attention_mask, init_distributed
 
@@ -201,13 +202,9 @@ class MegatronPolicyWorker:
             yield
         finally:
             if self.router_replay:
-                from nemo_moe_metrics.megatron import compat
-
                 compat.clear_router_replay(compat.megatron_routers(self.model))
 
     def _set_replay(self, routes: torch.Tensor | None) -> None:
-        from nemo_moe_metrics.megatron import compat
-
         routers = compat.megatron_routers(self.model)
         if routes is None:
             raise ValueError(
@@ -229,8 +226,6 @@ class MegatronPolicyWorker:
         by forward hooks on every router during one eval, no-grad forward in ``precision``
         (``"bf16"``: CPU/CUDA autocast). Padding positions hold ``-1``; MoE layers in model order.
         """
-        from nemo_moe_metrics.megatron import compat
-
         routers = compat.megatron_routers(self.model)
         if not routers:
             raise ValueError("rollout_routes needs a model with MoE routers")

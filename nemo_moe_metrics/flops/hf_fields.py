@@ -4,7 +4,7 @@ The config fields that hold the routed experts and experts per token (they diffe
 whether a module follows transformers' experts interface, how many experts it holds, and the
 ids and weights an experts call was given. Used by the router adapter (``adapters.hf``), the health
 readers (``adapters.hf_health``), the model facts (``adapters.hf``) and the FLOP estimate
-read from a built model (``flops``).
+read from a built model (``flops.hf_module_tree``): here, below the adapters that import it.
 """
 
 from __future__ import annotations
