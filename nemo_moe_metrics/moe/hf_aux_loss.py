@@ -15,7 +15,7 @@ with the top-k taken on ``softmax(logits)`` exactly as transformers does (coeffi
 ``router_aux_loss_coef`` excluded, as megatron's tracker excludes its coefficient; padding
 included, as transformers' function without ``attention_mask``). Calling
 ``load_balancing_loss_func((logits,), E, k)`` on one layer's logits gives the same number
-(tests/test_hf_aux_loss.py). Per layer the values are summed over the step's training forwards
+(tests/moe/test_hf_aux_loss.py). Per layer the values are summed over the step's training forwards
 on the device (no host synchronisation); at the end of the step :func:`enqueue_hf_aux_loss_metrics`
 scales them by ``1 / num_microbatches``, reduces them with the same code as megatron's tracker
 (``aux_loss.reduce_aux_losses``: mean over data parallel) and reports the mean over MoE layers
