@@ -1,7 +1,8 @@
 """The tests mirror the package: ``tests/<path>/test_<name>.py`` for each module
 ``nemo_moe_metrics/<path>/<name>.py``, or a line in tests/UNMIRRORED.md saying where it is tested;
-test folders only where the package has one (besides e2e/, project/, support/, fixtures/); no
-test imports an underscore name of the package (tests go through public names)."""
+test folders only where the package has one (besides e2e/, project/, support/, fixtures/), and
+at the top only the tests of the top-level modules (test_exports.py: the package's public names);
+no test imports an underscore name of the package (tests go through public names)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,12 @@ def test_every_test_folder_mirrors_a_package_folder_and_is_a_package():
             assert (PACKAGE / rel).is_dir(), f"tests/{rel} mirrors no folder of the package"
         # Test files share names across folders (test_megatron.py): each folder is a package.
         assert (folder / "__init__.py").is_file(), f"tests/{rel} needs an __init__.py"
+
+
+def test_the_tests_at_the_top_are_those_of_the_top_level_modules():
+    top = {p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py"} | {"exports"}
+    stray = [p.name for p in TESTS.glob("test_*.py") if p.stem.removeprefix("test_") not in top]
+    assert stray == [], f"move into the folder of the module they test: {stray}"
 
 
 def test_no_test_imports_an_underscore_name_of_the_package():
