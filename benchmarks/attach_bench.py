@@ -19,9 +19,9 @@ def attach_bench(layers: int = 94, experts: int = 128, repeats: int = 3) -> dict
     import torch
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
+    from nemo_moe_metrics import PolicyMetrics
     from nemo_moe_metrics.config import MetricsConfig
     from nemo_moe_metrics.families.throughput import Throughput
-    from nemo_moe_metrics.metrics import PolicyMetrics
 
     config = Glm4MoeConfig(num_hidden_layers=layers, n_routed_experts=experts)
     config._experts_implementation = "eager"

@@ -64,7 +64,7 @@ _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "nemo_moe_metrics").is_dir():
     sys.path.insert(0, str(_REPO))
 
-from nemo_moe_metrics import processes  # noqa: E402
+from nemo_moe_metrics.runtime import processes  # noqa: E402
 
 RECIPE = _REPO / "examples" / "configs" / "sft_moe_tiny.yaml"
 NAME = "sft_moe_tiny"

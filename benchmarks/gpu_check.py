@@ -26,7 +26,7 @@ _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "nemo_moe_metrics").is_dir():
     sys.path.insert(0, str(_REPO))
 
-from nemo_moe_metrics import metric_names as mn  # noqa: E402
+from nemo_moe_metrics.export import metric_names as mn  # noqa: E402
 from nemo_moe_metrics.testing import free_port  # noqa: E402
 from nemo_moe_metrics.throughput import StepMeter, lengths_from_attention_mask  # noqa: E402
 

@@ -4,7 +4,7 @@ Rank side (spawned gloo ranks, one torch thread each):
 
 1. Step overhead (:func:`step_rank`, one rank): one megatron-core MoE GPTModel trained by
    megatron-core's own ``get_forward_backward_func()`` schedule plus AdamW, stepped alternately
-   under a :class:`~nemo_moe_metrics.metrics.PolicyMetrics` with every flag on (its hooks in
+   under a :class:`~nemo_moe_metrics.worker.PolicyMetrics` with every flag on (its hooks in
    place) and one with every flag off (the hooks removed, so the model runs as never hooked).
    Steps alternate off/on and on/off (ABBA) on the same batch, so slow drifts of a shared machine
    hit both alike. One rank on one core leaves the second core
@@ -194,13 +194,13 @@ class StepBench:
     """
 
     def __init__(self, cfg: BenchConfig, rank: int, world_size: int) -> None:
+        from nemo_moe_metrics import PolicyMetrics
         from nemo_moe_metrics.config import MegatronConfig, MetricsConfig, ModelConfig
         from nemo_moe_metrics.megatron.model import (
             build_gpt_model,
             build_transformer_config,
             causal_attention_mask,
         )
-        from nemo_moe_metrics.metrics import PolicyMetrics
 
         s = cfg.step
         self.cfg, self.rank, self.world = cfg, rank, world_size
@@ -364,7 +364,7 @@ class StepBench:
 
     def _checks(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """Facts about the on variant's last step, recomputed here, so a broken path shows."""
-        from nemo_moe_metrics import metric_names as mn
+        from nemo_moe_metrics.export import metric_names as mn
 
         if self.cfg.on != "all":
             return {"metric_keys": len(metrics)}  # ablation runs: the full run checks
@@ -425,7 +425,7 @@ class StepBench:
         expert loads. Nearly blind to other processes' load; not timed: the step timer's
         context (throughput's ``around_step``), indirect costs (memory kept alive).
         """
-        from nemo_moe_metrics.host_read import Pending
+        from nemo_moe_metrics.export.host_read import Pending
 
         metrics = self.variants["on"].metrics
         families = list(metrics._families)
@@ -647,7 +647,7 @@ def _export_bench(cfg: BenchConfig, rank: int, world_size: int) -> dict[str, Any
     with HostReadCounter() as counter:
         export()
     collector.detach()
-    from nemo_moe_metrics import metric_names as mn
+    from nemo_moe_metrics.export import metric_names as mn
 
     rows = metrics.get(mn.EXPERT_LOADS, [])
     assigned = sum(r[2] for r in rows)

@@ -2,7 +2,7 @@
 """``report --html`` over a long run: ``python benchmarks/html_bench.py RUN [--loads 3]``.
 
 Writes the page with the command itself (``nemo-moe-metrics report RUN --html --out DIR``, in
-its own process, as a user runs it), then opens it in headless Chromium (tests/browser.py:
+its own process, as a user runs it), then opens it in headless Chromium (tests/support/browser.py:
 Debian's ``chromium``, network off) ``loads`` times, each in a fresh tab, and reads when the
 first chart was drawn (``window.nmm.firstChartMs``: milliseconds from the start of the page's
 navigation to the heatmap's first render). In ``benchmarks/run.py`` the run is
@@ -55,7 +55,7 @@ def html_bench(run_dir: Path, out_dir: Path, *, loads: int = 3) -> dict:
         return {"checks": checks, "details": details}
     result: dict = {"html_report_mb": page.stat().st_size / 1e6}
     details["bytes"] = page.stat().st_size
-    sys.path.insert(0, str(_REPO / "tests"))
+    sys.path.insert(0, str(_REPO / "tests" / "support"))
     from browser import Browser, BrowserUnavailable
 
     try:

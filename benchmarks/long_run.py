@@ -31,8 +31,8 @@ _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "nemo_moe_metrics").is_dir():
     sys.path.insert(0, str(_REPO))
 
-from nemo_moe_metrics import metric_names as mn  # noqa: E402
 from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY  # noqa: E402
+from nemo_moe_metrics.export import metric_names as mn  # noqa: E402
 from nemo_moe_metrics.run_dir.names import RUN_FILE  # noqa: E402
 from nemo_moe_metrics.run_dir.run_json import run_metadata  # noqa: E402
 from nemo_moe_metrics.sinks.jsonl import METRICS_FILE, JsonlSink  # noqa: E402

@@ -56,8 +56,8 @@ def spmd_rank(steps: int, out: str) -> None:
 
     torch.set_num_threads(1)
     from nemo_moe_metrics.algorithms import run_algorithm
-    from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
-    from nemo_moe_metrics.train import make_metrics
+    from nemo_moe_metrics.algorithms.megatron_policy import MegatronPolicyWorker
+    from nemo_moe_metrics.launch.recipe_run import make_metrics
 
     recipe = _recipe(steps)
     worker = MegatronPolicyWorker(recipe, metrics=make_metrics(recipe))
@@ -91,8 +91,8 @@ class TableActor:
     def __init__(self, layers: int, experts: int) -> None:
         import numpy as np
 
-        from nemo_moe_metrics.expert_table import ExpertTable
-        from nemo_moe_metrics.worker_results import worker_result
+        from nemo_moe_metrics.export.expert_table import ExpertTable
+        from nemo_moe_metrics.worker.results import worker_result
 
         counts = np.random.default_rng(0).integers(0, 10_000, (layers, experts))
         metrics = {"moe/expert_loads": ExpertTable(np.arange(layers), counts)}

@@ -37,6 +37,7 @@ def _rank(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from benchmarks.host_reads import HostReadCounter
+    from nemo_moe_metrics import PolicyMetrics
     from nemo_moe_metrics.config import MegatronConfig, MetricsConfig, ModelConfig
     from nemo_moe_metrics.families.router_health import RouterHealth
     from nemo_moe_metrics.families.routing_consistency import RoutingConsistency
@@ -47,7 +48,6 @@ def _rank(
         causal_attention_mask,
         init_distributed,
     )
-    from nemo_moe_metrics.metrics import PolicyMetrics
 
     s = step_cfg
     init_distributed(MegatronConfig(), seed=1234)

@@ -58,7 +58,7 @@ def _scalars(step: int) -> dict[str, float]:
 
 def store_bench(table_every: int, table_repeats: int, wandb_repeats: int) -> dict[str, Any]:
     """Time the store and W&B sinks at 94 x 256; amortised per step at ``table_every``."""
-    from nemo_moe_metrics.metric_names import EXPERT_LOADS
+    from nemo_moe_metrics.export.metric_names import EXPERT_LOADS
     from nemo_moe_metrics.sinks.store import ExpertLoadSink, read_expert_loads, store_path
 
     tables = [step_counts(s) for s in range(table_repeats)]
@@ -163,7 +163,7 @@ def _json_line(rows: list[list]) -> str:
 def _wandb_bench(rows: list[list], repeats: int, table_every: int) -> dict[str, Any]:
     """W&B offline: ms per table step and per scalar step, the table's bytes on disk."""
     os.environ.setdefault("WANDB_SILENT", "true")
-    from nemo_moe_metrics.metric_names import EXPERT_LOADS
+    from nemo_moe_metrics.export.metric_names import EXPERT_LOADS
     from nemo_moe_metrics.sinks.wandb import WandbSink
 
     with tempfile.TemporaryDirectory(prefix="nmm_wandb_bench_") as tmp, warnings.catch_warnings():

@@ -26,8 +26,8 @@ from benchmarks.store_bench import EXPERTS, LAYERS, TOKENS_PER_STEP, step_counts
 
 def table_step_bench(repeats: int) -> dict[str, Any]:
     """``table_step_host_ms_94x256`` and its details (table and no-table medians, ms CPU)."""
-    from nemo_moe_metrics import metric_names as mn
     from nemo_moe_metrics.config import LoggerConfig
+    from nemo_moe_metrics.export import metric_names as mn
     from nemo_moe_metrics.moe.balance import ExpertLoads, expert_load_metrics
     from nemo_moe_metrics.sinks import build_sinks
 

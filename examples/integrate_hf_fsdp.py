@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nemo_moe_metrics import Sink, build_sinks
+from nemo_moe_metrics import PolicyMetrics, Sink, build_sinks
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig
-from nemo_moe_metrics.metrics import PolicyMetrics
 
 VOCAB = 128
 
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wrap", choices=["fsdp", "ddp", "none"], default="fsdp")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args(argv)
-    from nemo_moe_metrics.scripts import check_torchrun_script
+    from nemo_moe_metrics.runtime.scripts import check_torchrun_script
 
     check_torchrun_script(  # one line, before any rank starts talking
         "examples/integrate_hf_fsdp.py", extras=[("hf", "examples/integrate_hf_fsdp.py")]

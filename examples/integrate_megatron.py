@@ -24,11 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nemo_moe_metrics import build_sinks
+from nemo_moe_metrics import PolicyMetrics, build_sinks
 from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, LoggerConfig, MetricsConfig
 from nemo_moe_metrics.megatron.cpu_shims import apply_cpu_shims, cpu_device_mode
-from nemo_moe_metrics.metrics import PolicyMetrics
-from nemo_moe_metrics.scripts import check_torchrun_script
+from nemo_moe_metrics.runtime.scripts import check_torchrun_script
 
 VOCAB = 128  # the size of the model's output layer: the vocab_size PolicyMetrics needs
 SEQ, MICRO_BATCH = 32, 2

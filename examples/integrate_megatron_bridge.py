@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--expert-parallel", type=int, default=2)
     args = parser.parse_args(argv)
-    from nemo_moe_metrics.scripts import check_torchrun_script
+    from nemo_moe_metrics.runtime.scripts import check_torchrun_script
 
     check_torchrun_script(  # one line, before any rank starts talking
         "examples/integrate_megatron_bridge.py",

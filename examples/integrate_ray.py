@@ -32,8 +32,8 @@ import torch  # noqa: E402
 
 from nemo_moe_metrics import build_sinks  # noqa: E402
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig  # noqa: E402
-from nemo_moe_metrics.extras import MissingExtraError, check_extra  # noqa: E402
 from nemo_moe_metrics.integrations.ray import log_worker_results, worker_result  # noqa: E402
+from nemo_moe_metrics.runtime.extras import MissingExtraError, check_extra  # noqa: E402
 
 
 class PolicyWorker:
@@ -53,8 +53,8 @@ class PolicyWorker:
         from integrate_megatron import NUM_EXPERTS, VOCAB, build_model, transformer_config
         from megatron.core import parallel_state
 
+        from nemo_moe_metrics import PolicyMetrics
         from nemo_moe_metrics.megatron.cpu_shims import apply_cpu_shims
-        from nemo_moe_metrics.metrics import PolicyMetrics
 
         torch.set_num_threads(1)  # cpu-only: two ranks on two cores
         apply_cpu_shims()  # cpu-only (a no-op when CUDA is available)

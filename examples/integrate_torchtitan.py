@@ -24,11 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nemo_moe_metrics import build_sinks, model_facts
+from nemo_moe_metrics import PolicyMetrics, build_sinks, model_facts
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig
-from nemo_moe_metrics.extras import require
-from nemo_moe_metrics.metrics import PolicyMetrics
-from nemo_moe_metrics.scripts import check_torchrun_script
+from nemo_moe_metrics.runtime.extras import require
+from nemo_moe_metrics.runtime.scripts import check_torchrun_script
 
 BATCH, SEQ = 2, 32
 

@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="run directory")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args(argv)
-    from nemo_moe_metrics.extras import missing_extra_message, missing_modules
+    from nemo_moe_metrics.runtime.extras import missing_extra_message, missing_modules
 
     missing = missing_modules("trl")
     if missing:

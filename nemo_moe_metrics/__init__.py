@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     # the five calls every worker or framework makes, and their flags
-    "PolicyMetrics": "nemo_moe_metrics.metrics",
+    "PolicyMetrics": "nemo_moe_metrics.worker.policy_metrics",
     "MetricsConfig": "nemo_moe_metrics.config",
     "LoggerConfig": "nemo_moe_metrics.config",
     "AlertsConfig": "nemo_moe_metrics.config",

@@ -59,8 +59,8 @@ _PRELOAD = (
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.transformer.moe.moe_layer",
     "megatron.core.pipeline_parallel",
-    "nemo_moe_metrics.metrics",
-    "nemo_moe_metrics.megatron.policy",
+    "nemo_moe_metrics.worker.policy_metrics",
+    "nemo_moe_metrics.algorithms.megatron_policy",
 )
 
 

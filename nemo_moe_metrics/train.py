@@ -16,29 +16,23 @@ from typing import Any
 
 import torch
 
-from nemo_moe_metrics import processes
-from nemo_moe_metrics.adapters.family import ModelFacts
-from nemo_moe_metrics.config import ConfigError, Recipe, dump_recipe, load_recipe
-from nemo_moe_metrics.durable import write_text_durably
-from nemo_moe_metrics.failures import record_failure, record_refusal
-from nemo_moe_metrics.launch.slurm_job import SlurmError, rank_env_from_slurm, requeue_count
-from nemo_moe_metrics.metrics import PolicyMetrics
-from nemo_moe_metrics.preflight import preflight
-from nemo_moe_metrics.run_dir.lock import TOKEN_ENV, RunDirLock
-from nemo_moe_metrics.run_dir.names import RECIPE_FILE
-from nemo_moe_metrics.run_dir.record import logged_run, refuse_logged_run
+from nemo_moe_metrics.algorithms import run_algorithm
+from nemo_moe_metrics.algorithms.megatron_policy import MegatronPolicyWorker
+from nemo_moe_metrics.config import ConfigError, Recipe, load_recipe
+from nemo_moe_metrics.config.preflight import preflight
+from nemo_moe_metrics.launch.failures import record_failure, record_refusal
+from nemo_moe_metrics.launch.recipe_run import (
+    make_metrics,
+    open_recipe_run,
+    own_run_dir,
+    requeued_run_resumes,
+)
+from nemo_moe_metrics.launch.slurm_job import SlurmError, rank_env_from_slurm
+from nemo_moe_metrics.launch.train_args import rank_argv
+from nemo_moe_metrics.run_dir.lock import RunDirLock
 from nemo_moe_metrics.run_dir.resume import ResumeState, prepare_resume
-from nemo_moe_metrics.run_dir.session import RunSession, build_sinks
-from nemo_moe_metrics.sinks.base import NullSink
-from nemo_moe_metrics.train_args import rank_argv
-
-
-def make_metrics(recipe: Recipe) -> PolicyMetrics | None:
-    """The metrics integration the flags ask for; None when every metric flag is off."""
-    cfg = recipe.policy.megatron_cfg.metrics()
-    if not (cfg.track_moe_metrics or cfg.track_throughput):
-        return None
-    return PolicyMetrics(cfg, vocab_size=recipe.policy.model.vocab_size)
+from nemo_moe_metrics.runtime import processes
+from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
 
 def train(recipe: Recipe, output_dir: str | Path) -> None:
@@ -49,8 +43,6 @@ def train(recipe: Recipe, output_dir: str | Path) -> None:
     ``train_perf/`` totals go on, and every sink appends to the same run.
     """
     import torch.distributed as dist
-
-    from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
 
     output_dir = Path(output_dir)
     metrics = make_metrics(recipe)
@@ -74,8 +66,6 @@ def _train(
     lock: RunDirLock | None,
 ) -> None:
     import torch.distributed as dist
-
-    from nemo_moe_metrics.algorithms import run_algorithm
 
     state = _resume_state(output_dir, rank, recipe) if recipe.logger.resume else None
     if state is not None and metrics is not None:
@@ -102,70 +92,6 @@ def _train(
         dist.destroy_process_group()
 
 
-def open_recipe_run(
-    recipe: Recipe,
-    output_dir: Path,
-    state: ResumeState | None,
-    rank: int = 0,
-    *,
-    facts: ModelFacts | None = None,
-    lock: RunDirLock | None = None,
-) -> RunSession | NullSink:
-    """This run's records in ``output_dir``, opened by the process that logs (rank 0 under
-    torchrun, the driver under Ray): one run per directory, ``recipe.yaml``, the resume note,
-    then the sinks through :func:`~nemo_moe_metrics.run_dir.session.open_run` (``run.json``
-    among them); a ``NullSink`` on other ranks. ``lock``: the directory's lock the caller holds
-    (:func:`own_run_dir`)."""
-    if rank == 0:
-        _refuse_a_logged_run(output_dir, recipe)  # before recipe.yaml: the old run stays whole
-        output_dir.mkdir(parents=True, exist_ok=True)
-        write_text_durably(output_dir / RECIPE_FILE, dump_recipe(recipe))
-        if state is not None and state.last_step is not None:
-            left = max(0, recipe.training.max_steps - state.next_step)
-            print(
-                f"resuming {output_dir} after step {state.last_step}: {left} step(s) left of "
-                f"training.max_steps={recipe.training.max_steps}",
-                flush=True,
-            )
-    return build_sinks(
-        recipe.logger,
-        output_dir,
-        run_name=recipe.name,
-        config=recipe.model_dump(mode="json"),
-        rank=rank,
-        resume_state=state,
-        facts=facts,
-        lock=lock,
-    )
-
-
-def _refuse_a_logged_run(output_dir: Path, recipe: Recipe) -> None:
-    """One run per directory (run_dir/record.py, as ``run`` and ``build_sinks``), said in
-    recipe terms."""
-    refuse_logged_run(
-        output_dir,
-        resume=recipe.logger.resume,
-        ways="pass the override logger.resume=true to continue it, or choose another "
-        "--output-dir (nemo-moe-metrics run --overwrite deletes the old run first)",
-    )
-
-
-def own_run_dir(output_dir: Path) -> RunDirLock:
-    """Rank 0's hold on the run directory: it joins the lock of the launcher that started the
-    job (``nemo-moe-metrics run`` passes its token), or takes it itself (a job started
-    another way, e.g. by Slurm); :class:`~nemo_moe_metrics.run_dir.RunDirBusyError` when
-    another run holds the directory."""
-    token = os.environ.get(TOKEN_ENV)
-    lock = RunDirLock(output_dir)
-    if token:
-        return lock.join(token)
-    lock.acquire(writer=True)
-    lock.mark_run()  # a run starts here: its directory is a run's from now on
-    for note in lock.notes:
-        print(note, flush=True)
-    return lock
-
-
 def _resume_state(output_dir: Path, rank: int, recipe: Recipe) -> ResumeState:
     """Rank 0 makes the run directory's records agree and reads where to continue (saying
     what it cut, see :func:`~nemo_moe_metrics.sinks.prepare_resume`); every rank gets the same
@@ -181,25 +107,6 @@ def _resume_state(output_dir: Path, rank: int, recipe: Recipe) -> ResumeState:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def requeued_run_resumes(output_dir: Path) -> list[str]:
-    """``["logger.resume=true"]`` when Slurm requeued this job and its first start logged steps.
-
-    nemo-run submits with ``sbatch --requeue``: after a node failure or a preemption Slurm
-    starts the same job again (``SLURM_RESTART_COUNT`` > 0), with the same command, into the
-    run directory its earlier start wrote. That run is this job's own, so it continues.
-    """
-    restarts = requeue_count(os.environ)
-    if not restarts or not logged_run(output_dir):
-        return []
-    if os.environ.get("RANK", "0") == "0":
-        print(
-            f"Slurm requeued job {os.environ.get('SLURM_JOB_ID', '?')} (restart {restarts}): "
-            f"continuing its run in {output_dir}",
-            flush=True,
-        )
-    return ["logger.resume=true"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -27,8 +27,8 @@ import sys
 
 from nemo_moe_metrics.cli import add_run_dir_flags
 from nemo_moe_metrics.config import ConfigError
-from nemo_moe_metrics.extras import MissingExtraError, check_extra
 from nemo_moe_metrics.launch.slurm_job import SlurmError
+from nemo_moe_metrics.runtime.extras import MissingExtraError, check_extra
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-# Tests import helpers (tests/dist.py) by module name, in spawned ranks too.
-sys.path.insert(0, os.path.dirname(__file__))
+# Tests import helpers (tests/support/dist.py) by module name, in spawned ranks too.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
@@ -84,7 +84,7 @@ def main_job_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def slurm():
-    """munged, slurmctld and two slurmd (n1, n2) on this host (tests/slurm_cluster.py), shared
+    """munged, slurmctld and two slurmd (n1, n2) on this host (tests/support/slurm_cluster.py), shared
     by the Slurm modules of the session and stopped at its end. Without root or the Debian
     packages it skips with the reason; NEMO_MOE_METRICS_REQUIRE_SLURM=1 (CI) fails instead."""
     import shutil
@@ -109,8 +109,8 @@ def slurm():
     shutil.rmtree(root, ignore_errors=True)
 
 
-#: The SFT run of ``sft_torchrun_run`` (tests/test_launch_args.py checks its arguments arrive
-#: byte for byte; tests/test_ray_cluster.py compares the Ray engine's SFT with it).
+#: The SFT run of ``sft_torchrun_run`` (tests/launch/test_train_args.py checks its arguments arrive
+#: byte for byte; tests/launch/test_ray_cluster.py compares the Ray engine's SFT with it).
 SFT_TORCHRUN_OVERRIDES = [
     "policy.model.moe_layer_freq=[0,1,1,1]",
     'logger.wandb_project=naïve 名前 "quoted" it\'s $HOME `x` \\back',
@@ -165,7 +165,7 @@ def dpo_torchrun_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def page_browser():
-    """Headless Chromium (tests/browser.py) for the ``report --html`` page, started once per
+    """Headless Chromium (tests/support/browser.py) for the ``report --html`` page, started once per
     session when first asked for. None where none can start, so that a test of another path
     keeps its own checks; with NEMO_MOE_METRICS_REQUIRE_BROWSER=1 (CI) that fails instead."""
     from browser import REQUIRE, Browser, BrowserUnavailable

@@ -2,7 +2,8 @@
 
 The router contract (:class:`~nemo_moe_metrics.moe.router_spec.RouterSpec`) for every family
 transformers ships: counts, routes and health (readers in ``adapters.hf_health``); what configs
-and modules say about themselves is in ``adapters.hf_fields``.
+and modules say about themselves is in ``flops.hf_fields`` (the FLOP walk of a built model
+reads it too).
 
 transformers 5 gives nearly all of its MoE families two shared interfaces, and this adapter reads
 those instead of keeping one entry per model:
@@ -41,7 +42,7 @@ from torch import nn
 
 from nemo_moe_metrics.adapters import hf_health
 from nemo_moe_metrics.adapters.family import ModelFacts, ModelFamily
-from nemo_moe_metrics.adapters.hf_fields import (
+from nemo_moe_metrics.flops.hf_fields import (
     config_num_experts,
     config_topk,
     experts_num,

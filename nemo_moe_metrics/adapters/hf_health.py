@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nemo_moe_metrics.adapters.hf_fields import (
+from nemo_moe_metrics.flops.hf_fields import (
     config_topk,
     experts_num,
     hf_model_type,
@@ -41,7 +41,7 @@ class HFRouting:
     """What a transformers family's router code fixes beyond what its module's attributes say.
 
     Read from each family's router forward (transformers 5.25) and checked for every family by
-    ``tests/test_hf_router_health.py``: the top-k the resulting scoring describes is the
+    ``tests/adapters/test_hf_health.py``: the top-k the resulting scoring describes is the
     indices the router returns, and its weights follow the score function.
 
     ``score_function``: None where the router names it itself (``scoring_func``-like attribute

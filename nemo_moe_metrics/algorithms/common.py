@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nemo_moe_metrics.worker_results import merge_step_metrics
+from nemo_moe_metrics.worker.results import merge_step_metrics
 
 LogFn = Callable[[dict[str, Any], int], None]
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nemo_moe_metrics import metric_names as names
 from nemo_moe_metrics.algorithms.common import LogFn, merge_step_metrics, rank_batch_size
 from nemo_moe_metrics.algorithms.data import SequenceBatch, dpo_batch, generator
 from nemo_moe_metrics.algorithms.ranks import as_rank_group
 from nemo_moe_metrics.config import DPOConfig, Recipe
+from nemo_moe_metrics.export import metric_names as names
 
 REF_LOGPROBS = "ref_logprobs"
 

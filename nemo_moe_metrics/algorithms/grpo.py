@@ -10,7 +10,6 @@ import math
 
 import torch
 
-from nemo_moe_metrics import metric_names as names
 from nemo_moe_metrics.algorithms.common import (
     LogFn,
     masked_sequence_mean,
@@ -26,11 +25,12 @@ from nemo_moe_metrics.algorithms.data import (
 )
 from nemo_moe_metrics.algorithms.ranks import as_rank_group
 from nemo_moe_metrics.config import Recipe
+from nemo_moe_metrics.export import metric_names as names
 
 ADVANTAGES = "advantages"
 OLD_LOGPROBS = "old_logprobs"
 CLIP_EPS = 0.2
-ROLLOUT_ROUTES = "rollout_routes"  # the worker's SequenceBatch.extras key (megatron.policy)
+ROLLOUT_ROUTES = "rollout_routes"  # the worker's SequenceBatch.extras key (megatron_policy.py)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from nemo_moe_metrics import metric_names as names
 from nemo_moe_metrics.algorithms.common import (
     LogFn,
     masked_sequence_mean,
@@ -14,6 +13,7 @@ from nemo_moe_metrics.algorithms.common import (
 from nemo_moe_metrics.algorithms.data import SequenceBatch, generator, sft_batch
 from nemo_moe_metrics.algorithms.ranks import as_rank_group
 from nemo_moe_metrics.config import Recipe
+from nemo_moe_metrics.export import metric_names as names
 
 
 def sft_loss(logprobs: torch.Tensor, mb: SequenceBatch) -> tuple[torch.Tensor, dict]:

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nemo_moe_metrics.metric_names import EXPERT_LOAD_COLUMNS
+from nemo_moe_metrics.export.metric_names import EXPERT_LOAD_COLUMNS
 
 CHART_DIR = Path(__file__).resolve().parent
 CHARTS: tuple[str, ...] = ("expert_load_heatmap", "expert_load_heatmap_steps")

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from nemo_moe_metrics.config import MetricsConfig
+from nemo_moe_metrics.export.host_read import Pending, done
 from nemo_moe_metrics.families.base import BuildContext, MetricFamily
-from nemo_moe_metrics.host_read import Pending, done
 from nemo_moe_metrics.moe import aux_loss
 from nemo_moe_metrics.moe.hf_aux_loss import HFAuxLossAccumulator, enqueue_hf_aux_loss_metrics
 

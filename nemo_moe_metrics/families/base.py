@@ -1,14 +1,14 @@
 """The metric-family protocol, and what a family's ``build`` function is given at attach.
 
 A family owns what one flag (or one source) measures. ``PolicyMetrics``
-(``nemo_moe_metrics.metrics``) calls every family at the same points of a step and knows none
+(``nemo_moe_metrics.worker.policy_metrics``) calls every family at the same points of a step and knows none
 of them:
 
 - ``enter_step`` / ``leave_step``: around ``with metrics.step():``;
 - ``microbatch``: per ``metrics.microbatch()`` call (host work only, no device read);
 - ``discard``: the step raised; ``restart``: its forward-backward runs again;
 - ``enqueue``: launch the device work and collectives of an export and return the
-  :class:`~nemo_moe_metrics.host_read.Pending` results (same order on every rank; one host
+  :class:`~nemo_moe_metrics.export.host_read.Pending` results (same order on every rank; one host
   read then brings every family's numbers back), then ``check`` the reduced numbers and
   ``complete`` the dict with what follows from other families' numbers.
 
@@ -32,7 +32,7 @@ from torch import nn
 
 from nemo_moe_metrics.adapters.family import ModelFacts, ModelFamily
 from nemo_moe_metrics.config import MetricsConfig
-from nemo_moe_metrics.host_read import Pending
+from nemo_moe_metrics.export.host_read import Pending
 from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from nemo_moe_metrics.export.host_read import Pending
 from nemo_moe_metrics.families.base import BuildContext, MetricFamily
 from nemo_moe_metrics.families.expert_load import ExpertLoads
-from nemo_moe_metrics.host_read import Pending
 from nemo_moe_metrics.moe.expert_bias import ExpertBiasTracker, split_layer_keys
 
 

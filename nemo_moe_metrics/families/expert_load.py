@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from nemo_moe_metrics.config import MetricsConfig
+from nemo_moe_metrics.export.host_read import Pending
 from nemo_moe_metrics.families.base import BuildContext, MetricFamily
-from nemo_moe_metrics.host_read import Pending
 from nemo_moe_metrics.moe.balance import ExpertLoads as BalanceLoads
 from nemo_moe_metrics.moe.balance import expert_load_metrics
 from nemo_moe_metrics.moe.collector import ExpertLoadCollector

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.families.base import BuildContext, MetricFamily
 from nemo_moe_metrics.families.expert_load import ExpertLoads
 from nemo_moe_metrics.families.throughput import Throughput

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from nemo_moe_metrics.export.host_read import Pending, collective_device
 from nemo_moe_metrics.families.base import BuildContext, MetricFamily
-from nemo_moe_metrics.host_read import Pending, collective_device
 from nemo_moe_metrics.megatron import compat
 from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 from nemo_moe_metrics.moe.overload import OverloadTracker

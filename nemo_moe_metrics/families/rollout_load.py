@@ -11,9 +11,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.export import metric_names as mn
+from nemo_moe_metrics.export.host_read import Pending
 from nemo_moe_metrics.families.base import BuildContext, MetricFamily
-from nemo_moe_metrics.host_read import Pending
 from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 
 

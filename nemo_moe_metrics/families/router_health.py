@@ -13,9 +13,9 @@ import warnings
 from typing import Any
 
 from nemo_moe_metrics.config import MetricsConfig
+from nemo_moe_metrics.export.host_read import Pending
 from nemo_moe_metrics.families.base import BuildContext, MetricFamily
 from nemo_moe_metrics.families.expert_load import ExpertLoads
-from nemo_moe_metrics.host_read import Pending
 from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 from nemo_moe_metrics.moe.health_tracker import RouterHealthTracker
 from nemo_moe_metrics.moe.reduction import RouterHealthReducer, default_contribute

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from nemo_moe_metrics.config import MetricsConfig
+from nemo_moe_metrics.export.host_read import Pending
 from nemo_moe_metrics.families.base import BuildContext, MetricFamily
-from nemo_moe_metrics.host_read import Pending
 from nemo_moe_metrics.moe.collector import ExpertLoadCollector
 from nemo_moe_metrics.moe.reduction import RoutingReducer, default_contribute
 from nemo_moe_metrics.moe.router_spec import mtp_index

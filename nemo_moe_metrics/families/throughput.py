@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.export import metric_names as mn
+from nemo_moe_metrics.export.host_read import Pending, collective_device
 from nemo_moe_metrics.families.base import BuildContext, MetricFamily
 from nemo_moe_metrics.flops import FlopsEstimator, UnknownModelTypeError, resolve_peak_flops
-from nemo_moe_metrics.host_read import Pending, collective_device
 from nemo_moe_metrics.megatron import compat
 from nemo_moe_metrics.moe.imbalance_cost import routed_flops_per_token
 from nemo_moe_metrics.throughput import StepMeter

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from nemo_moe_metrics.adapters.hf_fields import EXPERT_COUNT_FIELDS, TOPK_FIELDS, is_experts_module
 from nemo_moe_metrics.flops.errors import UnsupportedModelError
+from nemo_moe_metrics.flops.hf_fields import EXPERT_COUNT_FIELDS, TOPK_FIELDS, is_experts_module
 
 # A module's own attribute first (routers and MoE blocks keep `top_k`), then the config fields.
 TOP_K_FIELDS = ("top_k", *TOPK_FIELDS)
@@ -37,7 +37,7 @@ MATMUL = ("index_kpool_compress_gate",)  # GLM-5-Next: per-token pool-gate score
 
 
 def is_routed_experts(module: Any) -> bool:
-    """transformers' experts interface (``adapters.hf_fields``), or an ``...Experts`` module holding
+    """transformers' experts interface (``flops.hf_fields``), or an ``...Experts`` module holding
     expert weights (dbrx, llama4)."""
     if is_experts_module(module):
         return True

@@ -22,7 +22,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from nemo_moe_metrics import layer_pattern as lp
+from nemo_moe_metrics.config import layer_pattern as lp
+from nemo_moe_metrics.config.layer_pattern import (
+    config_hybrid_pattern,
+    config_hybrid_symbols,
+    moe_layer_flags,
+)
 from nemo_moe_metrics.flops.components import (
     ConfigReader,
     dense_mlp,
@@ -33,11 +38,6 @@ from nemo_moe_metrics.flops.components import (
     moe_block,
 )
 from nemo_moe_metrics.flops.core import FlopsEstimator, Layer, ModelShape
-from nemo_moe_metrics.layer_pattern import (
-    config_hybrid_pattern,
-    config_hybrid_symbols,
-    moe_layer_flags,
-)
 
 MEGATRON_MODEL_TYPE = "megatron_gpt"
 

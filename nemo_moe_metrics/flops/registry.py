@@ -13,11 +13,11 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from nemo_moe_metrics.extras import install_hint
 from nemo_moe_metrics.flops import deepseek, hf_defaults, hf_dense, hf_moe, megatron, qwen_hybrid
 from nemo_moe_metrics.flops.core import FlopsEstimator
 from nemo_moe_metrics.flops.errors import NotInTransformersError, UnknownModelTypeError
 from nemo_moe_metrics.flops.torchtitan import is_torchtitan_config, torchtitan_flops_estimator
+from nemo_moe_metrics.runtime.extras import install_hint
 
 Factory = Callable[[Mapping[str, Any]], FlopsEstimator]
 

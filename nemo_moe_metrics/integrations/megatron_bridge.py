@@ -7,7 +7,7 @@ Two lines in a Bridge training script::
 
 What happens at Bridge's events (``megatron/bridge/training/callbacks.py``, Bridge >= 0.6):
 
-- ``on_train_start``: :class:`~nemo_moe_metrics.metrics.PolicyMetrics` attaches to the model
+- ``on_train_start``: :class:`~nemo_moe_metrics.worker.PolicyMetrics` attaches to the model
   chunks, with the padded vocabulary computed from Bridge's model config when ``vocab_size``
   is not given (Bridge keeps ``cfg.model.vocab_size`` unpadded);
 - ``on_train_step_start``: the step opens (timer, aux-loss tracker snapshot);
@@ -42,9 +42,9 @@ import torch
 
 from nemo_moe_metrics.config import DEFAULT_TABLE_EVERY, AlertsConfig, LoggerConfig, MetricsConfig
 from nemo_moe_metrics.megatron import compat  # imports no megatron module by itself
-from nemo_moe_metrics.metrics import PolicyMetrics
 from nemo_moe_metrics.run_dir.session import open_run
 from nemo_moe_metrics.sinks.base import split_tables, validate_metrics
+from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
 log = logging.getLogger(__name__)
 

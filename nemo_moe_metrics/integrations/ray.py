@@ -28,7 +28,7 @@ example: ``examples/integrate_ray.py``; docs/en/ray.md. Nothing here imports ``r
 
 from __future__ import annotations
 
-from nemo_moe_metrics.worker_results import (
+from nemo_moe_metrics.worker.results import (
     StepSink,
     WorkerResult,
     log_worker_results,

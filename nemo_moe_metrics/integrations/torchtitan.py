@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from nemo_moe_metrics.extras import require
+from nemo_moe_metrics.runtime.extras import require
 
 Family = Literal["deepseek_v3", "qwen3_moe"]
 FAMILIES: tuple[str, ...] = ("deepseek_v3", "qwen3_moe")

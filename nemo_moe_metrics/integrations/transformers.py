@@ -65,13 +65,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import LoggerConfig, MetricsConfig
-from nemo_moe_metrics.extras import require
-from nemo_moe_metrics.metrics import PolicyMetrics
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.run_dir.session import RunSession, open_run
+from nemo_moe_metrics.runtime.extras import require
 from nemo_moe_metrics.sinks.base import split_tables, validate_metrics
 from nemo_moe_metrics.throughput import StepMeter
+from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 
 log = logging.getLogger(__name__)
 

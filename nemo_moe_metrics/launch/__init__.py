@@ -15,7 +15,6 @@ keeps working as it did when this was one module).
 
 from __future__ import annotations
 
-from nemo_moe_metrics.failures import first_rank_failure
 from nemo_moe_metrics.launch.checks import (
     check_launch_extras,
     check_resume_has_steps_left,
@@ -23,6 +22,7 @@ from nemo_moe_metrics.launch.checks import (
     run_dir_for,
 )
 from nemo_moe_metrics.launch.failure_report import failure_report
+from nemo_moe_metrics.launch.failures import first_rank_failure
 from nemo_moe_metrics.launch.local import (
     launch_local,
     local_executor,

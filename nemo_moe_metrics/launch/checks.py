@@ -10,10 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from nemo_moe_metrics.config import ConfigError, Recipe, load_recipe
-from nemo_moe_metrics.extras import check_extra
 from nemo_moe_metrics.run_dir.lock import RunDirError, RunDirLock, this_command
 from nemo_moe_metrics.run_dir.record import check_before_lock, prepare_run_dir
 from nemo_moe_metrics.run_dir.resume import read_resume_state
+from nemo_moe_metrics.runtime.extras import check_extra
 
 
 def check_launch_extras(recipe: Recipe) -> None:

@@ -1,4 +1,4 @@
-"""What a failed local run prints: the failing rank (:mod:`nemo_moe_metrics.failures`), the
+"""What a failed local run prints: the failing rank (:mod:`nemo_moe_metrics.launch.failures`), the
 ranks' last words when torchrun itself died, a full disk, and where the logs are."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from nemo_moe_metrics.failures import (
+from nemo_moe_metrics.launch.failures import (
     launcher_death_lines,
     rank_failure_lines,
     read_failures,

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from nemo_moe_metrics import processes
+from nemo_moe_metrics.runtime import processes
 
 #: Seconds a launcher (the launch process or torchrun) may stay stopped before ``run`` gives
 #: up on it and stops the job; set :data:`LAUNCHER_TIMEOUT_ENV` to change it.

@@ -16,16 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from nemo_moe_metrics.config import ConfigError, load_recipe
-from nemo_moe_metrics.failures import (
-    first_rank_failure,
-)
+from nemo_moe_metrics.config.preflight import preflight
 from nemo_moe_metrics.launch.checks import run_dir_for
 from nemo_moe_metrics.launch.failure_report import latest_rank_log
+from nemo_moe_metrics.launch.failures import (
+    first_rank_failure,
+)
 from nemo_moe_metrics.launch.supervise import SRC_ROOT, own_children
-from nemo_moe_metrics.preflight import preflight
+from nemo_moe_metrics.launch.train_args import ARGV_ENV, ARGV_FROM_ENV
 from nemo_moe_metrics.run_dir.lock import TOKEN_ENV, RunDirLock, this_command
 from nemo_moe_metrics.run_dir.names import NEMORUN_DIR
-from nemo_moe_metrics.train_args import ARGV_ENV, ARGV_FROM_ENV
 
 
 def use_nemorun_home(path: str | Path) -> None:
@@ -44,7 +44,7 @@ def train_script(
     ``shell``: whether a shell reads the command (an sbatch script: nemo-run quotes each
     argument for it, right there) or not (a ``run.LocalExecutor``: torchrun is started with a
     list, where those quotes would stay in the text). Without a shell the arguments travel in
-    the script's environment as a JSON list (:mod:`nemo_moe_metrics.train_args`), so each
+    the script's environment as a JSON list (:mod:`nemo_moe_metrics.launch.train_args`), so each
     reaches the ranks byte for byte; the command line holds only a flag saying so.
     """
     import nemo_run as run

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nemo_moe_metrics import metric_names as names
+from nemo_moe_metrics.export import metric_names as names
 
 # What the live progress bar shows, from the latest JSONL line: (key, label, format).
 PROGRESS_FIELDS: list[tuple[str, str, str]] = [

@@ -2,9 +2,9 @@
 
 NeMo RL's shape: the actor joins the group's torch.distributed process group (gloo on CPU,
 NCCL on GPUs) with the rank the driver gives it, builds the same worker and metrics as a
-torchrun rank (:func:`nemo_moe_metrics.train.make_metrics`), and answers the driver's calls
+torchrun rank (:func:`nemo_moe_metrics.launch.recipe_run.make_metrics`), and answers the driver's calls
 (:mod:`.ray_group`) with CPU tensors and, per training step, a
-:class:`~nemo_moe_metrics.worker_results.WorkerResult` whose metrics were reduced inside the
+:class:`~nemo_moe_metrics.worker.results.WorkerResult` whose metrics were reduced inside the
 group. This module does not import ``ray`` at import time; :mod:`.ray_group` makes the class
 an actor.
 """
@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
+from nemo_moe_metrics.algorithms.megatron_policy import MegatronPolicyWorker
 from nemo_moe_metrics.config import Recipe
-from nemo_moe_metrics.train import make_metrics
-from nemo_moe_metrics.worker_results import WorkerResult, worker_result
+from nemo_moe_metrics.launch.recipe_run import make_metrics
+from nemo_moe_metrics.worker.results import WorkerResult, worker_result
 
 
 class MegatronPolicyActor:
@@ -64,8 +65,6 @@ class MegatronPolicyActor:
         """Join the process group as ``rank`` of ``world_size`` and build the worker and its
         metrics (resuming the ``train_perf/`` totals when given); returns this rank's
         data-parallel rank and size. Every actor of the group must be called together."""
-        from nemo_moe_metrics.megatron.policy import MegatronPolicyWorker
-
         # The env:// rendezvous torchrun would give: megatron's init_distributed reads it.
         # One GPU per actor (Ray sets CUDA_VISIBLE_DEVICES), so its local index is 0.
         os.environ.update(

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_moe_metrics.config import ConfigError
-from nemo_moe_metrics.extras import require
+from nemo_moe_metrics.runtime.extras import require
 
 #: Ray's own variable for a running cluster's address (``ray start`` prints it).
 ADDRESS_ENV = "RAY_ADDRESS"
@@ -50,7 +50,7 @@ class RaySession:
 
 
 def import_ray(what: str = "nemo-moe-metrics run --engine ray") -> Any:
-    """``ray``, or :class:`~nemo_moe_metrics.extras.MissingExtraError` naming the extra."""
+    """``ray``, or :class:`~nemo_moe_metrics.runtime.extras.MissingExtraError` naming the extra."""
     return require("ray", "launch", what)
 
 

@@ -8,7 +8,7 @@ runs on its first node after starting Ray there): the driver
    (:mod:`.ray_cluster`), and refuses a cluster that cannot hold the ranks before any actor
    starts;
 2. owns the run directory (its lock, the resume state, ``recipe.yaml``, the sinks: the same
-   functions a torchrun job's rank 0 uses, :mod:`nemo_moe_metrics.train`);
+   functions a torchrun job's rank 0 uses, :mod:`nemo_moe_metrics.launch.recipe_run`);
 3. starts the worker group (:mod:`.ray_group`), records each rank's node in ``run.json``
    (``ray.ranks``), and runs the recipe's loop over it, adding its own ``driver/`` keys;
 4. on a failed rank, names it (rank, node, last error) and stops every actor; on Ctrl-C,
@@ -28,12 +28,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from nemo_moe_metrics import metric_names as names
-from nemo_moe_metrics import processes
 from nemo_moe_metrics.algorithms import run_algorithm
 from nemo_moe_metrics.config import ConfigError, Recipe, load_recipe
-from nemo_moe_metrics.extras import MissingExtraError
-from nemo_moe_metrics.failures import record_failure, record_rank_failure
+from nemo_moe_metrics.config.preflight import preflight
+from nemo_moe_metrics.export import metric_names as names
+from nemo_moe_metrics.launch.failures import record_failure, record_rank_failure
 from nemo_moe_metrics.launch.ray_cluster import (
     ADDRESS_ENV,
     RaySession,
@@ -44,13 +43,14 @@ from nemo_moe_metrics.launch.ray_cluster import (
     plan_placement,
 )
 from nemo_moe_metrics.launch.ray_group import RayWorkerGroup, WorkerGroupError
+from nemo_moe_metrics.launch.recipe_run import open_recipe_run, own_run_dir, requeued_run_resumes
 from nemo_moe_metrics.launch.supervise import SRC_ROOT
-from nemo_moe_metrics.preflight import preflight
 from nemo_moe_metrics.run_dir.lock import RunDirError
 from nemo_moe_metrics.run_dir.resume import prepare_resume
 from nemo_moe_metrics.run_dir.run_json import read_run_json
 from nemo_moe_metrics.run_dir.session import RunSession
-from nemo_moe_metrics.train import open_recipe_run, own_run_dir, requeued_run_resumes
+from nemo_moe_metrics.runtime import processes
+from nemo_moe_metrics.runtime.extras import MissingExtraError
 
 
 def actor_env() -> dict[str, str]:
@@ -95,7 +95,7 @@ def drive(
 
 @contextlib.contextmanager
 def stopping_signals_raise() -> Iterator[None]:
-    """SIGINT, SIGTERM and SIGHUP raise :class:`~nemo_moe_metrics.processes.Interrupted` in
+    """SIGINT, SIGTERM and SIGHUP raise :class:`~nemo_moe_metrics.runtime.processes.Interrupted` in
     the block, over whatever handler Ray installed (restored afterwards when Python can)."""
 
     def handler(signum: int, frame: object) -> None:
@@ -112,7 +112,7 @@ def stopping_signals_raise() -> Iterator[None]:
 
 def _open_run_dir(recipe: Recipe, run_dir: Path, say: Callable[[str], None]) -> tuple:
     """The run directory, opened as a torchrun job's rank 0 opens it (the lock, the resume,
-    then :func:`~nemo_moe_metrics.train.open_recipe_run`):
+    then :func:`~nemo_moe_metrics.launch.recipe_run.open_recipe_run`):
     ``(lock, resume state or None, sink, earlier starts' ranks)``."""
     lock = own_run_dir(run_dir)
     try:

@@ -5,7 +5,7 @@ placement group (:mod:`.ray_cluster`), makes them one torch.distributed process 
 0's node and a port free there), and offers the loops the interface of a rank group
 (:mod:`nemo_moe_metrics.algorithms.ranks`): every call goes to every actor at once, each with
 its own data-parallel rank's batch, and the driver waits for all of them. A training step's
-results are merged (:func:`~nemo_moe_metrics.worker_results.merge_worker_results`), never
+results are merged (:func:`~nemo_moe_metrics.worker.results.merge_worker_results`), never
 reduced again.
 
 Every wait is bounded (``ray.start_timeout_s``, ``ray.step_timeout_s``). The first rank that
@@ -23,10 +23,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from nemo_moe_metrics.failures import RankFailure, frame_summary
+from nemo_moe_metrics.launch.failures import RankFailure, frame_summary
 from nemo_moe_metrics.launch.ray_actor import MegatronPolicyActor
 from nemo_moe_metrics.launch.ray_cluster import Placement
-from nemo_moe_metrics.worker_results import merge_worker_results
+from nemo_moe_metrics.worker.results import merge_worker_results
 
 _FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+), in (.+)$', re.M)
 # How a rank fails when another one failed first: it lost its peer in a collective.
@@ -66,7 +66,7 @@ class WorkerGroupError(RuntimeError):
 
     def recorded(self) -> RankFailure:
         """This failure as ``run`` reports a rank's
-        (:func:`~nemo_moe_metrics.failures.record_rank_failure`): what happened, and where."""
+        (:func:`~nemo_moe_metrics.launch.failures.record_rank_failure`): what happened, and where."""
         if self.kind == "raised":
             text = f"{self.text} ({self.place})"
         else:

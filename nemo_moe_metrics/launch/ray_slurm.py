@@ -33,10 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from nemo_moe_metrics.config import ConfigError, load_recipe
+from nemo_moe_metrics.config.preflight import preflight, slurm_rank_words
 from nemo_moe_metrics.launch.checks import check_resume_has_steps_left, claim_run_dir
 from nemo_moe_metrics.launch.slurm_job import SlurmError, SubmittedJob
+from nemo_moe_metrics.launch.slurm_submit import fold_shell_line
 from nemo_moe_metrics.launch.supervise import SRC_ROOT
-from nemo_moe_metrics.preflight import preflight, slurm_rank_words
 
 #: The script's name in the job's folder.
 SCRIPT_NAME = "ray_job.sbatch"
@@ -156,8 +157,6 @@ def ray_dry_run(
     recipe_path: str | Path, overrides: list[str], output_dir: str | Path, **kw: Any
 ) -> str:
     """The sbatch command and script :func:`submit_ray_job` would submit (nothing is written)."""
-    from nemo_moe_metrics.launch.slurm_submit import fold_shell_line
-
     job_files = Path(kw.pop("job_dir", "slurm_jobs")).resolve() / "ray" / "<name>_<time>"
     script = ray_sbatch_script(recipe_path, overrides, output_dir, job_files=job_files, **kw)
     body = "\n".join(fold_shell_line(line) for line in script.splitlines())

@@ -8,8 +8,7 @@ slurmdbd is configured; without it sacct answers "Slurm accounting storage is di
 :func:`query_job` asks scontrol first and sacct second, and both give the same ``ExitCode``
 (``code:signal``) that :func:`explain` turns into a sentence.
 
-The job submission itself (nemo-run's ``SlurmExecutor``) is in :mod:`.slurm_submit`; the
-old import path ``nemo_moe_metrics.slurm`` still names everything here.
+The job submission itself (nemo-run's ``SlurmExecutor``) is in :mod:`.slurm_submit`.
 """
 
 from __future__ import annotations
@@ -26,8 +25,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from nemo_moe_metrics.failures import first_rank_failure
+from nemo_moe_metrics.launch.failures import first_rank_failure
 from nemo_moe_metrics.launch.progress import describe_step, read_new_lines
+from nemo_moe_metrics.report import render_report
 from nemo_moe_metrics.run_dir.record import logged_run
 from nemo_moe_metrics.run_dir.resume import read_resume_state
 
@@ -379,8 +379,6 @@ def follow_job(
         last = last_row["step"] if last_row else read_resume_state(run_dir).last_step
         say(f"done: {run_dir}  (last step {last})")
         if report and metrics.is_file():
-            from nemo_moe_metrics.report import render_report
-
             say(render_report(run_dir))
         return 0
     log = job.rank_log()

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from nemo_moe_metrics.config import ConfigError, load_recipe
+from nemo_moe_metrics.config.preflight import preflight, slurm_rank_words
 from nemo_moe_metrics.launch.checks import check_resume_has_steps_left, claim_run_dir
 from nemo_moe_metrics.launch.local import train_script, use_nemorun_home
 from nemo_moe_metrics.launch.slurm_job import SlurmError, SubmittedJob
-from nemo_moe_metrics.preflight import preflight, slurm_rank_words
 
 LAUNCHERS = ("torchrun", "srun")
 
@@ -41,7 +41,7 @@ def slurm_executor(
     ``launcher="torchrun"``: one Slurm task per node runs torchrun, which starts that node's
     ranks (c10d rendezvous at the first node's address, port ``rdzv_port``).
     ``launcher="srun"``: one Slurm task per rank; each reads its rank from ``SLURM_PROCID``
-    (:func:`nemo_moe_metrics.slurm.rank_env_from_slurm`) and meets the others at
+    (:func:`nemo_moe_metrics.launch.slurm_job.rank_env_from_slurm`) and meets the others at
     ``MASTER_ADDR`` (the first node) and ``MASTER_PORT`` (``rdzv_port``).
     ``gpus_per_node=0``: CPU nodes with gloo, ``ranks_per_node`` ranks each, one thread per rank.
     Without a container image the job uses the submitting environment (sbatch exports it) with
@@ -182,8 +182,8 @@ def slurm_submit(
     The run directory ``output_dir/<recipe name>`` is resolved here and must be on a filesystem
     the compute nodes share; it goes through :func:`prepare_run_dir` as for ``run`` (one run per
     directory; ``resume`` continues it with ``logger.resume=true``, ``overwrite`` deletes it).
-    Returns a :class:`nemo_moe_metrics.slurm.SubmittedJob`, also saved under
-    ``job_dir/submitted/`` for :func:`nemo_moe_metrics.slurm.follow_job`.
+    Returns a :class:`nemo_moe_metrics.launch.slurm_job.SubmittedJob`, also saved under
+    ``job_dir/submitted/`` for :func:`nemo_moe_metrics.launch.slurm_job.follow_job`.
     """
 
     recipe = load_recipe(recipe_path, overrides)

@@ -21,17 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_moe_metrics import processes
 from nemo_moe_metrics.config import ConfigError, Recipe, load_recipe
-from nemo_moe_metrics.failures import (
-    LAST_WORDS_ENV,
-)
+from nemo_moe_metrics.config.preflight import preflight
 from nemo_moe_metrics.launch.checks import (
     check_launch_extras,
     check_resume_has_steps_left,
     claim_run_dir,
 )
 from nemo_moe_metrics.launch.failure_report import failure_report
+from nemo_moe_metrics.launch.failures import (
+    LAST_WORDS_ENV,
+)
 from nemo_moe_metrics.launch.job_watch import JobWatch
 from nemo_moe_metrics.launch.progress import (
     GRPO_LOSS_NOTE,
@@ -42,10 +42,12 @@ from nemo_moe_metrics.launch.progress import (
     say,
 )
 from nemo_moe_metrics.launch.ray_cluster import ADDRESS_ENV, check_embedded
-from nemo_moe_metrics.preflight import preflight
+from nemo_moe_metrics.report import ReportError, render_report
 from nemo_moe_metrics.run_dir.lock import TOKEN_ENV
 from nemo_moe_metrics.run_dir.names import LAUNCH_LOG
 from nemo_moe_metrics.run_dir.resume import ResumeError, prepare_resume, read_resume_state
+from nemo_moe_metrics.runtime import processes
+from nemo_moe_metrics.sinks.alerts import AlertConsole
 
 #: Where this package's source tree is: the children import the package from it too (an
 #: editable install or a source checkout).
@@ -194,8 +196,6 @@ class _Job:
 
     def _alert_console(self) -> Any:
         if self.alerts is None:
-            from nemo_moe_metrics.sinks.alerts import AlertConsole
-
             self.alerts = AlertConsole(per_step=self.recipe.logger.alerts.max_lines_per_step)
         return self.alerts
 
@@ -310,8 +310,6 @@ class _Job:
         last = (self.last or {}).get("step")
         console.print(f"[green]done[/green]: {self.run_dir}  (last step {last})", soft_wrap=True)
         if (self.run_dir / "metrics.jsonl").is_file():
-            from nemo_moe_metrics.report import ReportError, render_report
-
             # The pictures and the summary a user looks at first (without the 'report' extra
             # the summary alone, with a line naming the extra).
             try:

@@ -10,9 +10,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nemo_moe_metrics.config import MegatronConfig, ModelConfig
-from nemo_moe_metrics.extras import require
 from nemo_moe_metrics.megatron import compat
 from nemo_moe_metrics.megatron.cpu_shims import apply_cpu_shims, cuda_available
+from nemo_moe_metrics.runtime.extras import require
 
 
 def init_distributed(

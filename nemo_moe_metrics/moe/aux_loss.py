@@ -40,16 +40,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nemo_moe_metrics.host_read import Pending, done, read_once
-from nemo_moe_metrics.layer_pattern import config_moe_layer_flags
-from nemo_moe_metrics.megatron import compat
-from nemo_moe_metrics.metric_names import (
+from nemo_moe_metrics.config.layer_pattern import config_moe_layer_flags
+from nemo_moe_metrics.export.host_read import Pending, done, read_once
+from nemo_moe_metrics.export.metric_names import (
     AUX_LOSS_TRACKER_NAMES,
     REAL_TOKENS_LOSS,
     Z_LOSS,
     aux_loss_key,
     aux_loss_layer_key,
 )
+from nemo_moe_metrics.megatron import compat
 
 logger = logging.getLogger(__name__)
 
@@ -338,7 +338,7 @@ def enqueue_aux_loss_metrics(
 ) -> Pending[dict[str, float]]:
     """The first half of :func:`aux_loss_metrics`: launch the reduction, read nothing.
 
-    The returned :class:`~nemo_moe_metrics.host_read.Pending` summarises the reduced values and,
+    The returned :class:`~nemo_moe_metrics.export.host_read.Pending` summarises the reduced values and,
     with ``tracker="own"``, clears megatron's tracker once the export's one host read happened.
 
     ``tracker="shared"`` leaves megatron's tracker exactly as it is (the framework's own report

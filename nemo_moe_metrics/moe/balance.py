@@ -1,7 +1,7 @@
 """Expert-load balance statistics: pure numpy functions, no torch.distributed.
 
 Input is an :class:`ExpertLoads` (already reduced over ranks); output is a flat metric dict with
-keys from :mod:`nemo_moe_metrics.metric_names`. A layer that routed no tokens reports 0 for every
+keys from :mod:`nemo_moe_metrics.export.metric_names`. A layer that routed no tokens reports 0 for every
 statistic (there is nothing to judge), never NaN.
 """
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.expert_table import ExpertTable
+from nemo_moe_metrics.export import metric_names as mn
+from nemo_moe_metrics.export.expert_table import ExpertTable
 
 
 @dataclass(frozen=True)
@@ -247,7 +247,7 @@ def expert_load_metrics(
     loads: ExpertLoads, *, per_layer: bool, table: bool, ep_size: int = 1
 ) -> dict[str, float | ExpertTable]:
     """Balance summaries (and optionally per-layer values and the expert table, an
-    :class:`~nemo_moe_metrics.expert_table.ExpertTable`) of one step.
+    :class:`~nemo_moe_metrics.export.expert_table.ExpertTable`) of one step.
 
     Summaries: ``moe/max_over_ideal`` and ``moe/ep_imbalance`` are means over MoE layers that
     routed tokens this step, ``..._max`` the worst layer, ``moe/max_over_ideal_p50`` / ``_p90``

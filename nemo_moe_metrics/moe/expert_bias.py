@@ -28,8 +28,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.host_read import Pending, collective_device
+from nemo_moe_metrics.export import metric_names as mn
+from nemo_moe_metrics.export.host_read import Pending, collective_device
 
 BiasGetter = Callable[[], "torch.Tensor | None"]
 _FIELDS = 3  # per global layer: [present, range, update]

@@ -15,7 +15,7 @@ with the top-k taken on ``softmax(logits)`` exactly as transformers does (coeffi
 ``router_aux_loss_coef`` excluded, as megatron's tracker excludes its coefficient; padding
 included, as transformers' function without ``attention_mask``). Calling
 ``load_balancing_loss_func((logits,), E, k)`` on one layer's logits gives the same number
-(tests/test_hf_aux_loss.py). Per layer the values are summed over the step's training forwards
+(tests/moe/test_hf_aux_loss.py). Per layer the values are summed over the step's training forwards
 on the device (no host synchronisation); at the end of the step :func:`enqueue_hf_aux_loss_metrics`
 scales them by ``1 / num_microbatches``, reduces them with the same code as megatron's tracker
 (``aux_loss.reduce_aux_losses``: mean over data parallel) and reports the mean over MoE layers
@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nemo_moe_metrics.host_read import Pending, collective_device
-from nemo_moe_metrics.metric_names import AUX_LOSS_TRACKER_NAMES, REAL_TOKENS_LOSS
+from nemo_moe_metrics.export.host_read import Pending, collective_device
+from nemo_moe_metrics.export.metric_names import AUX_LOSS_TRACKER_NAMES, REAL_TOKENS_LOSS
 from nemo_moe_metrics.moe.aux_loss import (
     check_num_microbatches,
     reduce_aux_losses,
@@ -279,7 +279,7 @@ def enqueue_hf_aux_loss_metrics(
     Collective when torch.distributed is initialised: every rank calls it once per step.
     Scales this rank's sums by ``1/num_microbatches``, averages over ``data_group`` (None =
     world) through ``aux_loss.reduce_aux_losses`` and resets; the values are read with the
-    export's one host read (:func:`~nemo_moe_metrics.host_read.read_once`).
+    export's one host read (:func:`~nemo_moe_metrics.export.host_read.read_once`).
     """
     check_num_microbatches(num_microbatches)
     acc.flush()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nemo_moe_metrics.host_read import host_values
+from nemo_moe_metrics.export.host_read import host_values
 from nemo_moe_metrics.moe.deferred import ConstantTensors, HostStaging
 from nemo_moe_metrics.moe.router_spec import per_expert
 

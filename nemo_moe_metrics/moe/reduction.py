@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nemo_moe_metrics.host_read import Pending, collective_device, read_once
+from nemo_moe_metrics.export.host_read import Pending, collective_device, read_once
 from nemo_moe_metrics.megatron import compat
 from nemo_moe_metrics.moe import router_health, routing
 from nemo_moe_metrics.moe.balance import ExpertLoads

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.moe.deferred import softmax
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.moe.deferred import FLUSH_BYTES, ConstantTensors
 
 #: Per-layer integer slots of :meth:`RoutingTracker.local_stats`; ``OUT_OF_RANGE``: real

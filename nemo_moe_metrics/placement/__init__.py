@@ -5,5 +5,6 @@
 - ``loads``: a run's loads over a window of steps (training or rollout);
 - ``engines``: the files SGLang and vLLM read;
 - ``sglang_dump``: SGLang's expert distribution recorder dumps, read safely;
-- ``command``: ``nemo-moe-metrics placement`` and ``nemo-moe-metrics ingest``.
+- the commands ``nemo-moe-metrics placement`` and ``nemo-moe-metrics ingest``: in
+  :mod:`nemo_moe_metrics.cli.placement`, above the report that draws the sweep.
 """

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics.limits import LAYERS
+from nemo_moe_metrics.config.limits import LAYERS
 from nemo_moe_metrics.placement.plan import PlacementPlan
 
 __all__ = ["sglang_init_expert_location", "vllm_eplb_config"]

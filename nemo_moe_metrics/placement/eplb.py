@@ -13,7 +13,7 @@ computed from a run's stored expert loads anywhere:
 Packing is greedy: items in order of decreasing weight, each to the lightest pack that still
 has room, every pack holding the same number of items. Ties break as the reference's do (the
 first pack, the first expert), and sums are float32 as there, so plans equal the reference's
-bit for bit (tests/test_placement_eplb.py reproduces its published example).
+bit for bit (tests/placement/test_eplb.py reproduces its published example).
 """
 
 from __future__ import annotations

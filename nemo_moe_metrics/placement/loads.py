@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nemo_moe_metrics.limits import SUM_BOUND
+from nemo_moe_metrics.config.limits import SUM_BOUND
 from nemo_moe_metrics.sinks.store import read_expert_load_blocks, store_path
 
 __all__ = ["WindowLoads", "window_loads"]

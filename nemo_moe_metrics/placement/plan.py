@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics.limits import PER_GPU, REDUNDANCY, LimitError
+from nemo_moe_metrics.config.limits import PER_GPU, REDUNDANCY, LimitError
 from nemo_moe_metrics.placement.eplb import (
     check_layout,
     rebalance_experts,
@@ -100,8 +100,8 @@ def check_ep_size(num_experts: int, num_gpus: int) -> None:
 
 def check_redundancy(num_experts: int, num_gpus: int, redundant: int, option: str) -> None:
     """Bound the redundant experts ``option`` asks for before any plan is computed: at most
-    :data:`~nemo_moe_metrics.limits.REDUNDANCY` per logical expert and
-    :data:`~nemo_moe_metrics.limits.PER_GPU` per GPU (a plan computes one EPLB placement per
+    :data:`~nemo_moe_metrics.config.limits.REDUNDANCY` per logical expert and
+    :data:`~nemo_moe_metrics.config.limits.PER_GPU` per GPU (a plan computes one EPLB placement per
     redundant expert per GPU); ValueError naming the limit and its variable."""
     if redundant < 0:
         raise ValueError(f"{option} must be >= 0, got {redundant}")
@@ -345,7 +345,7 @@ class SweepRow:
 
 def sweep_redundancies(num_experts: int, ep_size: int, most: int | None = None) -> list[int]:
     """``R = 0, G, 2G, ...`` up to ``most`` (default: ``E``, one extra copy per expert on
-    average, or as far as :data:`~nemo_moe_metrics.limits.PER_GPU` allows ``G`` GPUs)."""
+    average, or as far as :data:`~nemo_moe_metrics.config.limits.PER_GPU` allows ``G`` GPUs)."""
     most = min(num_experts, PER_GPU.value * max(ep_size, 1)) if most is None else most
     check_ep_size(num_experts, ep_size)
     check_redundancy(num_experts, ep_size, most, "--sweep-max")

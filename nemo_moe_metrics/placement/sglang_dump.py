@@ -17,7 +17,7 @@ The file is read as a ``torch.save`` zip archive only (what SGLang writes), with
 pickle that carries code is refused before anything in it runs (the error names the global it
 asked for); a bare pickle or torch's pre-1.6 format is refused from its opcodes, never
 unpickled. Before any count is read, the shape is checked against
-:mod:`nemo_moe_metrics.limits` (passes, layers, experts) and the tensor must own the storage
+:mod:`nemo_moe_metrics.config.limits` (passes, layers, experts) and the tensor must own the storage
 its elements need (a view repeating a few bytes with zero strides is not a recorder's buffer);
 counts must be in ``0 .. 2**53-1`` and so must their sums over passes (computed in float64
 first, so they cannot wrap). Anything but the dict above (``per_token`` dumps, other objects,
@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics.limits import COUNT_BOUND, MAX_COUNT, PASSES, check_shape
+from nemo_moe_metrics.config.limits import COUNT_BOUND, MAX_COUNT, PASSES, check_shape
 from nemo_moe_metrics.run_dir.outputs import check_run_dir
 from nemo_moe_metrics.sinks.rollout_store import RolloutLoadRecorder
 

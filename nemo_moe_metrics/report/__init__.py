@@ -41,6 +41,7 @@ from nemo_moe_metrics.report.summary import (
     DEFAULT_DEAD_STEPS,
     DEFAULT_WORST_LAYERS,
     render_report,
+    resolve_run_dir,
 )
 
 __all__ = [
@@ -55,4 +56,5 @@ __all__ = [
     "Window",
     "read_metrics",
     "render_report",
+    "resolve_run_dir",
 ]

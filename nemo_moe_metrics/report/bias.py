@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.report.pictures import save_figure
 from nemo_moe_metrics.report.reading import Line, RunInfo, last_values, read_line
 from nemo_moe_metrics.run_dir.names import BIAS_FILE  # every picture's name: run_dir.names.PICTURES

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.limits import COUNT_BOUND, first_over
+from nemo_moe_metrics.config.limits import COUNT_BOUND, first_over
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.report.reading import Line, ReportError, Window, read_line
 from nemo_moe_metrics.report.timeline import prepare_block
 from nemo_moe_metrics.sinks.store import (

@@ -21,8 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics.durable import write_text_durably
-from nemo_moe_metrics.extras import require
 from nemo_moe_metrics.report.html_data import page_data, unpacked
 from nemo_moe_metrics.report.html_specs import (
     compiled,
@@ -34,6 +32,8 @@ from nemo_moe_metrics.report.pictures import colour_limit, log_ratio
 from nemo_moe_metrics.report.reading import ReportError, Window
 from nemo_moe_metrics.run_dir.names import REPORT_PAGE_FILE
 from nemo_moe_metrics.run_dir.outputs import OutputError, check_report_page
+from nemo_moe_metrics.runtime.durable import write_text_durably
+from nemo_moe_metrics.runtime.extras import require
 
 __all__ = [
     "GENERATOR",

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.moe.load_over_steps import real_experts
 from nemo_moe_metrics.report.expert_counts import jsonl_table_counts
 from nemo_moe_metrics.report.placement import phase_sweeps

@@ -320,11 +320,11 @@ LAYER_COLOUR_TOP = 0.65
 
 
 # A line picture is about 1,000 pixels wide: more points than this per line are drawn as each
-# column's lowest and highest value (``_envelope``), which looks the same and keeps spikes.
+# column's lowest and highest value (``envelope``), which looks the same and keeps spikes.
 _MAX_POINTS = 1_200
 
 
-def _envelope(steps: Any, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def envelope(steps: Any, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(x [n], y [..., n])`` of series ``values`` ``[..., steps]``: unchanged up to
     ``_MAX_POINTS`` steps; beyond, the steps are cut into ``_MAX_POINTS // 2`` runs and each
     run is drawn as its lowest and highest value (in the order they occur), at its first and
@@ -364,7 +364,7 @@ def _envelope(steps: Any, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _run_means(steps: Any, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(x [runs], y [..., runs])``: the mean of each of ``_envelope``'s runs (NaN where a run
+    """``(x [runs], y [..., runs])``: the mean of each of ``envelope``'s runs (NaN where a run
     holds no value), at the run's centre. Many layers' faint lines are drawn this way: Agg
     needs about 5x longer for 94 zig-zagging envelopes, and the band keeps every extreme."""
     x = np.asarray(steps, dtype=np.float64)
@@ -424,14 +424,14 @@ def layer_series_figure(
     worst = layers[int(np.nanargmax(np.where(np.isnan(layer_means), -np.inf, layer_means)))]
     # Long runs: each line as its per-column envelope (same look, every spike kept); many
     # layers' faint lines as run means (the band and the worst layer keep the extremes).
-    x, envelopes = _envelope(steps, values)
+    x, envelopes = envelope(steps, values)
     long_run = x.size != len(steps)
     faint_x, faint = _run_means(steps, values) if long_run and many else (x, envelopes)
     if long_run:  # the band: each run's lowest low and highest high
-        _, band = _envelope(steps, np.stack([low, high]))
+        _, band = envelope(steps, np.stack([low, high]))
         low = np.repeat(np.fmin(band[0, 0::2], band[0, 1::2]), 2)
         high = np.repeat(np.fmax(band[1, 0::2], band[1, 1::2]), 2)
-        _, mean = _envelope(steps, mean)
+        _, mean = envelope(steps, mean)
     steps = x
     if many:
         # Many layers: a min-max band and faint lines, the worst layer picked out in red.

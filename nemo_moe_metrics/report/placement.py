@@ -19,8 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.extras import missing_extra_message, missing_modules
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.placement.loads import WindowLoads, window_loads
 from nemo_moe_metrics.placement.plan import (
     SweepRow,
@@ -36,6 +35,7 @@ from nemo_moe_metrics.run_dir.names import (
     SWEEP_FILE,
 )  # run_dir.names.PICTURES
 from nemo_moe_metrics.run_dir.run_json import read_run_json
+from nemo_moe_metrics.runtime.extras import missing_extra_message, missing_modules
 from nemo_moe_metrics.sinks.store import scan_store, store_path
 
 __all__ = [

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.limits import MAX_STEP
+from nemo_moe_metrics.config.limits import MAX_STEP
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.run_dir.names import METRICS_FILE as METRICS_FILE
 from nemo_moe_metrics.run_dir.names import RUN_FILE as RUN_FILE
 from nemo_moe_metrics.run_dir.run_json import TABLES_LOGGED

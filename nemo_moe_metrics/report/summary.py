@@ -9,8 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics import metric_names as mn
-from nemo_moe_metrics.extras import missing_extra_message, missing_modules
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.moe.load_over_steps import Streak, real_experts
 from nemo_moe_metrics.report.bias import bias_report_lines
 from nemo_moe_metrics.report.expert_counts import jsonl_table_counts, store_blocks, store_has_steps
@@ -48,6 +47,7 @@ from nemo_moe_metrics.report.router_health_section import router_health_report_l
 from nemo_moe_metrics.report.timeline import Timeline
 from nemo_moe_metrics.run_dir.names import PICTURES
 from nemo_moe_metrics.run_dir.outputs import OutputError, check_picture_dir
+from nemo_moe_metrics.runtime.extras import missing_extra_message, missing_modules
 from nemo_moe_metrics.sinks.alerts import summarize_alerts
 from nemo_moe_metrics.sinks.store import (
     FILE_HEADER_SIZE,

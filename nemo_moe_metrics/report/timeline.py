@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics.limits import SUM_BOUND
+from nemo_moe_metrics.config.limits import SUM_BOUND
 from nemo_moe_metrics.moe.load_over_steps import (
     DeadStreaks,
     entropy_from_counts,

@@ -1,6 +1,6 @@
 """The run directory and its one owner: what it holds, who may write it, how a run opens.
 
-- :mod:`~nemo_moe_metrics.run_dir.names`: every name a run directory holds, the safe run name;
+- :mod:`~nemo_moe_metrics.run_dir.names`: every name a run directory holds;
 - :mod:`~nemo_moe_metrics.run_dir.lock`: the owner lock every writer takes (:class:`RunDirLock`);
 - :mod:`~nemo_moe_metrics.run_dir.record`: one run per directory, what may be deleted;
 - :mod:`~nemo_moe_metrics.run_dir.resume`: where a resumed run continues, the records cut to agree;

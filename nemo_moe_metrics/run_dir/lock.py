@@ -55,8 +55,8 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from nemo_moe_metrics import processes
 from nemo_moe_metrics.run_dir.names import LOCK_FILE
+from nemo_moe_metrics.runtime import processes
 
 #: Set by the owner for the ranks it starts: the token rank 0 joins the lock with.
 TOKEN_ENV = "NEMO_MOE_METRICS_RUN_LOCK"

@@ -6,13 +6,13 @@ MLflow, trackio, the pictures ``report`` draws and its page ``report.html``), wh
 ``recipe.yaml``, ``launch.log``, nemo-run's state) and the lock (``.run.lock``, which also
 marks the directory as a run's, even one that failed before it logged a step). Deleting a run
 deletes these names and nothing else; a directory that holds anything else is not a run's
-(:mod:`nemo_moe_metrics.run_dir`).
+(:mod:`nemo_moe_metrics.run_dir`). The directory's own name is checked where the recipe is
+read (:mod:`nemo_moe_metrics.config.run_name`).
 """
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
@@ -87,38 +87,6 @@ def is_run_file(name: str) -> bool:
     return ".tmp" in bare and any(bare.startswith(_stem(f)) for f in RUN_RECORD + (RECIPE_FILE,))
 
 
-#: The longest run name: the name is a directory and a prefix of tracker run names; every file
-#: system here takes 255 bytes per component, and the run's own files add their names below.
-MAX_RUN_NAME = 100
-# POSIX's portable file name characters; the first one neither hides the directory (.) nor
-# reads as an option (-).
-_RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
-
-
-def check_run_name(name: str) -> str:
-    """``name`` when it can be a run directory's name (one path component of the portable
-    characters ``A-Z a-z 0-9 . _ -``, not starting with ``.`` or ``-``, at most
-    :data:`MAX_RUN_NAME` characters); else ValueError saying what is wrong and what to do."""
-    fix = "give a name such as grpo_moe_tiny_v2 (letters, digits, '.', '_', '-')"
-    if not name or name in (".", ".."):
-        problem = f"{name!r} names no directory of its own"
-    elif "/" in name or "\\" in name:
-        problem = f"{name!r} holds a path separator, so the run would leave --output-dir"
-    elif len(name) > MAX_RUN_NAME:
-        problem = f"{len(name)} characters is longer than the {MAX_RUN_NAME} a run name may have"
-    elif not _RUN_NAME.fullmatch(name):
-        bad = sorted({c for c in name if not re.fullmatch(r"[A-Za-z0-9._-]", c)})
-        problem = (
-            f"{name!r} starts with '.' or '-'"
-            if not bad
-            else f"{name!r} holds {', '.join(repr(c) for c in bad)}, outside the characters "
-            "every file system and tracker takes"
-        )
-    else:
-        return name
-    raise ValueError(f"{problem}; the name is the run directory's name under --output-dir: {fix}")
-
-
 def linked_run_files(run_dir: Path) -> list[str]:
     """The run's own entries of ``run_dir`` that are symbolic links (a run never writes or
     deletes through one), each as ``path -> target``."""
@@ -152,7 +120,6 @@ __all__ = [
     "LAUNCH_FILES",
     "LAUNCH_LOG",
     "LOCK_FILE",
-    "MAX_RUN_NAME",
     "MAX_OVER_IDEAL_FILE",
     "METRICS_FILE",
     "MLFLOW_ARTIFACTS_DIR",
@@ -174,7 +141,6 @@ __all__ = [
     "TENSORBOARD_DIR",
     "TRACKIO_DIR",
     "WANDB_DIR",
-    "check_run_name",
     "is_run_file",
     "linked_run_files",
     "links_refusal",

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nemo_moe_metrics import metric_names as mn
+from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.sinks.jsonl import METRICS_FILE, cut_after, read_tail
 from nemo_moe_metrics.sinks.store import StoreError, cut_store_from, scan_store, store_path
 from nemo_moe_metrics.sinks.tensorboard import logged_steps

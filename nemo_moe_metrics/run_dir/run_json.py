@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from nemo_moe_metrics.adapters.family import ModelFacts
-from nemo_moe_metrics.durable import write_text_durably
 from nemo_moe_metrics.run_dir.names import RUN_FILE
+from nemo_moe_metrics.runtime.durable import write_text_durably
 
 #: The model shape at the top level of every ``run.json``.
 SHAPE_KEYS = ("num_layers", "num_experts", "moe_router_topk", "ep_size")

@@ -31,7 +31,7 @@ from typing import Any
 
 from nemo_moe_metrics.adapters.family import ModelFacts
 from nemo_moe_metrics.config import LoggerConfig
-from nemo_moe_metrics.metric_names import EXPERT_LOADS
+from nemo_moe_metrics.export.metric_names import EXPERT_LOADS
 from nemo_moe_metrics.run_dir.lock import RunDirBusyError, RunDirLock
 from nemo_moe_metrics.run_dir.names import linked_run_files, links_refusal
 from nemo_moe_metrics.run_dir.record import RunExistsError, clear_run, refuse_logged_run

@@ -46,9 +46,9 @@ from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics import metric_names as mn
 from nemo_moe_metrics.config import AlertsConfig
-from nemo_moe_metrics.expert_table import ExpertTable
+from nemo_moe_metrics.export import metric_names as mn
+from nemo_moe_metrics.export.expert_table import ExpertTable
 from nemo_moe_metrics.moe.load_over_steps import DeadStreaks, Drift
 from nemo_moe_metrics.sinks.jsonl import ALERTS_FIELD  # the reserved field of a JSONL line
 from nemo_moe_metrics.sinks.store import table_to_counts_and_widths

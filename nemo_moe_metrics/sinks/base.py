@@ -1,7 +1,7 @@
 """The sink interface, a do-nothing sink, a fan-out sink and the metric-value checks.
 
 A sink takes one step's metrics as plain Python values: numbers, and tables under the keys of
-``metric_names.TABLE_COLUMNS``: an :class:`~nemo_moe_metrics.expert_table.ExpertTable` (what the
+``metric_names.TABLE_COLUMNS``: an :class:`~nemo_moe_metrics.export.expert_table.ExpertTable` (what the
 metrics make: arrays checked when it was built, a rows view for sinks that want rows) or a list
 of rows (a table built by hand, checked row by row here). A sink may define ``wants_tables(step)``:
 when no sink of a ``MultiSink`` wants tables at a step (off the ``logger.table_every``
@@ -20,8 +20,8 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from nemo_moe_metrics.expert_table import ExpertTable
-from nemo_moe_metrics.metric_names import TABLE_COLUMNS
+from nemo_moe_metrics.export.expert_table import ExpertTable
+from nemo_moe_metrics.export.metric_names import TABLE_COLUMNS
 
 MetricValue = float | int | list | ExpertTable
 Metrics = Mapping[str, MetricValue]

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nemo_moe_metrics.extras import check_extra, require
-from nemo_moe_metrics.metric_names import TABLE_COLUMNS
+from nemo_moe_metrics.export.metric_names import TABLE_COLUMNS
+from nemo_moe_metrics.runtime.extras import check_extra, require
 from nemo_moe_metrics.sinks.base import Metrics, SinkBase, split_tables
 
 MLFLOW_DB = "mlflow.db"

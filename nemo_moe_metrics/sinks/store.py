@@ -14,8 +14,6 @@ users import from ``nemo_moe_metrics.sinks.store`` is here. The code lives in th
 
 from __future__ import annotations
 
-from typing import Any
-
 from nemo_moe_metrics.sinks.store_format import (
     FILE_HEADER_SIZE,
     FORMAT_VERSION,
@@ -23,7 +21,6 @@ from nemo_moe_metrics.sinks.store_format import (
     ROLLOUT_STORE_FILE,
     STORE_FILE,
     Gap,
-    RecordHeader,
     StoreError,
     StoreScan,
     scan_store,
@@ -66,13 +63,3 @@ __all__ = [
     "table_to_counts",
     "table_to_counts_and_widths",
 ]
-
-
-def _scan(f: Any, size: int) -> tuple[list[RecordHeader], int, str | None]:
-    """``(readable records, end of the last one, why the walk stopped early or None)``; kept
-    for callers of the earlier single-module store."""
-    scan = scan_store(f, size)
-    why = "torn file header" if scan.torn_magic else None
-    if scan.gaps:
-        why = scan.gaps[-1].describe()
-    return scan.entries, scan.end, why

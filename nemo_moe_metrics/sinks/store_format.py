@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics.limits import COUNT_BOUND, MAX_STEP, LimitError, check_shape
+from nemo_moe_metrics.config.limits import COUNT_BOUND, MAX_STEP, LimitError, check_shape
 
 STORE_FILE = "expert_loads.bin"
 #: The rollout engine's own expert loads: a second store of the same format beside training's
@@ -114,7 +114,7 @@ class RecordHeader:
     @property
     def refusal(self) -> str | None:
         """Why this whole record is not read although its header holds (a size above
-        :mod:`nemo_moe_metrics.limits`, a step above 2**53-1), or None: said, never decoded, so
+        :mod:`nemo_moe_metrics.config.limits`, a step above 2**53-1), or None: said, never decoded, so
         no table its header declares is ever allocated."""
         if self.step > MAX_STEP:
             return (

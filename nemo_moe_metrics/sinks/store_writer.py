@@ -16,15 +16,15 @@ from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics.expert_table import ExpertTable
-from nemo_moe_metrics.limits import (
+from nemo_moe_metrics.config.limits import (
     COUNT_BOUND,
     MAX_STEP,
     LimitError,
     check_shape,
     first_over,
 )
-from nemo_moe_metrics.metric_names import EXPERT_LOADS
+from nemo_moe_metrics.export.expert_table import ExpertTable
+from nemo_moe_metrics.export.metric_names import EXPERT_LOADS
 from nemo_moe_metrics.sinks.base import Metrics, SinkBase
 from nemo_moe_metrics.sinks.store_format import (
     MAGIC,

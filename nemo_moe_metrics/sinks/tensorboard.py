@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nemo_moe_metrics.durable import fsync_dir, fsync_path
-from nemo_moe_metrics.extras import check_extra
+from nemo_moe_metrics.runtime.durable import fsync_dir, fsync_path
+from nemo_moe_metrics.runtime.extras import check_extra
 from nemo_moe_metrics.sinks.base import Metrics, SinkBase, split_tables
 
 

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nemo_moe_metrics.extras import require
+from nemo_moe_metrics.runtime.extras import require
 from nemo_moe_metrics.sinks.base import Metrics, SinkBase, split_tables
 
 TRACKIO_DIR = "trackio"

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from nemo_moe_metrics.expert_table import ExpertTable
-from nemo_moe_metrics.extras import require
-from nemo_moe_metrics.metric_names import TABLE_COLUMNS
+from nemo_moe_metrics.export.expert_table import ExpertTable
+from nemo_moe_metrics.export.metric_names import TABLE_COLUMNS
+from nemo_moe_metrics.runtime.extras import require
 from nemo_moe_metrics.sinks.base import Metrics, SinkBase, split_tables
 
 

@@ -20,7 +20,7 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TESTS = ROOT / "tests"
+SUPPORT = ROOT / "tests" / "support"  # the helpers (hf_tiny)
 
 DOCS_PAGE = ROOT / "docs" / "en" / "metric_families.md"
 
@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, {tests!r})
 import nemo_moe_metrics
 from nemo_moe_metrics.config import MetricsConfig
-from nemo_moe_metrics.metrics import PolicyMetrics
+from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
 from hf_tiny import VOCAB, tiny_model
 
 model = tiny_model("qwen3_moe")
@@ -96,7 +96,7 @@ def test_a_new_family_is_one_module_and_one_registration_line(tmp_path):
 
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(RUN.format(tests=str(TESTS)))],
+        [sys.executable, "-c", textwrap.dedent(RUN.format(tests=str(SUPPORT)))],
         capture_output=True,
         text=True,
         env=env,

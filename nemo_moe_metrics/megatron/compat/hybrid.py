@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from nemo_moe_metrics.layer_pattern import (
+from nemo_moe_metrics.config.layer_pattern import (
     ATTENTION_SYMBOL,
     MLP_SYMBOL,
     MOE_SYMBOL,

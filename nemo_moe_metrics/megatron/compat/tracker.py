@@ -11,7 +11,7 @@ import importlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from nemo_moe_metrics.layer_pattern import config_hybrid_symbols, moe_flags_from_symbols
+from nemo_moe_metrics.config.layer_pattern import config_hybrid_symbols, moe_flags_from_symbols
 
 if TYPE_CHECKING:  # torch is imported where used: importing the adapter stays cheap
     import torch
