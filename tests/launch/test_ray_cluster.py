@@ -35,7 +35,7 @@ from tests.launch.test_ray_driver import assert_same_numbers, rows
 
 pytestmark = [
     pytest.mark.one_line,
-    pytest.mark.xdist_group("cluster"),
+    pytest.mark.xdist_group("shared_runs"),
 ]  # as tests/launch/test_ray_driver.py
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
 
 # The CLI, Ray and the driver's merge: what they check does not depend on the megatron-core
 # line (the actors run the same worker the torchrun tests run on both lines).
-pytestmark = [pytest.mark.one_line, pytest.mark.xdist_group("cluster")]
+pytestmark = [pytest.mark.one_line, pytest.mark.xdist_group("shared_runs")]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,7 +20,7 @@ from ray_local import ray_port
 from tests.launch.test_ray_driver import assert_same_numbers
 
 # Slurm, Ray and the CLI (tests/launch/test_slurm_job.py's reasoning)
-pytestmark = [pytest.mark.one_line, pytest.mark.xdist_group("cluster")]
+pytestmark = [pytest.mark.one_line, pytest.mark.xdist_group("shared_runs")]
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = "examples/configs/grpo_moe_tiny.yaml"

@@ -23,7 +23,7 @@ from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
 from nemo_moe_metrics.testing import free_port
 
 # Slurm, nemo-run and the CLI: the same on every megatron-core line (tests/conftest.py).
-pytestmark = [pytest.mark.one_line, pytest.mark.xdist_group("cluster")]
+pytestmark = [pytest.mark.one_line, pytest.mark.xdist_group("shared_runs")]
 
 ROOT = Path(__file__).resolve().parents[2]
 

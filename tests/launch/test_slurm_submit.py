@@ -16,6 +16,8 @@ from tests.launch.test_slurm_job import _slurm_py
 
 ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.xdist_group("shared_runs")  # the session's Slurm cluster
+
 
 # --------------------------------------------------------------------------- 3. recipes/slurm.py
 

@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 SFT = REPO / "examples" / "configs" / "sft_moe_tiny.yaml"
 ODD = 'naïve 名前 "quoted" it\'s $HOME `x` \\back'
 
-pytestmark = pytest.mark.one_line  # CLI behaviour: the same on both megatron-core lines
+# CLI behaviour: the same on both megatron-core lines; the session's SFT run
+pytestmark = [pytest.mark.one_line, pytest.mark.xdist_group("shared_runs")]
 
 
 @pytest.mark.slow

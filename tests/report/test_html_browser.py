@@ -17,7 +17,10 @@ from html_run import ALERT_STEP, DEAD, EXPERTS, LAYERS, STEPS, counts_at, streak
 from nemo_moe_metrics.cli import main
 
 # Chromium and the page: the same on every megatron-core line.
-pytestmark = pytest.mark.one_line
+pytestmark = [
+    pytest.mark.one_line,
+    pytest.mark.xdist_group("shared_runs"),
+]  # the session's main job
 
 
 @pytest.fixture(scope="module")
