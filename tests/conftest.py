@@ -14,8 +14,9 @@ os.environ.setdefault("WANDB_SILENT", "true")
 #: pytest-xdist (``-n 2`` in pyproject.toml) runs one group of tests per worker at a time: a
 #: module is a group (its module fixtures run once), or joins a named one with
 #: ``pytestmark = pytest.mark.xdist_group(NAME)``: ``shared_runs`` holds the modules that use
-#: the session's runs below (main job, SFT, DPO: each made once, not once per worker) or this
-#: host's Slurm daemons and Ray processes. Named groups are the long ones and start first, then
+#: this host's Slurm daemons and Ray processes (and most of the session's runs below; a module
+#: of the other worker that asks for one makes its own: a longer group was slower, measured).
+#: Named groups are the long ones and start first, then
 #: modules with end-to-end runs (``slow``), then the rest, in collection order. The grouping is
 #: ours (``pytest_xdist_make_scheduler``): xdist's own ``--dist loadgroup`` groups nothing under
 #: pytest 9 (each test went its own way, and module fixtures ran once per worker).

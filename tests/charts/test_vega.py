@@ -18,8 +18,6 @@ import pytest
 from nemo_moe_metrics import charts
 from nemo_moe_metrics.export.metric_names import EXPERT_LOAD_COLUMNS
 
-pytestmark = pytest.mark.xdist_group("shared_runs")  # the session's main job
-
 vlc = pytest.importorskip("vl_convert")
 
 CELL = re.compile(

@@ -15,7 +15,7 @@ from nemo_moe_metrics.config import load_recipe
 from nemo_moe_metrics.export import metric_names as names
 from nemo_moe_metrics.sinks.store import read_expert_loads, store_path
 
-pytestmark = [pytest.mark.megatron, pytest.mark.xdist_group("shared_runs")]  # the session's DPO run
+pytestmark = pytest.mark.megatron
 
 ROOT = Path(__file__).resolve().parents[2]
 GRPO = ROOT / "examples" / "configs" / "grpo_moe_tiny.yaml"

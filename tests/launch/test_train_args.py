@@ -24,8 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 SFT = REPO / "examples" / "configs" / "sft_moe_tiny.yaml"
 ODD = 'naïve 名前 "quoted" it\'s $HOME `x` \\back'
 
-# CLI behaviour: the same on both megatron-core lines; the session's SFT run
-pytestmark = [pytest.mark.one_line, pytest.mark.xdist_group("shared_runs")]
+pytestmark = pytest.mark.one_line  # CLI behaviour: the same on both megatron-core lines
 
 
 @pytest.mark.slow

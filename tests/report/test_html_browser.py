@@ -17,10 +17,7 @@ from html_run import ALERT_STEP, DEAD, EXPERTS, LAYERS, STEPS, counts_at, streak
 from nemo_moe_metrics.cli import main
 
 # Chromium and the page: the same on every megatron-core line.
-pytestmark = [
-    pytest.mark.one_line,
-    pytest.mark.xdist_group("shared_runs"),
-]  # the session's main job
+pytestmark = pytest.mark.one_line
 
 
 @pytest.fixture(scope="module")
