@@ -16,10 +16,10 @@ os.environ.setdefault("WANDB_SILENT", "true")
 #: ``pytestmark = pytest.mark.xdist_group(NAME)``: ``shared_runs`` holds the modules that use
 #: this host's Slurm daemons and Ray processes (and most of the session's runs below; a module
 #: of the other worker that asks for one makes its own: a longer group was slower, measured).
-#: Named groups are the long ones and start first, then
-#: modules with end-to-end runs (``slow``), then the rest, in collection order. The grouping is
-#: ours (``pytest_xdist_make_scheduler``): xdist's own ``--dist loadgroup`` groups nothing under
-#: pytest 9 (each test went its own way, and module fixtures ran once per worker).
+#: Named groups are the long ones and start first, then modules with end-to-end runs (``slow``),
+#: then the rest, in collection order. The grouping is ours (``pytest_xdist_make_scheduler``):
+#: xdist's own ``--dist loadgroup`` groups nothing under pytest 9 (each test went its own way,
+#: and module fixtures ran once per worker).
 _GROUP_MARK = re.compile(r"pytest\.mark\.xdist_group\(\s*[\"']([^\"']+)[\"']")
 
 
