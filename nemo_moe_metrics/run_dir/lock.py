@@ -171,7 +171,8 @@ class RunDirLock:
         try:
             previous = self._read()
             self.previous = previous if previous is not None and previous.pid else None
-            if not self._lock(_OWNER_BYTE) or self._alive_elsewhere(previous):
+            # The wait: a probe elsewhere may hold the byte for a moment (shared, to look).
+            if not self._lock(_OWNER_BYTE, wait_s=1.0) or self._alive_elsewhere(previous):
                 raise RunDirBusyError(self._busy_text(previous))
             self._wait_for_writer(previous, wait_for_writer_s)
             if previous is not None and not previous.released and previous.token != self.token:
@@ -233,10 +234,12 @@ class RunDirLock:
             holder = lock._read()
             if lock._key is not None and _HELD.get(lock._key):
                 return holder  # this very process holds it
-            free = lock._lock(_OWNER_BYTE) and not lock._alive_elsewhere(holder)
-            return None if free else holder
+            # A shared lock, let go at once: probes never see each other as holders, and an
+            # owner taking the lock meanwhile is not refused because someone looked.
+            unlocked = lock._lock(_OWNER_BYTE, shared=True)
         finally:
             lock._close()
+        return None if unlocked and not lock._alive_elsewhere(holder) else holder
 
     def release(self) -> None:
         """Mark the lock released and give it back (idempotent)."""
@@ -332,13 +335,14 @@ class RunDirLock:
                 os.close(self._fd)
         self._fd, self._key, self._bytes = None, None, []
 
-    def _lock(self, byte: int, wait_s: float = 0.0) -> bool:
+    def _lock(self, byte: int, wait_s: float = 0.0, *, shared: bool = False) -> bool:
         """Take one byte's record lock; False when someone else holds it (after ``wait_s``)."""
         assert self._fd is not None and self._key is not None
         deadline = time.monotonic() + wait_s
+        kind = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
         while True:
             try:
-                fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, byte, os.SEEK_SET)
+                fcntl.lockf(self._fd, kind | fcntl.LOCK_NB, 1, byte, os.SEEK_SET)
             except OSError as err:
                 if err.errno in _NO_LOCKS:
                     self._kernel_locks = False  # judged from the file's text instead

@@ -231,3 +231,33 @@ def test_an_owner_touches_its_lock_file_every_heartbeat(tmp_path, monkeypatch):
         while path.stat().st_mtime < 2.0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert time.time() - path.stat().st_mtime < 5
+
+
+def test_probes_are_not_holders_to_each_other_nor_to_an_owner(tmp_path):
+    # Every rank of a job may probe at once at its end (the Bridge test did): a probe that
+    # took the owner byte exclusively, or kept it while it judged the holder, was seen as a
+    # live holder by the others. Here one probe stays inside its judgement for 3 s.
+    RunDirLock(tmp_path).acquire().release()
+    slow_probe = (
+        "import sys, time\n"
+        "from nemo_moe_metrics.run_dir import RunDirLock\n"
+        "def slow(self, holder):\n"
+        "    print('judging', flush=True); time.sleep(3); return False\n"
+        "RunDirLock._alive_elsewhere = slow\n"
+        "print(RunDirLock.probe(sys.argv[1]), flush=True)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", slow_probe, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        assert proc.stdout.readline().strip() == "judging"
+        assert RunDirLock.probe(tmp_path) is None
+        with RunDirLock(tmp_path) as owner:  # not refused because someone looked
+            assert RunDirLock.probe(tmp_path).token == owner.token
+        assert proc.stdout.readline().strip() == "None"
+    finally:
+        proc.wait(timeout=30)
+        proc.stdout.close()
