@@ -14,8 +14,8 @@ os.environ.setdefault("WANDB_SILENT", "true")
 #: pytest-xdist (``-n 2`` in pyproject.toml) runs one group of tests per worker at a time: a
 #: module is a group (its module fixtures run once), or joins a named one with
 #: ``pytestmark = pytest.mark.xdist_group(NAME)``: ``shared_runs`` holds the modules that use
-#: this host's Slurm daemons and Ray processes (and most of the session's runs below; a module
-#: of the other worker that asks for one makes its own: a longer group was slower, measured).
+#: this host's Slurm daemons and Ray processes (a longer group, with every user of the runs
+#: below, was slower, measured); those runs are made once for both workers (support/once.py).
 #: Named groups are the long ones and start first, then modules with end-to-end runs (``slow``),
 #: then the rest, in collection order. The grouping is ours (``pytest_xdist_make_scheduler``):
 #: xdist's own ``--dist loadgroup`` groups nothing under pytest 9 (each test went its own way,
@@ -64,7 +64,8 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def main_job_run(tmp_path_factory):
-    """The README's main job, launched once per test session through the real launcher.
+    """The README's main job, launched once per pytest run (for all xdist workers) through the
+    real launcher.
 
     ``nemo-moe-metrics run examples/configs/grpo_moe_tiny.yaml`` (2 torchrun ranks, W&B
     offline), shortened to 3 steps; returns the run directory.
@@ -72,16 +73,20 @@ def main_job_run(tmp_path_factory):
     import subprocess
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    base = tmp_path_factory.mktemp("main_job")
-    (base / "home").mkdir()
-    env = {**os.environ, "HOME": str(base / "home"), "PYTHONPATH": str(root), "COLUMNS": "120"}
-    recipe = root / "examples" / "configs" / "grpo_moe_tiny.yaml"
-    cmd = [sys.executable, "-m", "nemo_moe_metrics.cli", "run", str(recipe)]
-    cmd += ["training.max_steps=3", "--output-dir", str(base / "runs")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=400)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return base / "runs" / "grpo_moe_tiny"
+    from once import once_for_all_workers
+
+    def make(base: Path) -> str:
+        root = Path(__file__).resolve().parent.parent
+        (base / "home").mkdir()
+        env = {**os.environ, "HOME": str(base / "home"), "PYTHONPATH": str(root), "COLUMNS": "120"}
+        recipe = root / "examples" / "configs" / "grpo_moe_tiny.yaml"
+        cmd = [sys.executable, "-m", "nemo_moe_metrics.cli", "run", str(recipe)]
+        cmd += ["training.max_steps=3", "--output-dir", str(base / "runs")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=root, timeout=400)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return str(base / "runs" / "grpo_moe_tiny")
+
+    return Path(once_for_all_workers(tmp_path_factory, "main_job", make))
 
 
 @pytest.fixture(scope="session")
@@ -126,43 +131,55 @@ SFT_TORCHRUN_OVERRIDES = [
 def sft_torchrun_run(tmp_path_factory):
     """``nemo-moe-metrics run examples/configs/sft_moe_tiny.yaml`` on 2 torchrun ranks, 2 steps,
     with a list override, odd values and an output directory with a space, from an empty
-    working directory; ``(process, run directory, that working directory)``."""
+    working directory; ``(process, run directory, that working directory)``. Once per pytest
+    run, for all xdist workers."""
     import subprocess
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    cwd = tmp_path_factory.mktemp("sft_torchrun")
-    out = cwd / "out dir 'é'"
-    env = {**os.environ, "PYTHONPATH": str(root), "COLUMNS": "160"}
-    recipe = root / "examples" / "configs" / "sft_moe_tiny.yaml"
-    proc = subprocess.run(
-        [sys.executable, "-m", "nemo_moe_metrics.cli", "run", str(recipe),
-         *SFT_TORCHRUN_OVERRIDES, "--output-dir", str(out)],
-        capture_output=True, text=True, env=env, cwd=cwd, timeout=280,
-    )  # fmt: skip
-    return proc, out / "sft_moe_tiny", cwd
+    from once import once_for_all_workers, process_from, process_value
+
+    def make(base: Path) -> list:
+        root = Path(__file__).resolve().parent.parent
+        cwd = base / "cwd"
+        cwd.mkdir()
+        env = {**os.environ, "PYTHONPATH": str(root), "COLUMNS": "160"}
+        recipe = root / "examples" / "configs" / "sft_moe_tiny.yaml"
+        proc = subprocess.run(
+            [sys.executable, "-m", "nemo_moe_metrics.cli", "run", str(recipe),
+             *SFT_TORCHRUN_OVERRIDES, "--output-dir", str(cwd / "out dir 'é'")],
+            capture_output=True, text=True, env=env, cwd=cwd, timeout=280,
+        )  # fmt: skip
+        return [process_value(proc), str(cwd / "out dir 'é'" / "sft_moe_tiny"), str(cwd)]
+
+    proc, run_dir, cwd = once_for_all_workers(tmp_path_factory, "sft_torchrun", make)
+    return process_from(proc), Path(run_dir), Path(cwd)
 
 
 @pytest.fixture(scope="session")
 def dpo_torchrun_run(tmp_path_factory):
     """``python recipes/local_torchrun.py examples/configs/dpo_moe_tiny.yaml`` on 2 ranks, 2
     steps, per-layer logging on (as docs/en/training_loops.md runs it); ``(process, run
-    directory, home)``."""
+    directory, home)``. Once per pytest run, for all xdist workers."""
     import subprocess
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    base = tmp_path_factory.mktemp("dpo_torchrun")
-    (base / "home").mkdir()
-    env = {**os.environ, "HOME": str(base / "home"), "PYTHONPATH": str(root), "COLUMNS": "120"}
-    recipe = root / "examples" / "configs" / "dpo_moe_tiny.yaml"
-    proc = subprocess.run(
-        [sys.executable, "recipes/local_torchrun.py", str(recipe), "training.max_steps=2",
-         "policy.megatron_cfg.moe_per_layer_logging=true", "--nproc", "2", "--output-dir",
-         str(base / "runs")],
-        capture_output=True, text=True, env=env, timeout=240, cwd=root,
-    )  # fmt: skip
-    return proc, base / "runs" / "dpo_moe_tiny", base / "home"
+    from once import once_for_all_workers, process_from, process_value
+
+    def make(base: Path) -> list:
+        root = Path(__file__).resolve().parent.parent
+        (base / "home").mkdir()
+        env = {**os.environ, "HOME": str(base / "home"), "PYTHONPATH": str(root), "COLUMNS": "120"}
+        recipe = root / "examples" / "configs" / "dpo_moe_tiny.yaml"
+        proc = subprocess.run(
+            [sys.executable, "recipes/local_torchrun.py", str(recipe), "training.max_steps=2",
+             "policy.megatron_cfg.moe_per_layer_logging=true", "--nproc", "2", "--output-dir",
+             str(base / "runs")],
+            capture_output=True, text=True, env=env, timeout=240, cwd=root,
+        )  # fmt: skip
+        return [process_value(proc), str(base / "runs" / "dpo_moe_tiny"), str(base / "home")]
+
+    proc, run_dir, home = once_for_all_workers(tmp_path_factory, "dpo_torchrun", make)
+    return process_from(proc), Path(run_dir), Path(home)
 
 
 @pytest.fixture(scope="session")
