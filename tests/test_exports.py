@@ -9,18 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_cli_ux import _env  # the real CLI in a clean HOME, as test_cli_ux runs it
+from tests.e2e.test_cli_ux import clean_home_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _python(tmp_path, code, *args, timeout=120):
+def python_in(tmp_path, code, *args, timeout=120):
     return subprocess.run(
         [sys.executable, "-c", code, *map(str, args)],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=_env(tmp_path),
+        env=clean_home_env(tmp_path),
         stdin=subprocess.DEVNULL,
         timeout=timeout,
     )
@@ -43,7 +43,7 @@ def test_top_level_exports_the_public_api_lazily(tmp_path):
         "print(sorted(bare & {'torch', 'pydantic', 'numpy'}), sorted(heavy))\n"
         "print(MetricsConfig(track_moe_metrics=True).track_moe_metrics)\n"
     )
-    proc = _python(tmp_path, code)
+    proc = python_in(tmp_path, code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["[] []", "True"]
 

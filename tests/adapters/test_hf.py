@@ -312,7 +312,7 @@ class FamilyRun:
 _RUNS: dict[str, FamilyRun] = {}
 
 
-def _run(model_type: str) -> FamilyRun:
+def family_run(model_type: str) -> FamilyRun:
     if model_type in _RUNS:
         return _RUNS[model_type]
     if model_type == "zaya":  # its skip class starts with bias -1: make it chosen, and counted
@@ -367,7 +367,7 @@ def _table(metrics: dict[str, Any]) -> dict[int, np.ndarray]:
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_counts_equal_what_the_experts_executed(model_type):
-    run = _run(model_type)
+    run = family_run(model_type)
     seen = run.seen
     expected = seen.router_counts if seen.zero_picks else seen.counts
     assert expected, f"{model_type}: the independent hooks saw no MoE layer"
@@ -400,7 +400,7 @@ def test_counts_equal_what_the_experts_executed(model_type):
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_aux_loss_equals_transformers_function_per_layer(model_type):
-    run = _run(model_type)
+    run = family_run(model_type)
     logits, function = run.router_logits, run.reference_loss
     ours = {
         int(k.rsplit("_", 1)[1]): v
@@ -432,7 +432,7 @@ def test_aux_loss_equals_transformers_function_per_layer(model_type):
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_config_facts_match_the_built_model(model_type):
-    run = _run(model_type)
+    run = family_run(model_type)
     text = run.model.config.get_text_config()
     facts = model_facts(run.model.config)
     experts = set(run.seen.experts.values())

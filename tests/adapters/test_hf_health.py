@@ -27,7 +27,7 @@ from health_oracle import NEAR_TIE_GAP, Layer, Router, assert_matches, expected_
 from nemo_moe_metrics.export import metric_names as mn  # noqa: E402
 from nemo_moe_metrics.families.router_health import enable_health  # noqa: E402
 from nemo_moe_metrics.moe.router_health import RouterScoring, chosen_experts  # noqa: E402
-from tests.adapters.test_hf import BATCH, FAMILIES, SEQ, _run  # noqa: E402
+from tests.adapters.test_hf import BATCH, FAMILIES, SEQ, family_run  # noqa: E402
 
 #: Families with routers that are not a top-k of scores -> the reason their warning gives.
 #: phimoe: every layer; deepseek_v4: its hash-routed layers (its other layers are judged).
@@ -42,7 +42,7 @@ def _scorings(model_type: str) -> dict[int, RouterScoring | None]:
     if model_type not in _SCORINGS:
         from nemo_moe_metrics import attach_collector
 
-        collector = attach_collector(_run(model_type).model)
+        collector = attach_collector(family_run(model_type).model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # asserted on the run's own attach
             tracker = enable_health(collector, NEAR_TIE_GAP)
@@ -68,7 +68,7 @@ def _scores(z: np.ndarray, score: str) -> np.ndarray:
 
 @pytest.mark.parametrize("model_type", JUDGED)
 def test_the_described_scoring_chooses_what_the_router_chose(model_type):
-    run, scorings = _run(model_type), _scorings(model_type)
+    run, scorings = family_run(model_type), _scorings(model_type)
     judged = {layer: s for layer, s in scorings.items() if s is not None}
     assert judged and set(judged) <= set(run.seen.decisions), (model_type, sorted(judged))
     for layer, scoring in judged.items():
@@ -94,7 +94,7 @@ def test_the_described_scoring_chooses_what_the_router_chose(model_type):
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_health_keys_equal_the_oracle_on_the_routers_own_decisions(model_type):
-    run, scorings = _run(model_type), _scorings(model_type)
+    run, scorings = family_run(model_type), _scorings(model_type)
     layers: dict[int, Layer] = {}
     for layer, scoring in scorings.items():
         oracle = layers.setdefault(layer, Layer())
@@ -115,7 +115,7 @@ def test_health_keys_equal_the_oracle_on_the_routers_own_decisions(model_type):
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_routers_not_judged_warn_with_their_reason_and_log_no_router_keys(model_type):
-    run, scorings = _run(model_type), _scorings(model_type)
+    run, scorings = family_run(model_type), _scorings(model_type)
     skipped = [layer for layer, s in scorings.items() if s is None]
     if model_type not in NOT_JUDGED:
         assert not skipped and not run.health_warnings, (model_type, run.health_warnings)
@@ -137,7 +137,7 @@ def test_a_fill_of_0_outside_the_kept_groups_is_followed_when_biased_scores_fall
     import copy
     import dataclasses
 
-    run, scorings = _run("axk2"), _scorings("axk2")
+    run, scorings = family_run("axk2"), _scorings("axk2")
     layer, scoring = next((k, s) for k, s in scorings.items() if s is not None)
     assert scoring.grouped and scoring.group_masked_score == 0.0
     router = copy.deepcopy(run.model.get_submodule(f"model.layers.{layer}.mlp.gate"))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.flops.test_core import _llama
+from tests.flops.test_core import llama_config
 
 pytestmark = pytest.mark.megatron
 
@@ -29,7 +29,7 @@ def _cli(*args):
 
 def test_cli_json_from_config_file(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(_llama()))
+    path.write_text(json.dumps(llama_config()))
     proc = _cli("--config", str(path), "--seq-lens", "4", "9", "--no-causal", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)

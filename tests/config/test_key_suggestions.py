@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_first_hour_messages import _cli
+from tests.e2e.test_first_hour_messages import first_hour_cli
 
 pytestmark = pytest.mark.one_line
 
@@ -25,7 +25,7 @@ GRPO = ROOT / "examples" / "configs" / "grpo_moe_tiny.yaml"
     ],
 )
 def test_an_override_without_its_section_is_suggested_with_it(override, suggested):
-    proc = _cli("check", str(GRPO), override)
+    proc = first_hour_cli("check", str(GRPO), override)
     assert proc.returncode == 2
     assert (
         f"override '{override}': unknown key '{override.split('=')[0].split('.')[-1]}'; "
@@ -33,4 +33,4 @@ def test_an_override_without_its_section_is_suggested_with_it(override, suggeste
     ), proc.stderr
     # ...and the suggestion is a key the recipe accepts.
     value = override.split("=")[1]
-    assert _cli("check", str(GRPO), f"{suggested}={value}").returncode == 0
+    assert first_hour_cli("check", str(GRPO), f"{suggested}={value}").returncode == 0

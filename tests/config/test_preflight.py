@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from nemo_moe_metrics.config import preflight as _preflight
-from tests.e2e.test_cli_ux import _cli  # the real CLI in a clean HOME, as test_cli_ux runs it
+from tests.e2e.test_cli_ux import cli_in_clean_home
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,9 @@ MCFG = _preflight.MCFG  # the recipe's metric-flag block, "policy.<worker>_cfg"
 
 
 def test_check_ends_with_the_layout_and_ok(tmp_path):
-    proc = _cli(tmp_path, "check", GRPO, "--nproc", "4", "policy.train_micro_batch_size=4")
+    proc = cli_in_clean_home(
+        tmp_path, "check", GRPO, "--nproc", "4", "policy.train_micro_batch_size=4"
+    )
     assert proc.returncode == 0, proc.stderr
     # 4 ranks, no pipeline/context split: data-parallel 4; 8 experts over expert-parallel 2;
     # the global batch of 16 is 4 sequences per rank, one microbatch of 4; 4 prompts x 4.
@@ -55,7 +57,7 @@ def test_check_ends_with_the_layout_and_ok(tmp_path):
 def test_check_refuses_a_global_batch_the_data_parallel_ranks_cannot_split(
     tmp_path, nproc, overrides, needle
 ):
-    proc = _cli(tmp_path, "check", GRPO, "--nproc", nproc, *overrides)
+    proc = cli_in_clean_home(tmp_path, "check", GRPO, "--nproc", nproc, *overrides)
     assert proc.returncode == 2
     text = " ".join(proc.stderr.split())
     assert needle in text, text
@@ -63,7 +65,7 @@ def test_check_refuses_a_global_batch_the_data_parallel_ranks_cannot_split(
 
 
 def test_check_of_a_dense_recipe_says_it_has_no_experts(tmp_path):
-    proc = _cli(
+    proc = cli_in_clean_home(
         tmp_path,
         "check",
         SFT,
@@ -89,7 +91,7 @@ EXPERTS_7 = "policy.model.num_experts=7 is not divisible by policy.megatron_cfg.
 
 @pytest.mark.one_line
 def test_check_rejects_experts_not_divisible_by_expert_parallel(tmp_path):
-    proc = _cli(tmp_path, "check", GRPO, "policy.model.num_experts=7")
+    proc = cli_in_clean_home(tmp_path, "check", GRPO, "policy.model.num_experts=7")
     assert proc.returncode == 2
     assert EXPERTS_7 in proc.stderr
     assert "set num_experts to a multiple of 2 (e.g. 8)" in proc.stderr
@@ -98,7 +100,9 @@ def test_check_rejects_experts_not_divisible_by_expert_parallel(tmp_path):
 @pytest.mark.one_line
 def test_run_rejects_experts_not_divisible_before_any_launch(tmp_path):
     out = tmp_path / "runs"
-    proc = _cli(tmp_path, "run", GRPO, "policy.model.num_experts=7", "--output-dir", out)
+    proc = cli_in_clean_home(
+        tmp_path, "run", GRPO, "policy.model.num_experts=7", "--output-dir", out
+    )
     assert proc.returncode == 2
     assert EXPERTS_7 in proc.stderr
     assert not out.exists(), "nothing was launched or written"
@@ -106,7 +110,7 @@ def test_run_rejects_experts_not_divisible_before_any_launch(tmp_path):
 
 @pytest.mark.one_line
 def test_check_rejects_a_world_size_that_does_not_fit_expert_parallel(tmp_path):
-    proc = _cli(tmp_path, "check", GRPO, "--nproc", "3")
+    proc = cli_in_clean_home(tmp_path, "check", GRPO, "--nproc", "3")
     assert proc.returncode == 2
     assert "--nproc 3 does not fit policy.megatron_cfg.expert_model_parallel_size=2" in proc.stderr
     assert "use --nproc 2" in proc.stderr
@@ -114,7 +118,9 @@ def test_check_rejects_a_world_size_that_does_not_fit_expert_parallel(tmp_path):
 
 @pytest.mark.one_line
 def test_check_rejects_pipeline_parallel_for_the_reference_worker(tmp_path):
-    proc = _cli(tmp_path, "check", SFT, "policy.megatron_cfg.pipeline_model_parallel_size=2")
+    proc = cli_in_clean_home(
+        tmp_path, "check", SFT, "policy.megatron_cfg.pipeline_model_parallel_size=2"
+    )
     assert proc.returncode == 2
     assert "pipeline_model_parallel_size=2" in proc.stderr
     assert "set both to 1" in proc.stderr
@@ -122,7 +128,7 @@ def test_check_rejects_pipeline_parallel_for_the_reference_worker(tmp_path):
 
 @pytest.mark.one_line
 def test_check_rejects_grpo_batch_without_whole_groups(tmp_path):
-    proc = _cli(
+    proc = cli_in_clean_home(
         tmp_path,
         "check",
         GRPO,
@@ -139,7 +145,7 @@ def test_check_rejects_grpo_batch_without_whole_groups(tmp_path):
 
 @pytest.mark.one_line
 def test_check_rejects_grpo_prompt_and_response_longer_than_seq_length(tmp_path):
-    proc = _cli(tmp_path, "check", GRPO, "grpo.response_length=30")
+    proc = cli_in_clean_home(tmp_path, "check", GRPO, "grpo.response_length=30")
     assert proc.returncode == 2
     assert (
         "grpo.prompt_length=8 + grpo.response_length=30 exceeds policy.model.seq_length=32"
@@ -150,7 +156,7 @@ def test_check_rejects_grpo_prompt_and_response_longer_than_seq_length(tmp_path)
 
 @pytest.mark.one_line
 def test_check_rejects_odd_dpo_batches(tmp_path):
-    proc = _cli(
+    proc = cli_in_clean_home(
         tmp_path,
         "check",
         DPO,
@@ -163,14 +169,16 @@ def test_check_rejects_odd_dpo_batches(tmp_path):
 
 @pytest.mark.one_line
 def test_check_rejects_sft_min_length_above_seq_length(tmp_path):
-    proc = _cli(tmp_path, "check", SFT, "training.min_seq_length=40")
+    proc = cli_in_clean_home(tmp_path, "check", SFT, "training.min_seq_length=40")
     assert proc.returncode == 2
     assert "training.min_seq_length=40 must lie in [2, policy.model.seq_length=32]" in proc.stderr
 
 
 @pytest.mark.one_line
 def test_check_lists_every_problem_at_once(tmp_path):
-    proc = _cli(tmp_path, "check", GRPO, "policy.model.num_experts=7", "grpo.response_length=30")
+    proc = cli_in_clean_home(
+        tmp_path, "check", GRPO, "policy.model.num_experts=7", "grpo.response_length=30"
+    )
     assert proc.returncode == 2
     assert EXPERTS_7 in proc.stderr and "exceeds policy.model.seq_length=32" in proc.stderr
 
@@ -178,13 +186,13 @@ def test_check_lists_every_problem_at_once(tmp_path):
 @pytest.mark.one_line
 def test_check_accepts_the_shipped_recipes_on_their_ranks(tmp_path):
     for recipe in (SFT, DPO, GRPO):
-        proc = _cli(tmp_path, "check", recipe)
+        proc = cli_in_clean_home(tmp_path, "check", recipe)
         assert proc.returncode == 0, proc.stderr
 
 
 @pytest.mark.one_line
 def test_top_k_above_experts_names_the_override(tmp_path):
-    proc = _cli(tmp_path, "check", GRPO, "policy.model.moe_router_topk=9")
+    proc = cli_in_clean_home(tmp_path, "check", GRPO, "policy.model.moe_router_topk=9")
     assert proc.returncode == 2
     assert "override 'policy.model.moe_router_topk=9': moe_router_topk=9 exceeds num_experts=8" in (
         proc.stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.run_dir.test_record import _cli, _tree
+from tests.run_dir.test_record import file_tree, record_cli
 
 pytestmark = pytest.mark.one_line  # CLI behaviour: the same on both megatron-core lines
 
@@ -22,16 +22,16 @@ def test_a_name_that_is_not_one_safe_path_component_is_refused_by_check_and_run(
     out.mkdir(parents=True)
     (tmp_path / "project" / "README.md").write_text("the user's project\n")
     (out / "notes.txt").write_text("keep\n")
-    before = _tree(tmp_path)
+    before = file_tree(tmp_path)
     override = f"name={name}" if name else 'name=""'
     for command in ("check", "run"):
         flags = ["--output-dir", out, "--overwrite"] if command == "run" else []
-        proc = _cli(command, GRPO, override, *flags, cwd=tmp_path)
+        proc = record_cli(command, GRPO, override, *flags, cwd=tmp_path)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert f"override '{override}': " in proc.stderr, proc.stderr
         assert "the name is the run directory's name under --output-dir" in proc.stderr
         assert "Traceback" not in proc.stderr
-    assert _tree(tmp_path) == before
+    assert file_tree(tmp_path) == before
     assert not (tmp_path / "abs").exists()
 
 

@@ -21,19 +21,19 @@ ROOT = Path(__file__).resolve().parents[2]
 GRPO = ROOT / "examples" / "configs" / "grpo_moe_tiny.yaml"
 
 
-def _env(tmp_path: Path) -> dict[str, str]:
+def clean_home_env(tmp_path: Path) -> dict[str, str]:
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
     return {**os.environ, "HOME": str(home), "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
 
 
-def _cli(tmp_path, *args, timeout=120):
+def cli_in_clean_home(tmp_path, *args, timeout=120):
     return subprocess.run(
         [sys.executable, "-m", "nemo_moe_metrics.cli", *map(str, args)],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=_env(tmp_path),
+        env=clean_home_env(tmp_path),
         stdin=subprocess.DEVNULL,
         timeout=timeout,
     )
@@ -43,7 +43,7 @@ def _cli(tmp_path, *args, timeout=120):
 
 
 def test_override_error_names_the_override_not_the_file(tmp_path):
-    proc = _cli(tmp_path, "check", GRPO, "policy.megatron_cfg.track_moe_metric=true")
+    proc = cli_in_clean_home(tmp_path, "check", GRPO, "policy.megatron_cfg.track_moe_metric=true")
     assert proc.returncode == 2
     assert "override 'policy.megatron_cfg.track_moe_metric=true': unknown key" in proc.stderr
     assert f"invalid recipe {GRPO}" not in proc.stderr
@@ -52,14 +52,14 @@ def test_override_error_names_the_override_not_the_file(tmp_path):
 def test_a_broken_recipe_file_is_still_reported_against_the_file(tmp_path):
     recipe = tmp_path / "bad.yaml"
     recipe.write_text(GRPO.read_text().replace("num_generations: 4", "num_generation: 4"))
-    proc = _cli(tmp_path, "check", recipe, "training.max_steps=2")
+    proc = cli_in_clean_home(tmp_path, "check", recipe, "training.max_steps=2")
     assert proc.returncode == 2
     assert f"invalid recipe {recipe}:" in proc.stderr
     assert "override 'training.max_steps=2'" not in proc.stderr
 
 
 def test_subcommand_typo_shows_the_subcommands_usage(tmp_path):
-    proc = _cli(tmp_path, "run", GRPO, "--nprocs", "2")
+    proc = cli_in_clean_home(tmp_path, "run", GRPO, "--nprocs", "2")
     assert proc.returncode == 2
     assert proc.stderr.startswith("usage: nemo-moe-metrics run ")
     assert "unrecognized arguments: --nprocs 2 (did you mean --nproc?)" in proc.stderr

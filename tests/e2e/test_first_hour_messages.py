@@ -27,7 +27,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _cli(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
+def first_hour_cli(*args: str, code: str | None = None) -> subprocess.CompletedProcess:
     argv = (
         [sys.executable, "-c", code, *args]
         if code
@@ -48,7 +48,9 @@ def test_flops_of_a_model_directory_without_transformers_names_the_hf_extra(tmp_
         "vocab_size": 128,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    proc = _cli("flops", "--config", str(tmp_path), "--seq-lens", "32", code=WITHOUT_TRANSFORMERS)
+    proc = first_hour_cli(
+        "flops", "--config", str(tmp_path), "--seq-lens", "32", code=WITHOUT_TRANSFORMERS
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == (
         "error: model_type 'glm4_moe' has no FLOP formula; its FLOPs are read from the "
@@ -56,7 +58,7 @@ def test_flops_of_a_model_directory_without_transformers_names_the_hf_extra(tmp_
     )
     # With transformers the same command estimates (so the message is about the extra alone).
     pytest.importorskip("transformers")
-    assert _cli("flops", "--config", str(tmp_path), "--seq-lens", "32").returncode == 0
+    assert first_hour_cli("flops", "--config", str(tmp_path), "--seq-lens", "32").returncode == 0
 
 
 ERROR_IN_STEP = """

@@ -187,7 +187,7 @@ def test_torchtitan_mtp_layer_is_counted_and_costed():
     from nemo_moe_metrics.flops import get_flops_estimator
     from nemo_moe_metrics.integrations import torchtitan as tt
     from nemo_moe_metrics.worker.policy_metrics import PolicyMetrics
-    from tests.integrations.test_torchtitan import _gmm_flop
+    from tests.integrations.test_torchtitan import grouped_mm_flop
 
     config = tt.use_sdpa_attention(tt.tiny_config("deepseek_v3", layers=3))
     last = copy.deepcopy(config.layers[-1])
@@ -212,7 +212,9 @@ def test_torchtitan_mtp_layer_is_counted_and_costed():
         0, config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0)
     )
     # aten._grouped_mm counts 0 in FlopCounterMode: test_torchtitan's mapping counts it.
-    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: _gmm_flop})
+    counter = FlopCounterMode(
+        display=False, custom_mapping={torch.ops.aten._grouped_mm: grouped_mm_flop}
+    )
     with metrics.step(), counter:
         outputs = model(tokens)
         sum(o.float().sum() for o in outputs).backward()

@@ -276,12 +276,12 @@ def test_store_round_trip_returns_each_layers_width(tmp_path):
 
 
 def test_uniform_and_first_format_stores_read_as_before(tmp_path):
-    from tests.sinks.test_store import FIXTURE_V1, _fixture_counts
+    from tests.sinks.test_store import FIXTURE_V1, fixture_counts
 
     got = list(read_expert_loads(FIXTURE_V1))
     assert [s for s, _, _ in got] == [0, 1, 2, 3, 4]
     for step, _, counts in got:
-        np.testing.assert_array_equal(counts, _fixture_counts(step))
+        np.testing.assert_array_equal(counts, fixture_counts(step))
     assert all(s.widths.tolist() == [8, 8, 8] for s in got)
     # Widths equal to the columns change nothing: the record is byte for byte the old layout.
     counts = np.arange(24).reshape(3, 8)

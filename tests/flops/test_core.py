@@ -28,7 +28,7 @@ pytestmark = pytest.mark.megatron
 H, HEADS, KV, HD, FFN, V = 64, 4, 2, 24, 96, 128
 
 
-def _llama(**extra):
+def llama_config(**extra):
     return {
         "model_type": "llama",
         "hidden_size": H,
@@ -42,7 +42,7 @@ def _llama(**extra):
     }
 
 
-def _brute_pairs(n, window=None):
+def brute_pairs(n, window=None):
     return sum(min(i + 1, window) if window else i + 1 for i in range(n))
 
 
@@ -51,22 +51,22 @@ def _brute_pairs(n, window=None):
 
 def test_causal_core_counts_attended_pairs_per_sequence():
     lengths = [1, 7, 40]
-    got = get_flops_estimator(_llama())(lengths, causal=True).by_component["attention_core"]
-    pairs = sum(_brute_pairs(n) for n in lengths)
+    got = get_flops_estimator(llama_config())(lengths, causal=True).by_component["attention_core"]
+    pairs = sum(brute_pairs(n) for n in lengths)
     assert got == 3 * 2 * 2 * HEADS * (HD + HD) * pairs
 
 
 def test_noncausal_core_counts_full_square_per_sequence():
     lengths = [3, 9]
-    got = get_flops_estimator(_llama())(lengths, causal=False).by_component["attention_core"]
+    got = get_flops_estimator(llama_config())(lengths, causal=False).by_component["attention_core"]
     assert got == 3 * 2 * 2 * HEADS * 2 * HD * (9 + 81)
 
 
 def test_sliding_window_counts_only_pairs_inside_window():
-    est = get_flops_estimator(_llama(model_type="mistral", sliding_window=5))
+    est = get_flops_estimator(llama_config(model_type="mistral", sliding_window=5))
     lengths = [3, 5, 6, 23]
     got = est(lengths).by_component["attention_core"]
-    pairs = sum(_brute_pairs(n, window=5) for n in lengths)
+    pairs = sum(brute_pairs(n, window=5) for n in lengths)
     assert got == 3 * 2 * 2 * HEADS * 2 * HD * pairs
 
 
@@ -153,25 +153,25 @@ def test_total_is_sum_of_components():
 )
 def test_bad_seq_lens_raise_clear_errors(bad, error, message):
     with pytest.raises(error, match=message):
-        get_flops_estimator(_llama())(bad)
+        get_flops_estimator(llama_config())(bad)
 
 
 def test_empty_batch_is_zero():
-    out = get_flops_estimator(_llama())([])
+    out = get_flops_estimator(llama_config())([])
     assert out.total == 0.0
     assert set(out.by_component.values()) == {0.0}
 
 
 def test_numpy_and_torch_lengths_match_lists():
     torch = pytest.importorskip("torch")
-    est = get_flops_estimator(_llama())
+    est = get_flops_estimator(llama_config())
     expected = est([5, 9]).total
     assert est(np.array([5, 9], dtype=np.int32)).total == expected
     assert est(torch.tensor([5, 9])).total == expected
 
 
 def test_million_token_sequences_do_not_overflow():
-    est = get_flops_estimator(_llama())
+    est = get_flops_estimator(llama_config())
     n = 1_000_000
     # int32 input: n * n would wrap around in the input's own dtype.
     got = est(np.full(8, n, dtype=np.int32), causal=False).by_component["attention_core"]

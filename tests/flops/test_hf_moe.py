@@ -9,7 +9,7 @@ from nemo_moe_metrics.flops import (
     get_flops_estimator,
     load_fixture,
 )
-from tests.flops.test_core import _brute_pairs, _llama
+from tests.flops.test_core import brute_pairs, llama_config
 
 pytestmark = pytest.mark.megatron
 
@@ -22,7 +22,7 @@ def test_gpt_oss_windows_only_its_sliding_layers():
     n = 4096
     got = est([n]).by_component["attention_core"]
     width = cfg["num_attention_heads"] * 2 * cfg["head_dim"]
-    per_layer_type = {"sliding_attention": _brute_pairs(n, 128), "full_attention": n * (n + 1) // 2}
+    per_layer_type = {"sliding_attention": brute_pairs(n, 128), "full_attention": n * (n + 1) // 2}
     pairs = sum(per_layer_type[t] for t in cfg["layer_types"])
     assert got == 3 * 2 * width * pairs
 
@@ -41,7 +41,7 @@ def test_head_dim_is_read_not_derived_from_hidden():
 
 def test_decoder_sparse_step_and_mlp_only_layers_pick_moe_layers():
     cfg = {
-        **_llama(model_type="qwen3_moe", num_hidden_layers=6),
+        **llama_config(model_type="qwen3_moe", num_hidden_layers=6),
         "num_experts": 4,
         "num_experts_per_tok": 1,
         "moe_intermediate_size": 10,

@@ -8,7 +8,7 @@ import pytest
 from nemo_moe_metrics.flops import (
     get_flops_estimator,
 )
-from tests.flops.test_core import _llama
+from tests.flops.test_core import llama_config
 
 pytestmark = pytest.mark.megatron
 
@@ -44,7 +44,7 @@ def test_megatron_dense_gqa_equals_same_llama():
         activation_func=F.silu,
     )
     ours = get_flops_estimator(cfg, vocab_size=V)([5, 50])
-    assert ours.by_component == get_flops_estimator(_llama())([5, 50]).by_component
+    assert ours.by_component == get_flops_estimator(llama_config())([5, 50]).by_component
 
 
 def test_megatron_mla_moe_follows_independent_formula():

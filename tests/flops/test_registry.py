@@ -18,7 +18,7 @@ from nemo_moe_metrics.flops import (
     try_get_flops_estimator,
 )
 from nemo_moe_metrics.flops import registry as registry_module
-from tests.flops.test_core import _llama
+from tests.flops.test_core import llama_config
 
 pytestmark = pytest.mark.megatron
 
@@ -41,7 +41,7 @@ def test_try_get_warns_and_returns_none_for_unknown_types_only():
         assert try_get_flops_estimator({"model_type": "no_such_model"}) is None
     with pytest.raises(ValueError, match="top_k=3 exceeds num_experts=2"):
         try_get_flops_estimator(
-            _llama(model_type="mixtral", num_local_experts=2, num_experts_per_tok=3)
+            llama_config(model_type="mixtral", num_local_experts=2, num_experts_per_tok=3)
         )
 
 
@@ -95,7 +95,7 @@ def test_pretrained_config_matches_its_config_json():
 
 
 def test_missing_vocab_size_takes_the_class_default_and_zero_opts_out():
-    cfg = _llama()
+    cfg = llama_config()
     del cfg["vocab_size"]
     out = get_flops_estimator(cfg)([4]).by_component
     assert out["lm_head"] == 6 * 4 * H * 32000  # LlamaConfig's default vocab_size
@@ -104,7 +104,7 @@ def test_missing_vocab_size_takes_the_class_default_and_zero_opts_out():
 
 
 def test_field_set_to_null_names_it():
-    cfg = _llama(intermediate_size=None)
+    cfg = llama_config(intermediate_size=None)
     with pytest.raises(ValueError, match="llama config has no 'intermediate_size'"):
         get_flops_estimator(cfg)
 

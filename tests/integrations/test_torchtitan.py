@@ -22,7 +22,7 @@ FAMILIES = ("deepseek_v3", "qwen3_moe")
 BATCH, SEQ, STEPS = 2, 32, 2
 
 
-def _gmm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs):
+def grouped_mm_flop(a_shape, b_shape, *args, out_shape=None, **kwargs):
     # aten._grouped_mm counts 0 in FlopCounterMode: 2 * rows * inner * out for every group
     # together (2-D A against 3-D B, and the 2-D x 2-D weight gradient).
     return 2 * int(np.prod(a_shape)) * int(b_shape[-1])
@@ -130,7 +130,9 @@ def _flops(family):
         if type(m).__name__ == "ScaledDotProductAttention":
             m.sdpa_backends = [SDPBackend.MATH]  # the CPU flash kernel counts 0
     tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ))
-    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: _gmm_flop})
+    counter = FlopCounterMode(
+        display=False, custom_mapping={torch.ops.aten._grouped_mm: grouped_mm_flop}
+    )
     with counter:
         model(tokens).float().sum().backward()
     # The counter multiplies the full T x T attention (no causal halving): causal=False.

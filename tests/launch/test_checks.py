@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_cli_ux import _cli  # the real CLI in a clean HOME, as test_cli_ux runs it
+from tests.e2e.test_cli_ux import cli_in_clean_home
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,7 +44,7 @@ def test_resume_of_a_run_that_logged_no_step_says_so(tmp_path):
     run_dir = tmp_path / "runs" / "grpo_moe_tiny"
     run_dir.mkdir(parents=True)
     (run_dir / "launch.log").write_text("Traceback ...\n")
-    proc = _cli(tmp_path, "run", GRPO, "--resume", "--output-dir", tmp_path / "runs")
+    proc = cli_in_clean_home(tmp_path, "run", GRPO, "--resume", "--output-dir", tmp_path / "runs")
     assert proc.returncode == 2
     assert f"--resume: {run_dir} holds a run that logged no step; drop --resume" in proc.stderr
 
@@ -58,7 +58,7 @@ def test_resume_of_a_finished_run_says_it_is_at_max_steps_and_how_to_extend(tmp_
     rows = [{"step": s, "train/loss": 0.0} for s in range(8)]  # the recipe's max_steps is 8
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     before = sorted(p.name for p in run_dir.iterdir())
-    proc = _cli(tmp_path, "run", GRPO, "--resume", "--output-dir", tmp_path / "runs")
+    proc = cli_in_clean_home(tmp_path, "run", GRPO, "--resume", "--output-dir", tmp_path / "runs")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert (
         f"--resume: {run_dir} is already at training.max_steps=8 (last logged step 7)"

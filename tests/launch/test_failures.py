@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_cli_ux import _cli, _env
+from tests.e2e.test_cli_ux import clean_home_env, cli_in_clean_home
 
 # CLI, report, config and Hugging Face checks: the same on every megatron-core line
 # (tests/conftest.py), so CI runs them on one line.
@@ -58,7 +58,7 @@ def test_failed_rank_prints_its_first_exception_log_path_and_a_working_status_hi
     # kv_channels=15: RoPE needs an even head dim; megatron-core fails inside the first forward
     # on every rank, well after the process group and the model are up.
     out = tmp_path / "runs"
-    proc = _cli(
+    proc = cli_in_clean_home(
         tmp_path,
         "run",
         GRPO,
@@ -90,7 +90,7 @@ def test_failed_rank_prints_its_first_exception_log_path_and_a_working_status_hi
         shell=True,
         capture_output=True,
         text=True,
-        env=_env(tmp_path),
+        env=clean_home_env(tmp_path),
         timeout=120,
     )
     assert status.returncode == 0, status.stderr

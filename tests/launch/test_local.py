@@ -33,7 +33,7 @@ def _cli(*args, env=None, timeout=240):
     )
 
 
-def _launch(tmp_path, recipe, *overrides, script=None):
+def launch_recipe(tmp_path, recipe, *overrides, script=None):
     """``nemo-moe-metrics run`` on 2 ranks; with ``script`` (a file in recipes/) that script."""
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
@@ -55,11 +55,11 @@ def _launch(tmp_path, recipe, *overrides, script=None):
     return proc, home
 
 
-def _rows(run_dir):
+def metrics_rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _check_counts_match_training_tokens(run_dir, rows, topk=2, moe_layers=(1, 2, 3)):
+def check_counts_match_training_tokens(run_dir, rows, topk=2, moe_layers=(1, 2, 3)):
     # Independent of the expert-load code path: the throughput meter counts the real tokens of
     # the training microbatches from the batch itself. Every training token is routed to top-k
     # experts in every MoE layer; reference, rollout and scoring forwards must add nothing.
@@ -79,9 +79,9 @@ def _check_counts_match_training_tokens(run_dir, rows, topk=2, moe_layers=(1, 2,
 @pytest.mark.timeout(300)
 def test_grpo_two_torchrun_ranks_writes_every_metric_and_artifact(tmp_path):
     # The recipe logs per layer (every metric on); this run checks the switch turns them off.
-    proc, home = _launch(tmp_path, GRPO, "policy.megatron_cfg.moe_per_layer_logging=false")
+    proc, home = launch_recipe(tmp_path, GRPO, "policy.megatron_cfg.moe_per_layer_logging=false")
     run_dir = tmp_path / "runs" / "grpo_moe_tiny"
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
     assert all(math.isfinite(r["train/loss"]) and 0 <= r["train/reward"] <= 1 for r in rows)
     assert all(r["train/num_microbatches"] == 4 for r in rows)
@@ -98,7 +98,7 @@ def test_grpo_two_torchrun_ranks_writes_every_metric_and_artifact(tmp_path):
         # Per-layer keys only with moe_per_layer_logging, and never a doubled prefix.
         assert not [k for k in row if "_layer_" in k or k.startswith("moe/layer_")]
         assert not [k for k in row if k.startswith("moe/moe/") or "/moe/" in k]
-    _check_counts_match_training_tokens(run_dir, rows)
+    check_counts_match_training_tokens(run_dir, rows)
     # The recipe in the run directory is the one that ran, override included.
     assert "max_steps: 2" in (run_dir / "recipe.yaml").read_text()
     for artifact in ("expert_load_heatmap.png", "max_over_ideal.png"):
@@ -119,7 +119,7 @@ def test_dpo_per_layer_logging_and_reference_forwards_not_counted(dpo_torchrun_r
     # is conftest.py's: tests/launch/test_ray_cluster.py compares the Ray engine's DPO with it).
     proc, run_dir, _ = dpo_torchrun_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
     for row in rows:
         for layer in (1, 2, 3):
@@ -128,7 +128,7 @@ def test_dpo_per_layer_logging_and_reference_forwards_not_counted(dpo_torchrun_r
         # The dense first layer has no MoE values.
         assert names.aux_loss_layer_key("load_balancing_loss", 0) not in row
         assert names.layer_stat_key(0, "max_over_ideal") not in row
-    _check_counts_match_training_tokens(run_dir, rows)
+    check_counts_match_training_tokens(run_dir, rows)
 
 
 def test_slurm_recipe_dry_run_shows_sbatch_and_torchrun_command(tmp_path):

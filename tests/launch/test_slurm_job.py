@@ -59,7 +59,7 @@ TIMED = {
 REL = 1e-6  # the tolerance the local multi-rank tests use
 
 
-def _slurm_py(cluster: LocalSlurm, base: Path, *args, timeout: float = 400):
+def slurm_py(cluster: LocalSlurm, base: Path, *args, timeout: float = 400):
     (base / "home").mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
@@ -138,7 +138,7 @@ def _assert_same_run(job_dir: Path, local_dir: Path, job_stdout: str, tmp_path: 
 
 
 def _submit_and_wait(cluster: LocalSlurm, base: Path, job: tuple[str, ...]):
-    proc = _slurm_py(
+    proc = slurm_py(
         cluster, base, *job, "--rdzv-port", free_port(), "--output-dir", base / "runs",
         "--job-dir", base / "jobs", "--submit", "--wait",
     )  # fmt: skip
@@ -229,7 +229,7 @@ def test_requeued_then_cancelled_job_resumes_with_every_step_once(slurm, tmp_pat
     )  # fmt: skip
     run_dir = tmp_path / "runs" / "grpo_moe_tiny"
     metrics = run_dir / "metrics.jsonl"
-    proc = _slurm_py(slurm, tmp_path, *args, "--submit")
+    proc = slurm_py(slurm, tmp_path, *args, "--submit")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_id = _submitted_id(proc.stdout)
     assert f"follow it: python recipes/slurm.py --follow {job_id} --job-dir " in proc.stdout
@@ -244,7 +244,7 @@ def test_requeued_then_cancelled_job_resumes_with_every_step_once(slurm, tmp_pat
     _wait_for_lines(metrics, logged + 1)
     assert _slurm_cmd(slurm, "scancel", job_id).returncode == 0
 
-    followed = _slurm_py(slurm, tmp_path, "--follow", job_id, "--job-dir", tmp_path / "jobs")
+    followed = slurm_py(slurm, tmp_path, "--follow", job_id, "--job-dir", tmp_path / "jobs")
     assert followed.returncode == 1, followed.stdout + followed.stderr
     assert f"job {job_id} (grpo_moe_tiny): CANCELLED, ExitCode 0:15: cancelled" in followed.stdout
     assert "plus --resume" in followed.stdout
@@ -253,7 +253,7 @@ def test_requeued_then_cancelled_job_resumes_with_every_step_once(slurm, tmp_pat
     restart_log = next((tmp_path / "jobs").rglob(f"log-grpo_moe_tiny_{job_id}_1.out"))
     assert f"Slurm requeued job {job_id} (restart 1): continuing its run" in restart_log.read_text()
 
-    resumed = _slurm_py(slurm, tmp_path, *args, "--submit", "--resume", "--wait")
+    resumed = slurm_py(slurm, tmp_path, *args, "--submit", "--resume", "--wait")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "COMPLETED, ExitCode 0:0" in resumed.stdout
     assert f"step {len(before) + 1}/{max_steps}  " in resumed.stdout  # only the new steps
@@ -273,7 +273,7 @@ def test_requeued_then_cancelled_job_resumes_with_every_step_once(slurm, tmp_pat
 @pytest.mark.timeout(600)
 def test_failed_job_shows_its_state_exit_code_and_first_rank_error(slurm, tmp_path):
     # kv_channels=15: RoPE needs an even head dim; megatron-core fails in the first forward.
-    proc = _slurm_py(
+    proc = slurm_py(
         slurm, tmp_path, RECIPE, "training.max_steps=1", "policy.model.kv_channels=15",
         *CLUSTER, "--nodes", 1, "--ranks-per-node", 2, "--launcher", "srun", "--rdzv-port",
         free_port(), "--output-dir", tmp_path / "runs", "--job-dir", tmp_path / "jobs",

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_cli_ux import _env  # the real CLI in a clean HOME, as test_cli_ux runs it
-from tests.launch.test_slurm_job import _slurm_py
+from tests.e2e.test_cli_ux import clean_home_env
+from tests.launch.test_slurm_job import slurm_py
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ runpy.run_path("recipes/slurm.py", run_name="__main__")
 
 
 def _slurm(tmp_path, *args, blocked=(), path=None):
-    env = _env(tmp_path)
+    env = clean_home_env(tmp_path)
     if path is not None:
         env["PATH"] = path
     code = _SLURM_WITHOUT.format(blocked=set(blocked))
@@ -122,7 +122,7 @@ def test_slurm_dry_run_is_readable_named_after_the_recipe_and_writes_nothing(tmp
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=_env(tmp_path),
+        env=clean_home_env(tmp_path),
         stdin=subprocess.DEVNULL,
         timeout=120,
     )
@@ -148,7 +148,7 @@ def test_slurm_dry_run_checks_the_layout_on_the_cluster_ranks(tmp_path):
     proc = subprocess.run(
         [sys.executable, "recipes/slurm.py", str(GRPO), "policy.model.num_experts=7",
          "--account=A", "--partition=P"],
-        capture_output=True, text=True, cwd=ROOT, env=_env(tmp_path), timeout=120,
+        capture_output=True, text=True, cwd=ROOT, env=clean_home_env(tmp_path), timeout=120,
         stdin=subprocess.DEVNULL,
     )  # fmt: skip
     assert proc.returncode == 2
@@ -253,7 +253,7 @@ def test_an_uncommitted_recipe_inside_the_repository_is_refused(tmp_path, monkey
 @pytest.mark.one_line
 @pytest.mark.slow
 def test_sbatch_refusal_is_one_line_in_sbatch_words(slurm, tmp_path):
-    proc = _slurm_py(
+    proc = slurm_py(
         slurm, tmp_path, *ONE_NODE, "--partition", "nope", "--output-dir", tmp_path / "runs",
         "--job-dir", tmp_path / "jobs", "--submit",
     )  # fmt: skip

@@ -15,7 +15,7 @@ import torch
 from dist import ok_values, run_ranks
 
 from nemo_moe_metrics.export.metric_names import aux_loss_key, aux_loss_layer_key
-from tests.moe.test_aux_loss import _megatron_report_of, assert_equals_megatrons_report
+from tests.moe.test_aux_loss import assert_equals_megatrons_report, megatron_report_of
 
 pytestmark = pytest.mark.megatron
 
@@ -97,7 +97,7 @@ def _megatron_hybrid_step(rank, world_size):
     out["metrics"] = metrics.finish_step(num_microbatches=1)
     oracle = copy.copy(config)
     oracle.moe_layer_freq = list(MOE_FREQ)
-    out["megatron"] = _megatron_report_of(before, oracle, 1)
+    out["megatron"] = megatron_report_of(before, oracle, 1)
     out["tracker"] = before
     lengths = [SEQ] * BATCH
     out["counted_flops"] = float(counter.get_total_flops())

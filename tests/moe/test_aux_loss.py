@@ -51,7 +51,7 @@ def routed_topk(logits: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- rank-side helpers
-def _capture_routers(model, store: list) -> None:
+def capture_routers(model, store: list) -> None:
     """Record every router call: global layer, training flags, input, weight, routing map."""
     from megatron.core.transformer.moe.router import TopKRouter
 
@@ -73,7 +73,7 @@ def _capture_routers(model, store: list) -> None:
             m.register_forward_hook(hook)
 
 
-def _run_schedule(model, model_cfg, num_microbatches: int, seed: int) -> None:
+def run_schedule(model, model_cfg, num_microbatches: int, seed: int) -> None:
     """Forward+backward of ``num_microbatches`` microbatches with megatron's own schedule."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -110,13 +110,13 @@ def _run_schedule(model, model_cfg, num_microbatches: int, seed: int) -> None:
         )
 
 
-def _tracker_snapshot() -> dict[str, list[float]]:
+def tracker_snapshot() -> dict[str, list[float]]:
     from nemo_moe_metrics.megatron.compat import tracker_values
 
     return {k: v.tolist() for k, v in tracker_values().items()}
 
 
-def _megatron_report_of(tracker_before: dict[str, list[float]], config, num_microbatches: int):
+def megatron_report_of(tracker_before: dict[str, list[float]], config, num_microbatches: int):
     """Megatron's own report (this release's API) of the tracker as it was before our export."""
     from nemo_moe_metrics.megatron import compat
     from nemo_moe_metrics.moe.aux_loss import tracked_aux_loss_names
@@ -171,7 +171,7 @@ def _one_rank_scenarios(rank, world_size):
     config = build_transformer_config(model_cfg, megatron_cfg)
     model = build_gpt_model(model_cfg, megatron_cfg)
     calls: list = []
-    _capture_routers(model, calls)
+    capture_routers(model, calls)
     handler = _ListHandler()
     logging.getLogger("nemo_moe_metrics.moe.aux_loss").addHandler(handler)
     out: dict = {}
@@ -185,12 +185,12 @@ def _one_rank_scenarios(rank, world_size):
         calls.clear()
         run()
         out[name] = dict(
-            tracker_before=_tracker_snapshot(),
+            tracker_before=tracker_snapshot(),
             metrics=aux_loss_metrics(config, num_microbatches=num_microbatches, per_layer=True),
-            tracker_after=_tracker_snapshot(),
+            tracker_after=tracker_snapshot(),
             calls=list(calls),
         )
-        out[name]["megatron"] = _megatron_report_of(
+        out[name]["megatron"] = megatron_report_of(
             out[name]["tracker_before"], config, num_microbatches
         )
 
@@ -202,7 +202,7 @@ def _one_rank_scenarios(rank, world_size):
 
     step("single", 1, single)
     # 2. Four microbatches through megatron's own schedule.
-    step("schedule", 4, lambda: _run_schedule(model, model_cfg, 4, seed=7))
+    step("schedule", 4, lambda: run_schedule(model, model_cfg, 4, seed=7))
 
     # 3. Eval-mode and no-grad forwards record nothing.
     def evaluation():
@@ -220,8 +220,8 @@ def _one_rank_scenarios(rank, world_size):
     # 4. Full activation recomputation: router hooks fire twice, the tracker records once.
     recompute_cfg = MegatronConfig(recompute_granularity="full")
     recompute_model = build_gpt_model(model_cfg, recompute_cfg)
-    _capture_routers(recompute_model, calls)
-    step("recompute", 2, lambda: _run_schedule(recompute_model, model_cfg, 2, seed=9))
+    capture_routers(recompute_model, calls)
+    step("recompute", 2, lambda: run_schedule(recompute_model, model_cfg, 2, seed=9))
 
     # 5. A NaN router weight in global layer 2 gives a NaN loss there.
     from megatron.core.transformer.moe.router import TopKRouter
@@ -241,7 +241,7 @@ def one_rank():
     return result
 
 
-def _expected_per_layer(calls, fn) -> dict[int, float]:
+def expected_per_layer(calls, fn) -> dict[int, float]:
     """Per layer, the mean over that layer's recorded (training, grad) calls of ``fn(call)``."""
     per_layer: dict[int, list[float]] = {}
     for c in calls:
@@ -250,21 +250,21 @@ def _expected_per_layer(calls, fn) -> dict[int, float]:
     return {layer: sum(v) / len(v) for layer, v in per_layer.items()}
 
 
-def _lbl(call) -> float:
+def load_balancing_loss_of(call) -> float:
     logits = router_logits(call["hidden"], call["weight"])
     routing_map = torch.as_tensor(call["routing_map"])
     assert torch.equal(routing_map, routed_topk(logits, TOPK)), "capture mismatch"
     return switch_loss(logits, routing_map, TOPK)
 
 
-def _zl(call) -> float:
+def z_loss_of(call) -> float:
     return z_loss(router_logits(call["hidden"], call["weight"]))
 
 
 @pytest.mark.timeout(200)
 def test_per_layer_load_balancing_loss_equals_switch_loss_recomputed(one_rank):
     res = one_rank["single"]
-    expected = _expected_per_layer(res["calls"], _lbl)
+    expected = expected_per_layer(res["calls"], load_balancing_loss_of)
     assert sorted(expected) == [1, 2, 3]
     for layer, value in expected.items():
         got = res["metrics"][aux_loss_layer_key("load_balancing_loss", layer)]
@@ -274,7 +274,7 @@ def test_per_layer_load_balancing_loss_equals_switch_loss_recomputed(one_rank):
 @pytest.mark.timeout(200)
 def test_per_layer_z_loss_equals_logsumexp_squared_mean(one_rank):
     res = one_rank["single"]
-    for layer, value in _expected_per_layer(res["calls"], _zl).items():
+    for layer, value in expected_per_layer(res["calls"], z_loss_of).items():
         got = res["metrics"][aux_loss_layer_key("z_loss", layer)]
         assert got == pytest.approx(value, rel=1e-5), layer
 
@@ -282,7 +282,7 @@ def test_per_layer_z_loss_equals_logsumexp_squared_mean(one_rank):
 @pytest.mark.timeout(200)
 def test_aggregate_is_mean_over_moe_layers_only(one_rank):
     res = one_rank["single"]
-    expected = _expected_per_layer(res["calls"], _lbl)
+    expected = expected_per_layer(res["calls"], load_balancing_loss_of)
     # Three MoE layers (1, 2, 3) out of four: dividing by 4 would under-report by a quarter.
     assert res["metrics"][aux_loss_key("load_balancing_loss")] == pytest.approx(
         sum(expected.values()) / 3, rel=1e-5
@@ -295,7 +295,7 @@ def test_several_microbatches_give_mean_per_microbatch_not_sum(one_rank):
     res = one_rank["schedule"]
     calls = res["calls"]
     assert sum(c["recorded"] for c in calls) == 4 * 3  # 4 microbatches x 3 MoE layers
-    expected = _expected_per_layer(calls, _lbl)
+    expected = expected_per_layer(calls, load_balancing_loss_of)
     for layer, mean_value in expected.items():
         # The tracker holds the sum over the four microbatches; the metric is the mean.
         assert res["tracker_before"]["load_balancing_loss"][layer] == pytest.approx(
@@ -339,7 +339,7 @@ def test_full_recompute_reports_each_microbatch_once(one_rank):
     calls = res["calls"]
     # 2 microbatches x 3 MoE layers, each routed twice: once without grad, once recomputed.
     assert len(calls) == 2 * 2 * 3 and sum(c["recorded"] for c in calls) == 2 * 3
-    for layer, value in _expected_per_layer(calls, _lbl).items():
+    for layer, value in expected_per_layer(calls, load_balancing_loss_of).items():
         got = res["metrics"][aux_loss_layer_key("load_balancing_loss", layer)]
         assert got == pytest.approx(value, rel=1e-5), layer
 

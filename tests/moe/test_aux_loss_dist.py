@@ -16,16 +16,16 @@ from tests.moe.test_aux_loss import (
     MICRO_BATCH,
     SEQ,
     TOPK,
-    _capture_routers,
-    _expected_per_layer,
-    _lbl,
-    _megatron_report_of,
-    _run_schedule,
-    _tracker_snapshot,
-    _zl,
     assert_equals_megatrons_report,
+    capture_routers,
+    expected_per_layer,
+    load_balancing_loss_of,
+    megatron_report_of,
     router_logits,
+    run_schedule,
     switch_loss,
+    tracker_snapshot,
+    z_loss_of,
 )
 
 pytestmark = pytest.mark.megatron
@@ -62,12 +62,12 @@ def _two_rank_scenarios(rank, world_size):
     config = build_transformer_config(model_cfg, pp_cfg)
     model = build_gpt_model(model_cfg, pp_cfg)
     calls: list = []
-    _capture_routers(model, calls)
-    _run_schedule(model, model_cfg, 2, seed=11)
-    before = _tracker_snapshot()
+    capture_routers(model, calls)
+    run_schedule(model, model_cfg, 2, seed=11)
+    before = tracker_snapshot()
     out["pp_tracker_names"] = sorted(before)
     out["pp_metrics"] = aux_loss_metrics(config, num_microbatches=2, per_layer=True)
-    out["pp_megatron"] = _megatron_report_of(before, config, 2)
+    out["pp_megatron"] = megatron_report_of(before, config, 2)
     out["pp_calls"] = calls
 
     # Part 2: the same ranks as data parallel 2 (each holds 4 of 8 experts), different data.
@@ -86,12 +86,12 @@ def _two_rank_scenarios(rank, world_size):
         torch.manual_seed(5)  # identical non-expert weights on both ranks, as in real DP
         model = build_gpt_model(cfg, dp_cfg)
         calls = []
-        _capture_routers(model, calls)
+        capture_routers(model, calls)
         _train_once(model, cfg, seed=100 + rank)
         config = build_transformer_config(cfg, dp_cfg)
-        before = _tracker_snapshot()
+        before = tracker_snapshot()
         metrics = aux_loss_metrics(config, num_microbatches=1, per_layer=True)
-        megatron = _megatron_report_of(before, config, 1)
+        megatron = megatron_report_of(before, config, 1)
         out[balancing] = dict(metrics=metrics, calls=calls, megatron=megatron)
     return out
 
@@ -114,7 +114,7 @@ def test_stage_without_moe_layers_joins_export_without_hanging(two_ranks):
 def test_pipeline_stages_report_the_moe_stage_values_averaged_over_moe_layers(two_ranks):
     first, last = two_ranks
     assert not first["pp_calls"]
-    expected = _expected_per_layer(last["pp_calls"], _lbl)
+    expected = expected_per_layer(last["pp_calls"], load_balancing_loss_of)
     assert sorted(expected) == [2, 3]
     metrics = first["pp_metrics"]
     for layer, value in expected.items():
@@ -154,12 +154,12 @@ def test_z_loss_equals_the_data_parallel_mean_of_megatrons_report(two_ranks):
 
 
 def _per_rank(two_ranks, balancing, fn):
-    return [_expected_per_layer(r[balancing]["calls"], fn) for r in two_ranks]
+    return [expected_per_layer(r[balancing]["calls"], fn) for r in two_ranks]
 
 
 @pytest.mark.timeout(220)
 def test_load_balancing_loss_is_averaged_over_data_parallel_ranks(two_ranks):
-    r0, r1 = _per_rank(two_ranks, "aux_loss", _lbl)
+    r0, r1 = _per_rank(two_ranks, "aux_loss", load_balancing_loss_of)
     assert r0[0] != pytest.approx(r1[0], rel=1e-3)  # different data on each rank
     for result in two_ranks:
         metrics = result["aux_loss"]["metrics"]
@@ -171,7 +171,7 @@ def test_load_balancing_loss_is_averaged_over_data_parallel_ranks(two_ranks):
 
 @pytest.mark.timeout(220)
 def test_z_loss_is_averaged_over_data_parallel_ranks(two_ranks):
-    r0, r1 = _per_rank(two_ranks, "aux_loss", _zl)
+    r0, r1 = _per_rank(two_ranks, "aux_loss", z_loss_of)
     for result in two_ranks:
         metrics = result["aux_loss"]["metrics"]
         for layer in (0, 1):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from dist import ok_values, run_ranks
 
-from tests.moe.test_aux_loss import SEQ, _run_schedule, _tracker_snapshot
+from tests.moe.test_aux_loss import SEQ, run_schedule, tracker_snapshot
 
 pytestmark = pytest.mark.megatron
 
@@ -24,11 +24,11 @@ def _shared_then_megatron(config, num_microbatches: int) -> dict:
     from nemo_moe_metrics.megatron import compat
     from nemo_moe_metrics.moe.aux_loss import aux_loss_metrics, tracked_aux_loss_names
 
-    before = _tracker_snapshot()
+    before = tracker_snapshot()
     ours = aux_loss_metrics(
         config, num_microbatches=num_microbatches, per_layer=True, tracker="shared"
     )
-    after = _tracker_snapshot()
+    after = tracker_snapshot()
     megatron = compat.megatron_reported_aux_losses(  # the live tracker: megatron's own report
         config, num_microbatches=num_microbatches, track_names=tracked_aux_loss_names(config)
     )
@@ -56,7 +56,7 @@ def _scenarios(rank, world_size):
     )
     init_distributed(pp)
     model = build_gpt_model(model_cfg, pp)
-    _run_schedule(model, model_cfg, 2, seed=11)
+    run_schedule(model, model_cfg, 2, seed=11)
     out["pp"] = _shared_then_megatron(build_transformer_config(model_cfg, pp), 2)
 
     # 2. Expert parallel 2 (data parallel 2), different tokens per rank.
@@ -68,7 +68,7 @@ def _scenarios(rank, world_size):
     torch.manual_seed(5)
     model = build_gpt_model(cfg, ep)
     config = build_transformer_config(cfg, ep)
-    _run_schedule(model, cfg, 2, seed=100 + rank)
+    run_schedule(model, cfg, 2, seed=100 + rank)
     out["ep"] = _shared_then_megatron(config, 2)
 
     # 3. PolicyMetrics in shared mode: steps with megatron's report after each, then without.
@@ -81,7 +81,7 @@ def _scenarios(rank, world_size):
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             with metrics.step():
-                _run_schedule(model, cfg, 2, seed=seed)
+                run_schedule(model, cfg, 2, seed=seed)
             metrics.finish_step(num_microbatches=2)
         caught.append(sum("nothing cleared it" in str(w.message) for w in seen))
         if report:

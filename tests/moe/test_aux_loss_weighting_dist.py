@@ -15,7 +15,7 @@ import torch
 from dist import ok_values, run_ranks
 
 from nemo_moe_metrics.export.metric_names import aux_loss_key
-from tests.moe.test_aux_loss import _capture_routers, _lbl, _run_schedule
+from tests.moe.test_aux_loss import capture_routers, load_balancing_loss_of, run_schedule
 
 pytestmark = pytest.mark.megatron
 
@@ -42,9 +42,9 @@ def _unequal_microbatches(rank, world_size):
     torch.manual_seed(5)  # identical weights on both ranks, as in real data parallel
     model = build_gpt_model(cfg, parallel)
     calls: list = []
-    _capture_routers(model, calls)
+    capture_routers(model, calls)
     n = MICROBATCHES[rank]
-    _run_schedule(model, cfg, n, seed=300 + rank)
+    run_schedule(model, cfg, n, seed=300 + rank)
     metrics = aux_loss_metrics(
         build_transformer_config(cfg, parallel), num_microbatches=n, per_layer=False
     )
@@ -61,7 +61,7 @@ def _losses(result) -> dict[int, list[float]]:
     out: dict[int, list[float]] = {}
     for call in result["calls"]:
         if call["recorded"]:
-            out.setdefault(call["layer"], []).append(_lbl(call))
+            out.setdefault(call["layer"], []).append(load_balancing_loss_of(call))
     return out
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_cli_ux import _cli  # the real CLI in a clean HOME, as test_cli_ux runs it
+from tests.e2e.test_cli_ux import cli_in_clean_home
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ def test_suite_time_agrees_between_readme_and_versions():
 
 
 def test_top_level_help_mentions_hugging_face_models(tmp_path):
-    proc = _cli(tmp_path, "--help")
+    proc = cli_in_clean_home(tmp_path, "--help")
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())
     assert "for Megatron-core and Hugging Face models" in text

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 GRPO = REPO / "examples" / "configs" / "grpo_moe_tiny.yaml"
 
 
-def _cli(*args: object, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def record_cli(*args: object, cwd: Path = REPO) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
     return subprocess.run(
         [sys.executable, "-m", "nemo_moe_metrics.cli", *map(str, args)],
@@ -33,7 +33,7 @@ def _cli(*args: object, cwd: Path = REPO) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def _tree(root: Path) -> dict[str, bytes]:
+def file_tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
@@ -43,14 +43,14 @@ def test_a_users_directory_survives_run_and_is_refused_naming_its_files(tmp_path
     run_dir.mkdir(parents=True)
     (run_dir / "notes.txt").write_text("keep\n")
     (run_dir / "launch.log").write_text("looks like a run's file, but the notes make it mine\n")
-    before = _tree(tmp_path)
-    proc = _cli("run", GRPO, "--output-dir", tmp_path / "out", *flags)
+    before = file_tree(tmp_path)
+    proc = record_cli("run", GRPO, "--output-dir", tmp_path / "out", *flags)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"holds files that no run wrote ({run_dir / 'notes.txt'})" in proc.stderr
     assert "--output-dir DIR, or the override name=NEW_NAME" in proc.stderr
     assert "Traceback" not in proc.stderr
     # Nothing deleted, nothing written (not even the lock file).
-    assert _tree(tmp_path) == before
+    assert file_tree(tmp_path) == before
     assert not (run_dir / LOCK_FILE).exists()
 
 
@@ -77,12 +77,12 @@ def test_run_files_without_a_mark_of_a_run_are_refused_not_deleted(tmp_path):
     (run_dir / "tensorboard").mkdir(parents=True)
     (run_dir / "tensorboard" / "my_other_tool.txt").write_text("mine\n")
     (run_dir / "launch.log").write_text("mine too\n")
-    before = _tree(run_dir)
+    before = file_tree(run_dir)
     for overwrite in (False, True):
         with RunDirLock(run_dir) as lock, pytest.raises(ConfigError) as err:
             prepare_run_dir(run_dir, overwrite=overwrite, earlier_lock=lock.previous)
         assert "no mark of a run" in str(err.value) and "not deleted" in str(err.value)
-        assert {k: v for k, v in _tree(run_dir).items() if k != LOCK_FILE} == before
+        assert {k: v for k, v in file_tree(run_dir).items() if k != LOCK_FILE} == before
 
 
 def test_overwrite_deletes_a_logged_runs_files_and_nothing_through_a_link(tmp_path):
@@ -110,7 +110,7 @@ def test_overwrite_deletes_a_logged_runs_files_and_nothing_through_a_link(tmp_pa
 def test_a_file_where_the_run_directory_should_be_is_one_line(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "grpo_moe_tiny").write_text("a file\n")
-    proc = _cli("run", GRPO, "--output-dir", tmp_path / "out")
+    proc = record_cli("run", GRPO, "--output-dir", tmp_path / "out")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "is a file, not a directory" in proc.stderr and "Traceback" not in proc.stderr
     assert (tmp_path / "out" / "grpo_moe_tiny").read_text() == "a file\n"
@@ -130,7 +130,7 @@ def test_a_symlinked_lock_leaves_its_target_unchanged(tmp_path):
     run_dir = tmp_path / "out" / "grpo_moe_tiny"
     run_dir.mkdir(parents=True)
     (run_dir / LOCK_FILE).symlink_to(target)
-    proc = _cli("run", GRPO, "--output-dir", tmp_path / "out")
+    proc = record_cli("run", GRPO, "--output-dir", tmp_path / "out")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"{run_dir / LOCK_FILE} -> {target}: a run's own files must not be" in proc.stderr
     with pytest.raises(RunDirError, match="is a symbolic link"):  # the lock alone refuses it too
@@ -156,7 +156,7 @@ def test_a_symlinked_metrics_jsonl_is_not_resumed_through(tmp_path):
     lock.mark_run()
     lock.release()
     (run_dir / "metrics.jsonl").symlink_to(target)
-    proc = _cli("run", GRPO, "--output-dir", tmp_path / "out", "--resume")
+    proc = record_cli("run", GRPO, "--output-dir", tmp_path / "out", "--resume")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"{run_dir / 'metrics.jsonl'} -> {target}: a run's own files" in proc.stderr
     with pytest.raises(Exception, match="must not be symbolic links"):
@@ -187,7 +187,7 @@ def test_an_unusable_output_dir_is_one_line_naming_the_path_and_the_error(tmp_pa
         cases[read_only / "out"] = "Read-only file system (EROFS)"
     try:
         for out, said in cases.items():
-            proc = _cli("run", GRPO, "--output-dir", out)
+            proc = record_cli("run", GRPO, "--output-dir", out)
             assert proc.returncode == 2, proc.stdout + proc.stderr
             assert proc.stderr.startswith(
                 f"error: cannot use the run directory {out / 'grpo_moe_tiny'}: "

@@ -11,7 +11,7 @@ import pytest
 from hostile_files import REPO, fingerprint
 
 from nemo_moe_metrics.cli import main
-from tests.e2e.test_cli_ux import _cli
+from tests.e2e.test_cli_ux import cli_in_clean_home
 
 pytestmark = pytest.mark.one_line
 
@@ -57,7 +57,7 @@ def test_rerun_into_an_existing_run_directory_is_refused(tmp_path):
     run_dir = tmp_path / "runs" / "grpo_moe_tiny"
     run_dir.mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
-    proc = _cli(tmp_path, "run", GRPO, "--output-dir", tmp_path / "runs")
+    proc = cli_in_clean_home(tmp_path, "run", GRPO, "--output-dir", tmp_path / "runs")
     assert proc.returncode == 2
     assert f"run directory {run_dir} already holds a run (metrics.jsonl)" in proc.stderr
     assert "pass --resume to continue it, --overwrite to delete it" in proc.stderr
@@ -66,13 +66,13 @@ def test_rerun_into_an_existing_run_directory_is_refused(tmp_path):
 
 
 def test_resume_into_an_empty_directory_is_refused(tmp_path):
-    proc = _cli(tmp_path, "run", GRPO, "--resume", "--output-dir", tmp_path / "runs")
+    proc = cli_in_clean_home(tmp_path, "run", GRPO, "--resume", "--output-dir", tmp_path / "runs")
     assert proc.returncode == 2
     assert "holds no run to continue; drop --resume" in proc.stderr
 
 
 def test_resume_and_overwrite_exclude_each_other(tmp_path):
-    proc = _cli(tmp_path, "run", GRPO, "--resume", "--overwrite")
+    proc = cli_in_clean_home(tmp_path, "run", GRPO, "--resume", "--overwrite")
     assert proc.returncode == 2
     assert "not allowed with argument" in proc.stderr
 
@@ -88,7 +88,7 @@ def test_overwrite_clears_the_old_run(tmp_path):
     (run_dir / "wandb" / "offline-run-old").mkdir(parents=True)
     (run_dir / "expert_load_heatmap.png").write_bytes(b"old")
     (run_dir / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(8)))
-    proc = _cli(
+    proc = cli_in_clean_home(
         tmp_path, "run", GRPO, "training.max_steps=1", "--overwrite", "--output-dir", runs,
         timeout=380,
     )  # fmt: skip

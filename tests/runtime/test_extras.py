@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_cli_ux import _env
-from tests.test_exports import _python
+from tests.e2e.test_cli_ux import clean_home_env
+from tests.test_exports import python_in
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,7 +83,7 @@ def test_the_hf_example_without_transformers_names_the_hf_extra(tmp_path):
         "sys.argv = ['integrate_hf_fsdp.py', '--out', sys.argv[1]]\n"
         "runpy.run_path('examples/integrate_hf_fsdp.py', run_name='__main__')\n"
     )
-    proc = _python(tmp_path, code, tmp_path / "out")
+    proc = python_in(tmp_path, code, tmp_path / "out")
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "error: examples/integrate_hf_fsdp.py needs the 'hf' extra (transformers is not "
@@ -184,7 +184,7 @@ def _cli_without(tmp_path, blocked, *args):
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=_env(tmp_path),
+        env=clean_home_env(tmp_path),
         timeout=120,
     )
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.e2e.test_cli_ux import _env  # the real CLI in a clean HOME, as test_cli_ux runs it
+from tests.e2e.test_cli_ux import clean_home_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_an_example_started_without_torchrun_says_how_to_start_it(tmp_path):
     proc = subprocess.run(
         [sys.executable, "examples/integrate_hf_fsdp.py", "--out", str(tmp_path / "o")],
-        capture_output=True, text=True, cwd=ROOT, env=_env(tmp_path), timeout=120,
+        capture_output=True, text=True, cwd=ROOT, env=clean_home_env(tmp_path), timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == (
@@ -36,7 +36,11 @@ def test_a_missing_extra_under_torchrun_is_one_line_from_rank_0(tmp_path):
     hide = tmp_path / "hide"
     hide.mkdir()
     (hide / "sitecustomize.py").write_text("import sys\nsys.modules['torchtitan'] = None\n")
-    env = {**_env(tmp_path), "PYTHONPATH": f"{hide}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"}
+    env = {
+        **clean_home_env(tmp_path),
+        "PYTHONPATH": f"{hide}{os.pathsep}{ROOT}",
+        "OMP_NUM_THREADS": "1",
+    }
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
         f"--master-port={free_port()}", "examples/integrate_torchtitan.py", "--out", str(tmp_path),

@@ -12,7 +12,7 @@ from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.sinks import METRICS_FILE, MultiSink, build_sinks
 from nemo_moe_metrics.sinks.jsonl import JsonlSink
 from nemo_moe_metrics.sinks.store import ExpertLoadSink, store_path
-from tests.sinks.test_jsonl import _lines
+from tests.sinks.test_jsonl import jsonl_lines
 
 JSONL_ONLY = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False)
 
@@ -74,7 +74,7 @@ def test_a_failing_sink_warns_once_and_the_others_keep_every_step(tmp_path):
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and "_BrokenSink.log failed (OSError: disk full)" in messages[0]
     assert broken.calls == 3
-    assert [r["step"] for r in _lines(tmp_path / METRICS_FILE)] == [0, 1, 2]
+    assert [r["step"] for r in jsonl_lines(tmp_path / METRICS_FILE)] == [0, 1, 2]
 
 
 def test_split_tables_separates_the_expert_table_from_scalars():
@@ -95,7 +95,7 @@ def test_off_cadence_tables_are_not_checked_when_no_sink_wants_them(tmp_path):
     with pytest.raises(ValueError, match="row 0"):
         sink.log({mn.TOKENS: 2, mn.EXPERT_LOADS: [["bad row"]]}, step=2)
     sink.close()
-    assert [r["step"] for r in _lines(tmp_path / METRICS_FILE)] == [1]
+    assert [r["step"] for r in jsonl_lines(tmp_path / METRICS_FILE)] == [1]
 
 
 def test_a_sink_without_wants_tables_still_gets_every_table(tmp_path):

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 JSONL_ONLY = LoggerConfig(tensorboard_enabled=False, wandb_enabled=False)
 
 
-def _lines(path: Path) -> list[dict]:
+def jsonl_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
@@ -34,7 +34,7 @@ def test_jsonl_writes_one_object_of_scalars_per_step_and_the_table_goes_to_the_s
     sink.log({mn.MAX_OVER_IDEAL: 1.25, mn.TOKENS: 512, mn.EXPERT_LOADS: table}, step=3)
     sink.log({mn.MAX_OVER_IDEAL: 1.5}, step=4)
     sink.close()
-    assert _lines(tmp_path / METRICS_FILE) == [
+    assert jsonl_lines(tmp_path / METRICS_FILE) == [
         {"step": 3, mn.MAX_OVER_IDEAL: 1.25, mn.TOKENS: 512},
         {"step": 4, mn.MAX_OVER_IDEAL: 1.5},
     ]
@@ -48,7 +48,7 @@ def test_table_goes_to_the_store_every_table_every_steps_and_scalars_every_step(
     for step in range(8):
         sink.log({mn.TOKENS: step, mn.EXPERT_LOADS: [[2, 0, step, 100.0]]}, step)
     sink.close()
-    assert [r["step"] for r in _lines(tmp_path / METRICS_FILE)] == list(range(8))
+    assert [r["step"] for r in jsonl_lines(tmp_path / METRICS_FILE)] == list(range(8))
     stored = [(s, c.tolist()) for s, _, c in read_expert_loads(store_path(tmp_path))]
     # ... and the last step's table when the run closes, off the cadence (a short run has one)
     assert stored == [(0, [[0]]), (3, [[3]]), (6, [[6]]), (7, [[7]])]
@@ -68,7 +68,7 @@ def test_jsonl_keeps_every_completed_step_when_the_process_is_killed(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True)
     assert proc.returncode == -9, proc.stderr
-    assert _lines(tmp_path / METRICS_FILE) == [
+    assert jsonl_lines(tmp_path / METRICS_FILE) == [
         {"step": s, "train_perf/tokens": 100 + s} for s in range(5)
     ]
 
@@ -94,7 +94,7 @@ def test_resumed_run_appends_and_readers_drop_the_abandoned_steps(tmp_path):
         for step, v in values.items():
             sink.log({mn.MAX_OVER_IDEAL: v}, step)
         sink.close()
-    assert len(_lines(tmp_path / METRICS_FILE)) == 7  # appended, nothing overwritten
+    assert len(jsonl_lines(tmp_path / METRICS_FILE)) == 7  # appended, nothing overwritten
     with pytest.warns(UserWarning, match="steps 2–3 .2 logged. superseded: line 5 logs step 2"):
         records = read_metrics(tmp_path / METRICS_FILE)
     assert [(r["step"], r[mn.MAX_OVER_IDEAL]) for r in records] == [
@@ -125,6 +125,6 @@ def test_nan_and_inf_are_written_as_json_null(tmp_path):
     sink.close()
     text = (tmp_path / METRICS_FILE).read_text()
     assert "NaN" not in text and "Infinity" not in text
-    assert _lines(tmp_path / METRICS_FILE) == [
+    assert jsonl_lines(tmp_path / METRICS_FILE) == [
         {"step": 0, "moe/z_loss": None, "train_perf/mfu": None, "train_perf/tokens": 1}
     ]

@@ -343,7 +343,7 @@ def test_four_bytes_overwritten_in_a_header_cost_that_record_only(tmp_path, wher
         assert [s for s, _, _ in read_expert_loads(path)][-3:] == [18, 19, 20]
 
 
-def _fixture_counts(step):
+def fixture_counts(step):
     # tests/fixtures/expert_loads_v1.bin: written by the format-1 writer (commit bf2a8fe) as
     # counts[i, e] = (step + 1) * 7**i * 100**step + 3 * e for layers 1, 3, 5 and 8 experts,
     # steps 0..4 (1-, 2-, 4- and 8-byte counts).
@@ -362,7 +362,7 @@ def test_a_store_written_by_the_first_format_reads_exactly(tmp_path):
     assert [s for s, _, _ in got] == [0, 1, 2, 3, 4]
     for step, ids, counts in got:
         assert ids.tolist() == [1, 3, 5]
-        np.testing.assert_array_equal(counts, _fixture_counts(step))
+        np.testing.assert_array_equal(counts, fixture_counts(step))
     blocks = list(read_expert_load_blocks(FIXTURE_V1, workers=2))
     assert [b[0].tolist() for b in blocks] == [[0, 1, 2, 3, 4]]
 
@@ -372,14 +372,14 @@ def test_a_resumed_first_format_store_gets_new_records_and_reads_both(tmp_path):
     path.write_bytes(FIXTURE_V1.read_bytes())
     with ExpertLoadStore(path) as store:
         for step in (5, 6):
-            store.append(step, [1, 3, 5], _fixture_counts(step - 5) + 1)
+            store.append(step, [1, 3, 5], fixture_counts(step - 5) + 1)
     with path.open("rb") as f:
         versions = [e.version for e in scan_store(f).entries]
     assert versions == [1, 1, 1, 1, 1, FORMAT_VERSION, FORMAT_VERSION]
     got = {s: c for s, _, c in read_expert_loads(path)}
     assert sorted(got) == list(range(7))
-    np.testing.assert_array_equal(got[4], _fixture_counts(4))
-    np.testing.assert_array_equal(got[6], _fixture_counts(1) + 1)
+    np.testing.assert_array_equal(got[4], fixture_counts(4))
+    np.testing.assert_array_equal(got[6], fixture_counts(1) + 1)
 
 
 def test_a_damaged_first_format_header_costs_its_record_only(tmp_path):

@@ -24,7 +24,7 @@ def _toy(lens: list[int]) -> float:
     return float(sum(6 * TOY_PARAMS * n + 12 * TOY_ATTN * n * (n + 1) // 2 for n in lens))
 
 
-def _lens(*values: int) -> torch.Tensor:
+def lens_tensor(*values: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
 
 
@@ -86,11 +86,11 @@ def test_perf_metrics_rejects_negative_seconds():
 def test_interval_then_cumulative_match_hand_arithmetic():
     meter, clock = _clocked(flops_estimator=toy_flops)
     with meter.step():
-        meter.add_sequences(_lens(5, 7))
-        meter.add_sequences(_lens(3))
+        meter.add_sequences(lens_tensor(5, 7))
+        meter.add_sequences(lens_tensor(3))
         clock.advance(1.5)
     with meter.step():
-        meter.add_sequences(_lens(10))
+        meter.add_sequences(lens_tensor(10))
         clock.advance(0.5)
     clock.advance(30.0)  # time between steps is not step time
     first = meter.export()
@@ -100,7 +100,7 @@ def test_interval_then_cumulative_match_hand_arithmetic():
     assert first[mn.ESTIMATED_FLOPS] == _toy([5, 7, 3, 10])
 
     with meter.step():
-        meter.add_sequences(_lens(20, 15))
+        meter.add_sequences(lens_tensor(20, 15))
         clock.advance(3.0)
     second = meter.export()
     assert second[mn.TOKENS] == 35
@@ -117,10 +117,10 @@ def test_interval_then_cumulative_match_hand_arithmetic():
 def test_failed_step_is_not_counted():
     meter, clock = _clocked()
     with meter.step():
-        meter.add_sequences(_lens(4, 4))
+        meter.add_sequences(lens_tensor(4, 4))
         clock.advance(1.0)
     with pytest.raises(ZeroDivisionError), meter.step():
-        meter.add_sequences(_lens(100))
+        meter.add_sequences(lens_tensor(100))
         clock.advance(50.0)
         _ = 1 / 0
     out = meter.export()
@@ -132,7 +132,7 @@ def test_failed_step_is_not_counted():
 def test_zero_token_step_gives_zero_rates_without_division_error():
     meter, clock = _clocked(flops_estimator=toy_flops, peak_flops_per_gpu=1e12)
     with meter.step():
-        meter.add_sequences(_lens(0, 0))
+        meter.add_sequences(lens_tensor(0, 0))
         clock.advance(2.0)
     out = meter.export()
     assert out[mn.TOKENS] == 0
@@ -157,7 +157,7 @@ def test_export_without_steps_leaves_rates_out():
 def test_zero_second_step_leaves_interval_rates_out():
     meter, _ = _clocked()
     with meter.step():  # the clock does not move
-        meter.add_sequences(_lens(3))
+        meter.add_sequences(lens_tensor(3))
     out = meter.export()
     assert out[mn.TOKENS] == 3
     assert mn.TOKENS_PER_SECOND not in out
@@ -166,7 +166,7 @@ def test_zero_second_step_leaves_interval_rates_out():
 def test_mfu_absent_on_cpu_without_peak():
     meter = StepMeter(flops_estimator=toy_flops, device=torch.device("cpu"))
     with meter.step():
-        meter.add_sequences(_lens(8))
+        meter.add_sequences(lens_tensor(8))
     out = meter.export()
     assert mn.MFU not in out
     assert {mn.ESTIMATED_FLOPS, mn.TFLOPS_PER_GPU} <= set(out)
@@ -175,7 +175,7 @@ def test_mfu_absent_on_cpu_without_peak():
 def test_mfu_with_configured_peak():
     meter, clock = _clocked(flops_estimator=toy_flops, peak_flops_per_gpu=2e6, world_size=4)
     with meter.step():
-        meter.add_sequences(_lens(16, 32))
+        meter.add_sequences(lens_tensor(16, 32))
         clock.advance(0.25)
     out = meter.export()
     per_gpu = _toy([16, 32]) / 0.25 / 4
@@ -186,7 +186,7 @@ def test_mfu_with_configured_peak():
 def test_mfu_above_one_warns():
     meter, clock = _clocked(flops_estimator=toy_flops, peak_flops_per_gpu=1.0)
     with meter.step():
-        meter.add_sequences(_lens(8))
+        meter.add_sequences(lens_tensor(8))
         clock.advance(1.0)
     with pytest.warns(RuntimeWarning, match="mfu"):
         meter.export()
@@ -195,7 +195,7 @@ def test_mfu_above_one_warns():
 def test_no_flop_keys_without_estimator():
     meter, clock = _clocked()
     with meter.step():
-        meter.add_sequences(_lens(8))
+        meter.add_sequences(lens_tensor(8))
         clock.advance(1.0)
     assert set(meter.export()) == set(mn.THROUGHPUT_KEYS)
 
@@ -210,14 +210,14 @@ def test_estimator_gets_int64_lengths_of_the_interval_once():
     meter, _ = _clocked(flops_estimator=recording, causal=False)
     for lens in ([3, 4], [5]):
         with meter.step():
-            meter.add_sequences(_lens(*lens))
+            meter.add_sequences(lens_tensor(*lens))
     meter.export()
     assert calls == [("int64", [3, 4, 5], False)]
 
 
 def test_reused_length_buffer_does_not_change_counts():
     meter, _ = _clocked()
-    buffer = _lens(6, 6)
+    buffer = lens_tensor(6, 6)
     with meter.step():
         meter.add_sequences(buffer)
         buffer.fill_(1000)  # the caller reuses its buffer for the next microbatch
@@ -245,7 +245,7 @@ def test_add_sequences_rejects_bad_input(value, error, match):
 
 def test_add_sequences_outside_step_is_an_error():
     with pytest.raises(RuntimeError, match="inside `with meter.step"):
-        StepMeter().add_sequences(_lens(1))
+        StepMeter().add_sequences(lens_tensor(1))
 
 
 def test_steps_do_not_nest():
@@ -263,7 +263,7 @@ def test_export_inside_step_is_an_error():
 def test_negative_length_is_reported_at_export():
     meter = StepMeter()
     with meter.step():
-        meter.add_sequences(_lens(3, -2))
+        meter.add_sequences(lens_tensor(3, -2))
     with pytest.raises(ValueError, match="lengths must be >= 0; got -2"):
         meter.export()
 
@@ -355,7 +355,7 @@ def test_every_export_is_a_ratio_of_sums(intervals):
         for lens, quarters in steps:
             with meter.step():
                 if lens:
-                    meter.add_sequences(_lens(*lens))
+                    meter.add_sequences(lens_tensor(*lens))
                 clock.advance(quarters / 4)  # exact binary fractions: sums compare exactly
         out = meter.export()
         tokens = sum(sum(lens) for lens, _ in steps)

@@ -10,7 +10,7 @@ from nemo_moe_metrics.export import metric_names as mn
 from nemo_moe_metrics.throughput import (
     StepMeter,
 )
-from tests.throughput.test_step_meter import _lens
+from tests.throughput.test_step_meter import lens_tensor
 
 # --- the event path (CUDA events stood in for by FakeEvent) ------------------------------------
 
@@ -22,7 +22,7 @@ def test_event_path_synchronises_once_per_export():
     for ms in (40.0, 60.0, 100.0):
         with meter.step():
             for _ in range(4):
-                meter.add_sequences(_lens(8, 8))
+                meter.add_sequences(lens_tensor(8, 8))
                 stream.run(ms / 4)
         stream.run(1000.0)  # between steps: not step time
     assert stream.synchronizations == 0  # nothing waited per microbatch or per step
@@ -31,7 +31,7 @@ def test_event_path_synchronises_once_per_export():
     assert out[mn.SECONDS] == pytest.approx(0.2)
     assert out[mn.TOKENS] == 3 * 4 * 16
     with meter.step():
-        meter.add_sequences(_lens(1))
+        meter.add_sequences(lens_tensor(1))
         stream.run(10.0)
     assert meter.export()[mn.SECONDS] == pytest.approx(0.01)
     assert stream.synchronizations == 2
@@ -41,11 +41,11 @@ def test_event_path_failed_step_is_not_counted():
     stream = FakeStream()
     meter = StepMeter(event_factory=stream.event)
     with pytest.raises(KeyError), meter.step():
-        meter.add_sequences(_lens(50))
+        meter.add_sequences(lens_tensor(50))
         stream.run(500.0)
         raise KeyError("boom")
     with meter.step():
-        meter.add_sequences(_lens(5))
+        meter.add_sequences(lens_tensor(5))
         stream.run(20.0)
     out = meter.export()
     assert (out[mn.TOKENS], out[mn.SECONDS]) == (5.0, pytest.approx(0.02))

@@ -14,7 +14,7 @@ import torch
 from dist import ok_values, run_ranks
 
 from nemo_moe_metrics.export.metric_names import aux_loss_key, aux_loss_layer_key
-from tests.moe.test_aux_loss import MICRO_BATCH, _megatron_report_of, assert_equals_megatrons_report
+from tests.moe.test_aux_loss import MICRO_BATCH, assert_equals_megatrons_report, megatron_report_of
 
 pytestmark = pytest.mark.megatron
 
@@ -81,7 +81,7 @@ def _hybrid_step(rank, world_size):
     before = {k: v.tolist() for k, v in tracker_values().items()}
     out["tracker_before"] = before
     out["metrics"] = aux_loss_metrics(config, num_microbatches=1, per_layer=True)
-    out["megatron"] = _megatron_report_of(before, config, 1)
+    out["megatron"] = megatron_report_of(before, config, 1)
     collector.detach()
     # FLOPs: the pattern estimator against FlopCounterMode on the same model, fwd + bwd.
     est = get_flops_estimator(config, vocab_size=model_cfg.vocab_size)
@@ -284,13 +284,17 @@ def test_mamba_component_matches_a_real_mamba2_mixer_under_flop_counter():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_grpo_hybrid_recipe_trains_through_run_and_counts_every_token(tmp_path):
-    from tests.launch.test_local import _check_counts_match_training_tokens, _launch, _rows
+    from tests.launch.test_local import (
+        check_counts_match_training_tokens,
+        launch_recipe,
+        metrics_rows,
+    )
 
-    _launch(tmp_path, RECIPE)
+    launch_recipe(tmp_path, RECIPE)
     run_dir = tmp_path / "runs" / "grpo_hybrid_moe_tiny"
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
-    _check_counts_match_training_tokens(run_dir, rows, moe_layers=tuple(MOE_LAYERS))
+    check_counts_match_training_tokens(run_dir, rows, moe_layers=tuple(MOE_LAYERS))
     for row in rows:
         for layer in MOE_LAYERS:
             assert aux_loss_layer_key("load_balancing_loss", layer) in row
