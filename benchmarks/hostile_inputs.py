@@ -12,9 +12,9 @@ the words that name the problem), that the user's files are byte-identical (sha2
 and after) and, for the bounded cases, the command's peak memory (under
 :data:`PEAK_LIMIT_MB`). ``--disk-full-at-end`` (root: a tmpfs) also trains the tiny recipe
 and fills the disk after its last step: the run must say that no rank failed and name the
-files. The tests (tests/run_dir/test_outputs.py, cli/test_placement_hostile.py, sinks/test_store_format.py,
-report/test_reading.py, run_dir/test_record_cli.py, ...) hold the same cases; the helpers here are
-theirs too (tests/support/hostile_files.py).
+files. The tests (tests/run_dir/test_outputs.py, cli/test_placement_hostile.py,
+sinks/test_store_format.py, report/test_reading.py, run_dir/test_record_cli.py, ...) hold the same
+cases; the helpers here are theirs too (tests/support/hostile_files.py).
 """
 
 from __future__ import annotations

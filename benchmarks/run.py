@@ -10,9 +10,10 @@ Measures (JSON keys, targets):
 - ``step_overhead_ratio`` (<= 1.01): median over interleaved pairs of (step with every metric on)
   / (step with every metric off: expert loads, aux losses, per-layer keys, the expert table,
   expert bias, router health, routing consistency with rollout routes, throughput and FLOPs), a
-  megatron-core MoE GPTModel trained by megatron's schedule on one gloo rank with one thread; ``details.step.family_cpu_ms_per_step`` gives the metrics' own
-  CPU time per step by metric family (``nemo_moe_metrics.families``: expert loads with the
-  collector's hooks, aux losses, expert bias, router health, throughput and FLOPs);
+  megatron-core MoE GPTModel trained by megatron's schedule on one gloo rank with one thread;
+  ``details.step.family_cpu_ms_per_step`` gives the metrics' own CPU time per step by metric family
+  (``nemo_moe_metrics.families``: expert loads with the collector's hooks, aux losses, expert bias,
+  router health, throughput and FLOPs);
 - ``export_ms_40x256`` (<= 20): reduce + normalise + expert table, 40 layers x 256 experts,
   2 gloo ranks, median ms (slower rank) after the first export;
 - ``flops_estimate_ms_4096`` (<= 2): FLOP estimate of 4,096 mixed-length sequences, the slower of
@@ -529,7 +530,8 @@ def _format(result: dict[str, Any]) -> str:
     st = result["details"]["store"]
     lines.append(
         f"  store: {st['store_bytes_per_table_step'] / 1e3:.0f} KB and "
-        f"{st['store_write_ms_per_table_step']:.1f} ms ({st['store_write_cpu_ms_per_table_step']:.1f}"
+        f"{st['store_write_ms_per_table_step']:.1f} ms "
+        f"({st['store_write_cpu_ms_per_table_step']:.1f}"
         f" ms CPU) per table step; W&B {st['wandb']['table_step_ms']:.0f} ms "
         f"({st['wandb']['table_step_cpu_ms']:.0f} ms CPU) per table step; "
         f"one table every {st['table_every']} steps"

@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"step {len(history) - 1}: moe/load_balancing_loss "
                 f"{last['moe/load_balancing_loss']:.4f}, moe/max_over_ideal "
-                f"{last['moe/max_over_ideal']:.3f}, train_perf/tokens {last['train_perf/tokens']:.0f}"
+                f"{last['moe/max_over_ideal']:.3f}, train_perf/tokens "
+                f"{last['train_perf/tokens']:.0f}"
             )
     finally:
         dist.destroy_process_group()

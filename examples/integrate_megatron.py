@@ -48,7 +48,8 @@ def transformer_config(expert_parallel: int = 1) -> Any:
         attention_dropout=0.0, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         expert_model_parallel_size=expert_parallel,
         use_cpu_initialization=not gpu,  # cpu-only
-        moe_token_dispatcher_type="alltoall" if gpu else "allgather",  # cpu-only: alltoall needs CUDA
+        # cpu-only: alltoall needs CUDA
+        moe_token_dispatcher_type="alltoall" if gpu else "allgather",
     )  # fmt: skip
 
 

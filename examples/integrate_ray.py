@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         addr, port = ray.get(workers[0].address.remote(), timeout=300)
         ray.get(
-            [w.setup.remote(r, args.workers, addr, port, args.workers) for r, w in enumerate(workers)],
+            [w.setup.remote(r, args.workers, addr, port, args.workers)
+             for r, w in enumerate(workers)],
             timeout=300,
         )  # fmt: skip
         sink = build_sinks(  # (metrics) the driver owns the run directory

@@ -12,7 +12,7 @@ FSDP2 (``fully_shard`` per block), and torchtitan's optimizer pre-hook moves the
 expert bias. The metric calls are the ones marked ``# (metrics)``. At the end rank 0 prints the
 run's report (``nemo-moe-metrics report``), which draws the expert bias next to the load.
 On a CPU the flex attention (no backward there) is swapped for torchtitan's SDPA attention.
-"""
+"""  # noqa: E501 (the install line above is copied as is; tests/project/test_install_lines.py)
 
 from __future__ import annotations
 

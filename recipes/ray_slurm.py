@@ -62,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     check_job_flags(parser, args)
     if args.nemo_run and (args.submit or not args.container_image):
-        parser.error("--nemo-run prints nemo-run's script for a container cluster: give "
-                     "--container-image IMAGE, and submit it with nemo-run (no --submit here)")  # fmt: skip
+        parser.error(
+            "--nemo-run prints nemo-run's script for a container cluster: give "
+            "--container-image IMAGE, and submit it with nemo-run (no --submit here)"
+        )
     common = dict(account=args.account, partition=args.partition, nodes=args.nodes)
     common.update(gpus_per_node=args.gpus_per_node, time_limit=args.time, job_dir=args.job_dir)
 

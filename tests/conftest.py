@@ -91,8 +91,8 @@ def main_job_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def slurm():
-    """munged, slurmctld and two slurmd (n1, n2) on this host (tests/support/slurm_cluster.py), shared
-    by the Slurm modules of the session and stopped at its end. Without root or the Debian
+    """munged, slurmctld and two slurmd (n1, n2) on this host (tests/support/slurm_cluster.py),
+    shared by the Slurm modules of the session and stopped at its end. Without root or the Debian
     packages it skips with the reason; NEMO_MOE_METRICS_REQUIRE_SLURM=1 (CI) fails instead."""
     import shutil
     import tempfile

@@ -56,7 +56,8 @@ def _counts(module: nn.Module, args: tuple, kwargs: dict, output: Any):
 
 
 def health(router: nn.Module, parent: nn.Module | None) -> HealthSource | str:
-    """torchtitan ``TokenChoiceTopKRouter``: the gate's output is ``z``; the bias is its argument."""
+    """torchtitan ``TokenChoiceTopKRouter``: the gate's output is ``z``; the bias is its
+    argument."""
     if getattr(router, "_debug_force_load_balance", False):
         return "_debug_force_load_balance routes round-robin"
     if router.score_func not in SCORE_FUNCTIONS:

@@ -29,7 +29,8 @@ from nemo_moe_metrics.megatron import compat
 from nemo_moe_metrics.megatron.cpu_shims import cpu_device_mode, cuda_available
 from nemo_moe_metrics.megatron.model import build_model, causal_attention_mask, init_distributed
 
-#: ``SequenceBatch.extras`` key of the rollout's routes ``[b, s, moe_layers, top_k]`` (``-1``: none).
+#: ``SequenceBatch.extras`` key of the rollout's routes ``[b, s, moe_layers, top_k]``
+#: (``-1``: none).
 ROLLOUT_ROUTES = "rollout_routes"
 
 # loss_fn(token_logprobs [b, s-1], microbatch) -> (loss of this microbatch, {full key: value}).
@@ -361,7 +362,8 @@ class MegatronPolicyWorker:
         generator: torch.Generator | None = None,
         precision: str = "fp32",
     ) -> torch.Tensor:
-        """Sample ``max_new_tokens`` after equal-length ``prompts`` ``[n, p]``; returns ``[n, p+new]``.
+        """Sample ``max_new_tokens`` after equal-length ``prompts`` ``[n, p]``; returns
+        ``[n, p+new]``.
 
         No KV cache (the model is tiny): each new token re-runs the whole prefix. Padding is
         never sampled. Sampling uses ``generator`` (CPU) for reproducibility; ``precision``

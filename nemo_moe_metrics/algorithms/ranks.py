@@ -38,8 +38,8 @@ class LocalRanks:
     """The group of one SPMD process: this rank's worker, fed its own data-parallel share."""
 
     def __init__(self, worker: Any) -> None:
-        """``worker``: a :class:`~nemo_moe_metrics.algorithms.megatron_policy.MegatronPolicyWorker` (or an
-        object with its methods and ``dp_rank``, ``dp_size``, ``dp_group``)."""
+        """``worker``: a :class:`~nemo_moe_metrics.algorithms.megatron_policy.MegatronPolicyWorker`
+        (or an object with its methods and ``dp_rank``, ``dp_size``, ``dp_group``)."""
         self.worker = worker
 
     @property

@@ -43,7 +43,9 @@ class MetricsConfig(StrictModel):
     peak_flops_per_gpu: float | None = Field(
         None,
         gt=0,
-        description="Dense peak FLOP/s of one accelerator for MFU; None looks it up by device name.",
+        description=(
+            "Dense peak FLOP/s of one accelerator for MFU; None looks it up by device name."
+        ),
     )
     aux_loss_tracker: Literal["own", "shared"] = Field(
         "own",
@@ -267,7 +269,8 @@ class DPOConfig(StrictModel):
 
     @staticmethod
     def response_length(seq_length: int) -> int:
-        """Response tokens per synthetic preference pair: a quarter of the context (at least one)."""
+        """Response tokens per synthetic preference pair: a quarter of the context (at least
+        one)."""
         return max(1, seq_length // 4)
 
 

@@ -1,8 +1,8 @@
 """The metric-family protocol, and what a family's ``build`` function is given at attach.
 
 A family owns what one flag (or one source) measures. ``PolicyMetrics``
-(``nemo_moe_metrics.worker.policy_metrics``) calls every family at the same points of a step and knows none
-of them:
+(``nemo_moe_metrics.worker.policy_metrics``) calls every family at the same points of a step and
+knows none of them:
 
 - ``enter_step`` / ``leave_step``: around ``with metrics.step():``;
 - ``microbatch``: per ``metrics.microbatch()`` call (host work only, no device read);

@@ -1,4 +1,5 @@
-"""megatron-core's overload factor with expert parallelism: ``moe/{avg,max,max_cum}_overload_factor``.
+"""megatron-core's overload factor with expert parallelism:
+``moe/{avg,max,max_cum}_overload_factor``.
 
 The arithmetic and the reduction are ``moe.overload``'s :class:`OverloadTracker`; this module
 feeds it from the collector: each counted training forward's executed tokens per EP rank (a

@@ -1,4 +1,5 @@
-"""Routing consistency: the rollout engine's routes against the training routers' (``moe/routing_*``).
+"""Routing consistency: the rollout engine's routes against the training routers'
+(``moe/routing_*``).
 
 The comparison is ``moe.routing``'s :class:`RoutingTracker` and its reduce ``moe.reduction``'s
 ``RoutingReducer`` (docs/en/routing_consistency.md); this module checks the routers can be

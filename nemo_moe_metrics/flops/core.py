@@ -8,9 +8,9 @@ Conventions (stated once, used everywhere in this package):
 - Counted: every matmul with a weight (projections, MLPs, experts actually routed to, routers,
   gates, the lm_head), the attention score and value products, sparse-attention indexers, the
   short convolutions of linear-attention, Mamba and short-conv mixers and the recurrences
-  (recurrent-equivalent, see ``linear_attention_core`` and ``mamba_core`` below). Multi-token-prediction layers
-  (``ModelShape.mtp_layers``) count as Megatron-LM counts them: per layer its transformer layer,
-  its ``2h -> h`` projection (``mtp_projection``) and one more lm_head.
+  (recurrent-equivalent, see ``linear_attention_core`` and ``mamba_core`` below).
+  Multi-token-prediction layers (``ModelShape.mtp_layers``) count as Megatron-LM counts them: per
+  layer its transformer layer, its ``2h -> h`` projection (``mtp_projection``) and one more lm_head.
 - Not counted: embedding lookups, norms, activations, softmax, rotary embeddings, residual
   adds, biases, the loss. They are memory-bound and together well under 1% of the total for
   the models this package targets.

@@ -1,4 +1,5 @@
-"""Hugging Face MoE decoders with softmax attention: qwen2_moe, qwen3_moe, mixtral, olmoe, gpt_oss."""
+"""Hugging Face MoE decoders with softmax attention: qwen2_moe, qwen3_moe, mixtral, olmoe,
+gpt_oss."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from nemo_moe_metrics.flops.hf_dense import hf_attention, num_layers, tied
 
 
 def qwen_moe_layer_is_sparse(cfg: ConfigReader, layer: int) -> bool:
-    """Qwen MoE layer rule: not in ``mlp_only_layers`` and ``(layer + 1) % decoder_sparse_step == 0``."""
+    """Qwen MoE layer rule: not in ``mlp_only_layers`` and
+    ``(layer + 1) % decoder_sparse_step == 0``."""
     mlp_only = set(cfg.get("mlp_only_layers", []))
     step = int(cfg.get("decoder_sparse_step", 1))
     experts = int(cfg.get("num_experts", 0))

@@ -340,7 +340,8 @@ class MoEMetricsCallback(Callback):
 
     def _open_store(self, state: Any) -> None:
         """On the last rank: the run directory ``nemo-moe-metrics report`` reads (metrics.jsonl,
-        the expert-load store, run.json), through :func:`~nemo_moe_metrics.run_dir.session.open_run`."""
+        the expert-load store, run.json), through
+        :func:`~nemo_moe_metrics.run_dir.session.open_run`."""
         import torch.distributed as dist
 
         last = not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1

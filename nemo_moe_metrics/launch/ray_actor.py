@@ -2,8 +2,8 @@
 
 NeMo RL's shape: the actor joins the group's torch.distributed process group (gloo on CPU,
 NCCL on GPUs) with the rank the driver gives it, builds the same worker and metrics as a
-torchrun rank (:func:`nemo_moe_metrics.launch.recipe_run.make_metrics`), and answers the driver's calls
-(:mod:`.ray_group`) with CPU tensors and, per training step, a
+torchrun rank (:func:`nemo_moe_metrics.launch.recipe_run.make_metrics`), and answers the driver's
+calls (:mod:`.ray_group`) with CPU tensors and, per training step, a
 :class:`~nemo_moe_metrics.worker.results.WorkerResult` whose metrics were reduced inside the
 group. This module does not import ``ray`` at import time; :mod:`.ray_group` makes the class
 an actor.

@@ -66,7 +66,8 @@ class WorkerGroupError(RuntimeError):
 
     def recorded(self) -> RankFailure:
         """This failure as ``run`` reports a rank's
-        (:func:`~nemo_moe_metrics.launch.failures.record_rank_failure`): what happened, and where."""
+        (:func:`~nemo_moe_metrics.launch.failures.record_rank_failure`): what happened, and
+        where."""
         if self.kind == "raised":
             text = f"{self.text} ({self.place})"
         else:

@@ -53,9 +53,9 @@ def config_as_built(chunks: nn.Module | Sequence[nn.Module], config: Any) -> Any
     """A copy of the megatron ``config`` carrying the layer layout of the model ``chunks``.
 
     A hybrid model's own pattern is set on the copy as ``hybrid_layer_pattern`` (what
-    :func:`~nemo_moe_metrics.config.layer_pattern.config_hybrid_pattern` reads); a GPT model's routers
-    are checked against ``moe_layer_freq``. The config is returned unchanged when the chunks are
-    no megatron model (no router and no hybrid pattern). Raises ``ValueError`` where the config
+    :func:`~nemo_moe_metrics.config.layer_pattern.config_hybrid_pattern` reads); a GPT model's
+    routers are checked against ``moe_layer_freq``. The config is returned unchanged when the chunks
+    are no megatron model (no router and no hybrid pattern). Raises ``ValueError`` where the config
     and the model disagree (pattern, layer count, MoE layers), naming both.
     """
     chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)

@@ -1,4 +1,5 @@
-"""Build a real megatron-core model (GPTModel or hybrid) with MoE layers from a recipe's model section."""
+"""Build a real megatron-core model (GPTModel or hybrid) with MoE layers from a recipe's model
+section."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def init_distributed(
         raise ValueError(
             f"world size {world} is not divisible by the parallel layout "
             f"(pipeline {megatron_cfg.pipeline_model_parallel_size} x context "
-            f"{megatron_cfg.context_parallel_size}, expert {megatron_cfg.expert_model_parallel_size}); "
+            f"{megatron_cfg.context_parallel_size}, expert "
+            f"{megatron_cfg.expert_model_parallel_size}); "
             "change --nproc or the *_parallel_size settings"
         )
     if parallel_state.model_parallel_is_initialized():

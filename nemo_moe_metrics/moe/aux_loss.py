@@ -26,7 +26,8 @@ decoder layer is MoE, as the MTP block copies its spec); ``z_loss`` is averaged 
 ranks instead of being left rank-local, so every rank reports the same value; the scale is applied
 per rank before the reduction, so ranks with different microbatch counts still agree; means are
 SUM all-reduces divided by the group size (older torch lacks gloo AVG); per-layer keys exist
-for MoE layers only. Megatron's tracker is megatron's state: this module reads and clears it and keeps none.
+for MoE layers only. Megatron's tracker is megatron's state: this module reads and clears it and
+keeps none.
 """
 
 from __future__ import annotations
@@ -338,8 +339,8 @@ def enqueue_aux_loss_metrics(
 ) -> Pending[dict[str, float]]:
     """The first half of :func:`aux_loss_metrics`: launch the reduction, read nothing.
 
-    The returned :class:`~nemo_moe_metrics.export.host_read.Pending` summarises the reduced values and,
-    with ``tracker="own"``, clears megatron's tracker once the export's one host read happened.
+    The returned :class:`~nemo_moe_metrics.export.host_read.Pending` summarises the reduced values
+    and, with ``tracker="own"``, clears megatron's tracker once the export's one host read happened.
 
     ``tracker="shared"`` leaves megatron's tracker exactly as it is (the framework's own report
     reads, reduces and clears it afterwards): a copy is reduced with megatron's own collectives

@@ -1,8 +1,8 @@
 """Expert-load balance statistics: pure numpy functions, no torch.distributed.
 
 Input is an :class:`ExpertLoads` (already reduced over ranks); output is a flat metric dict with
-keys from :mod:`nemo_moe_metrics.export.metric_names`. A layer that routed no tokens reports 0 for every
-statistic (there is nothing to judge), never NaN.
+keys from :mod:`nemo_moe_metrics.export.metric_names`. A layer that routed no tokens reports 0 for
+every statistic (there is nothing to judge), never NaN.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def _check_counts(counts: np.ndarray) -> np.ndarray:
 
 
 def max_over_ideal(counts: np.ndarray) -> float:
-    """Busiest expert over the ideal (uniform) load: ``max(c) / mean(c)``; 1 is perfect, 0 if empty."""
+    """Busiest expert over the ideal (uniform) load: ``max(c) / mean(c)``; 1 is perfect, 0 if
+    empty."""
     c = _check_counts(counts)
     total = c.sum()
     return float(c.max() * c.size / total) if total > 0 else 0.0
@@ -93,7 +94,8 @@ def coefficient_of_variation(counts: np.ndarray) -> float:
 
 
 def normalized_entropy(counts: np.ndarray) -> float:
-    """Entropy of the load distribution over ``log(E)``: 1 is uniform, 0 is one expert (or empty)."""
+    """Entropy of the load distribution over ``log(E)``: 1 is uniform, 0 is one expert (or
+    empty)."""
     c = _check_counts(counts)
     total = c.sum()
     if total <= 0:
@@ -251,11 +253,11 @@ def expert_load_metrics(
 
     Summaries: ``moe/max_over_ideal`` and ``moe/ep_imbalance`` are means over MoE layers that
     routed tokens this step, ``..._max`` the worst layer, ``moe/max_over_ideal_p50`` / ``_p90``
-    and ``moe/worst_layer`` their spread (:func:`max_over_ideal_spread`); ``moe/dead_experts`` counts
-    (layer, expert) pairs with no token; ``moe/dropped_fraction`` and ``moe/padding_fraction``
-    are over all layers together, as is ``moe/zero_expert_fraction`` (only for a model with
-    zero-computation experts). ``ep_imbalance`` and ``padding_fraction`` use the executed
-    counts (padding included), everything else and the table the routed ones.
+    and ``moe/worst_layer`` their spread (:func:`max_over_ideal_spread`); ``moe/dead_experts``
+    counts (layer, expert) pairs with no token; ``moe/dropped_fraction`` and
+    ``moe/padding_fraction`` are over all layers together, as is ``moe/zero_expert_fraction`` (only
+    for a model with zero-computation experts). ``ep_imbalance`` and ``padding_fraction`` use the
+    executed counts (padding included), everything else and the table the routed ones.
     ``moe/routed_tokens`` is the busiest layer's routed tokens; a step in which no expert
     received a training token returns that key alone (0), no statistic of nothing.
     Returns ``{}`` when there is no MoE layer.

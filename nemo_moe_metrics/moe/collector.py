@@ -8,7 +8,8 @@ docs/en/expert_load.md):
   (megatron-core ``TopKRouter``, torchtitan's ``TokenChoiceTopKRouter``, every Hugging Face
   experts module through transformers' shared experts interface, or a class given to
   ``register_router``) and :meth:`ExpertLoadCollector.hook` adds one forward hook per MoE layer
-  plus a pre/post hook pair on each model chunk. Multi-token-prediction layers count as layers ``num_layers + j``.
+  plus a pre/post hook pair on each model chunk. Multi-token-prediction layers count as layers
+  ``num_layers + j``.
 - The chunk hooks mark a *training forward*: the chunk is in ``train()`` mode, autograd is on at
   the chunk's entry and we are not inside a backward pass. Routers count only inside such a
   forward. This is what makes activation recomputation safe: megatron's ``full`` recompute runs
@@ -416,7 +417,8 @@ class ExpertLoadCollector:
                     observer.counted(seen)
 
     def local_counts(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """This rank's device accumulators (per-layer routed counts [E] and tokens []), not copied."""
+        """This rank's device accumulators (per-layer routed counts [E] and tokens []), not
+        copied."""
         self.count_kept()
         return [a.counts for a in self._accs], [a.tokens_now() for a in self._accs]
 

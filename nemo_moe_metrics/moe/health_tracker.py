@@ -3,8 +3,8 @@
 The router hooks (``moe.collector``) call :meth:`RouterHealthTracker.observe` with a router
 forward's own logits; the tracker keeps them and judges every kept forward of a scoring in one
 pass (``router_health.decision_table`` over their tokens concatenated) at the step's end or
-when the host staging it shares holds ``deferred.FLUSH_BYTES``; the reduction (``moe.reduction``) sums
-:meth:`RouterHealthTracker.local_stats` over ranks inside the export's one host read. Nothing
+when the host staging it shares holds ``deferred.FLUSH_BYTES``; the reduction (``moe.reduction``)
+sums :meth:`RouterHealthTracker.local_stats` over ranks inside the export's one host read. Nothing
 here reads a value on the host.
 """
 

@@ -1,9 +1,9 @@
 """megatron-core's overload factor, from our own counts: ``moe/{avg,max,max_cum}_overload_factor``.
 
-megatron-core's dev branch (``MoEOverloadFactorTracker``, PR #4110, with ``log_moe_overload_factor``)
-logs, for expert parallelism, how far the busiest TP x EP rank is over its balanced share. Its
-definitions, computed here from the same quantities (each training forward's executed routing
-map, as the dispatcher receives it):
+megatron-core's dev branch (``MoEOverloadFactorTracker``, PR #4110, with
+``log_moe_overload_factor``) logs, for expert parallelism, how far the busiest TP x EP rank is over
+its balanced share. Its definitions, computed here from the same quantities (each training forward's
+executed routing map, as the dispatcher receives it):
 
 - an *entry* is one training forward of one MoE layer (a microbatch); ``tokens(r)``: the
   assignments EP rank ``r``'s experts receive in it from every rank of the EP group (rank ``r``

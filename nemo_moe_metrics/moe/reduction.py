@@ -10,8 +10,8 @@ Every rank, with or without MoE layers, keeps one :class:`ExpertLoadReducer` per
 signature (pipeline stage, and per layer its id, experts, top-k and whether it has
 zero-computation experts) and validates it; a mismatch raises the same
 :class:`ExpertLoadSignatureError` on every rank. Later exports make exactly one ``all_reduce`` of
-routed counts, executed counts, routed tokens and zero-computation picks together, and no host read of
-their own (:meth:`ExpertLoadReducer.enqueue` hands the result to the export's one read), with
+routed counts, executed counts, routed tokens and zero-computation picks together, and no host read
+of their own (:meth:`ExpertLoadReducer.enqueue` hands the result to the export's one read), with
 guard slots that catch a rank whose layers changed since (re-attaching a collector to another
 model).
 """
@@ -98,7 +98,8 @@ def check_signatures(signatures: list[Signature]) -> Layout:
             same_z = len({z for (_, _, z), _ in variants}) == 1
             seen = "; ".join(
                 f"{e} experts{'' if same_k else f', top-{k}'}"
-                f"{'' if same_z else (', zero-computation experts' if z else ', none zero-computation')}"
+                f"{'' if same_z or not z else ', zero-computation experts'}"
+                f"{'' if same_z or z else ', none zero-computation'}"
                 f" on ranks {r}"
                 for (e, k, z), r in variants
             )

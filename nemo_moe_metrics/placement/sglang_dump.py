@@ -46,7 +46,10 @@ _KNOWN_KEYS = {"logical_count", "rank", "average_utilization_rate_over_window"}
 _ZIP_MAGIC = b"PK\x03\x04"
 # How torch names the global its weights-only unpickler refused (two wordings so far).
 _GLOBAL = re.compile(r"(?:Unsupported global: |unsupported )GLOBAL ([\w.<>]+)")
-_FIX = "dump it with SGLang's /dump_expert_distribution_record and --expert-distribution-recorder-mode stat"
+_FIX = (
+    "dump it with SGLang's /dump_expert_distribution_record and "
+    "--expert-distribution-recorder-mode stat"
+)
 
 
 class SglangDumpError(ValueError):

@@ -128,7 +128,8 @@ def render_router_health(
         ax.set_ylim(bottom=0)
     if run.topk and run.num_experts:  # the level reference_line names in the summary
         conf_ax.axhline(run.topk / run.num_experts, color="grey", ls="--", lw=1,
-                        label=f"random routing (top-k / experts = {run.topk / run.num_experts:.3g})")  # fmt: skip
+                        label="random routing (top-k / experts = "
+                              f"{run.topk / run.num_experts:.3g})")  # fmt: skip
     conf_ax.set_title(f"{run.name}: router confidence per layer", fontsize=10, loc="left")
     tie_ax.set_title("near ties per layer (worst layers in red)", fontsize=10, loc="left")
     bal_ax.plot(steps, sums[mn.MAX_OVER_IDEAL], color="black", marker=marker, ms=3,

@@ -2,12 +2,12 @@
 
 A run directory (``<--output-dir>/<recipe name>/``) holds only these entries: the sinks' records
 (:data:`RUN_RECORD`: ``metrics.jsonl``, the expert-load store, ``run.json``, TensorBoard, W&B,
-MLflow, trackio, the pictures ``report`` draws and its page ``report.html``), what the launcher writes (:data:`LAUNCH_FILES`:
-``recipe.yaml``, ``launch.log``, nemo-run's state) and the lock (``.run.lock``, which also
-marks the directory as a run's, even one that failed before it logged a step). Deleting a run
-deletes these names and nothing else; a directory that holds anything else is not a run's
-(:mod:`nemo_moe_metrics.run_dir`). The directory's own name is checked where the recipe is
-read (:mod:`nemo_moe_metrics.config.run_name`).
+MLflow, trackio, the pictures ``report`` draws and its page ``report.html``), what the launcher
+writes (:data:`LAUNCH_FILES`: ``recipe.yaml``, ``launch.log``, nemo-run's state) and the lock
+(``.run.lock``, which also marks the directory as a run's, even one that failed before it logged a
+step). Deleting a run deletes these names and nothing else; a directory that holds anything else is
+not a run's (:mod:`nemo_moe_metrics.run_dir`). The directory's own name is checked where the recipe
+is read (:mod:`nemo_moe_metrics.config.run_name`).
 """
 
 from __future__ import annotations

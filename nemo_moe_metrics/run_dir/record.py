@@ -4,19 +4,21 @@ writer: ``build_sinks``, rank 0 of a job, the launchers), and what may be delete
 (:func:`clear_run`: a run's own entries by name, never through a link).
 
 For launchers: every launcher (``nemo-moe-metrics run``, the Slurm submission) calls
-:func:`prepare_run_dir` holding the directory's lock (:class:`~nemo_moe_metrics.run_dir.RunDirLock`), after
-:func:`check_before_lock` (said before the lock file is created). The rules:
+:func:`prepare_run_dir` holding the directory's lock
+(:class:`~nemo_moe_metrics.run_dir.RunDirLock`), after :func:`check_before_lock` (said before the
+lock file is created). The rules:
 
-- The directory holds only a run's own entries (:mod:`nemo_moe_metrics.run_dir.names`); anything else (a user's
-  ``notes.txt``) makes it not a run directory: refused naming the entries, nothing deleted
-  (``--resume`` keeps everything and is allowed).
+- The directory holds only a run's own entries (:mod:`nemo_moe_metrics.run_dir.names`); anything
+  else (a user's ``notes.txt``) makes it not a run directory: refused naming the entries, nothing
+  deleted (``--resume`` keeps everything and is allowed).
 - No entry of the run is a symbolic link: a run never writes or deletes through one.
 - A run that logged steps is refused unless ``--resume`` (continue it) or ``--overwrite``
   (delete its entries first).
 - A run that failed before logging a step is cleared, and said, when something proves it was a
   run's: the mark in the lock an earlier launcher left (every ``run`` that got as far as
-  starting its job leaves one, :meth:`~nemo_moe_metrics.run_dir.RunDirLock.mark_run`), a ``run.json`` of this
-  package, or logged records. Without such proof its entries are refused, never deleted.
+  starting its job leaves one, :meth:`~nemo_moe_metrics.run_dir.RunDirLock.mark_run`), a
+  ``run.json`` of this package, or logged records. Without such proof its entries are refused, never
+  deleted.
 
 Deleting means deleting the run's entries by name (:func:`clear_run`), never following
 a link, and never anything else in the directory.
@@ -97,8 +99,8 @@ def prepare_run_dir(
     """Make ``run_dir`` ready for a new run (or a resumed one), by the rules of the module
     docstring; returns a note to print when the leftovers of a run that failed early were
     cleared. ``earlier_lock``: who held the lock before the caller took it
-    (:attr:`~nemo_moe_metrics.run_dir.RunDirLock.previous`), whose mark says a run started here. Call it
-    holding the directory's lock (the lock file is kept), then mark the lock
+    (:attr:`~nemo_moe_metrics.run_dir.RunDirLock.previous`), whose mark says a run started here.
+    Call it holding the directory's lock (the lock file is kept), then mark the lock
     (:meth:`~nemo_moe_metrics.run_dir.RunDirLock.mark_run`) before the run starts."""
     _check_entries(run_dir, resume=resume, overwrite=overwrite)  # held: no probe of the lock
     entries = _entries(run_dir)

@@ -121,8 +121,8 @@ def prepare_resume(
     store's last record has lost its counts. ``resume_after``: the step the training itself
     continues after (a checkpoint's step, e.g. a Trainer's ``global_step`` restored by
     ``resume_from_checkpoint``); records of later steps are cut, so the steps trained again are
-    each logged once and the totals continue from that step's. Raises :class:`ResumeError` when the directory
-    cannot be continued (no step in ``metrics.jsonl`` while the store or TensorBoard hold
+    each logged once and the totals continue from that step's. Raises :class:`ResumeError` when the
+    directory cannot be continued (no step in ``metrics.jsonl`` while the store or TensorBoard hold
     some, or an ``expert_loads.bin`` that is not a store).
     """
     run_dir = Path(run_dir)

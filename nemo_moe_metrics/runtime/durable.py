@@ -22,7 +22,10 @@ def write_text_durably(path: Path, text: str, mode: int = 0o644) -> None:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     except OSError as err:
         # Name the file the caller asked for, not the random temporary name beside it.
-        why = f"{err.strerror}: cannot create {path.name} in {path.parent}; make it writable or choose another directory"
+        why = (
+            f"{err.strerror}: cannot create {path.name} in {path.parent}; "
+            "make it writable or choose another directory"
+        )
         raise type(err)(err.errno, why, str(path)) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

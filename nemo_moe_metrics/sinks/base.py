@@ -1,8 +1,8 @@
 """The sink interface, a do-nothing sink, a fan-out sink and the metric-value checks.
 
 A sink takes one step's metrics as plain Python values: numbers, and tables under the keys of
-``metric_names.TABLE_COLUMNS``: an :class:`~nemo_moe_metrics.export.expert_table.ExpertTable` (what the
-metrics make: arrays checked when it was built, a rows view for sinks that want rows) or a list
+``metric_names.TABLE_COLUMNS``: an :class:`~nemo_moe_metrics.export.expert_table.ExpertTable` (what
+the metrics make: arrays checked when it was built, a rows view for sinks that want rows) or a list
 of rows (a table built by hand, checked row by row here). A sink may define ``wants_tables(step)``:
 when no sink of a ``MultiSink`` wants tables at a step (off the ``logger.table_every``
 cadence), the tables are dropped before they are checked. Tensors are refused on purpose: converting
@@ -111,7 +111,8 @@ def validate_metrics(metrics: Metrics, step: int) -> dict[str, MetricValue]:
 
     Numbers become ``float``/``int``; an :class:`ExpertTable` passes as it is (checked as
     arrays when it was built: no row is made or checked here); a list of rows becomes a list
-    of row lists whose length matches its columns. Anything else raises ``TypeError``/``ValueError`` naming the key and the fix.
+    of row lists whose length matches its columns. Anything else raises ``TypeError``/``ValueError``
+    naming the key and the fix.
     """
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r} ({type(step).__name__})")

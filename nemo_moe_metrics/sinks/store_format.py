@@ -114,8 +114,8 @@ class RecordHeader:
     @property
     def refusal(self) -> str | None:
         """Why this whole record is not read although its header holds (a size above
-        :mod:`nemo_moe_metrics.config.limits`, a step above 2**53-1), or None: said, never decoded, so
-        no table its header declares is ever allocated."""
+        :mod:`nemo_moe_metrics.config.limits`, a step above 2**53-1), or None: said, never decoded,
+        so no table its header declares is ever allocated."""
         if self.step > MAX_STEP:
             return (
                 f"a record names step {self.step:,}, above 2**53-1 (no run logs that many): it "
@@ -375,7 +375,8 @@ def _check_counts(planes: np.ndarray, e: RecordHeader, layer_ids: np.ndarray) ->
     value = sum(int(planes[k, cell]) << (8 * k) for k in range(8))
     row, expert = divmod(cell, e.experts)
     raise StoreCountError(
-        f"step {e.step}: layer {int(layer_ids[row])} expert {expert} holds a count of {value:,}, above "
+        f"step {e.step}: layer {int(layer_ids[row])} expert {expert} holds a count of "
+        f"{value:,}, above "
         "2**53-1 (no step routes that many tokens): the record is skipped"
     )
 

@@ -19,7 +19,8 @@ from nemo_moe_metrics.sinks.base import Metrics, SinkBase, split_tables
 
 
 class WandbSink(SinkBase):
-    """One W&B run per sink; ``mode`` is ``offline`` (no account needed), ``online`` or ``disabled``."""
+    """One W&B run per sink; ``mode`` is ``offline`` (no account needed), ``online`` or
+    ``disabled``."""
 
     def __init__(
         self,

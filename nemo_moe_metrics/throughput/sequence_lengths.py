@@ -39,7 +39,8 @@ def lengths_from_cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(
-            f"cu_seqlens has shape {tuple(cu_seqlens.shape)}; expected 1-D offsets [0, l0, l0+l1, ...]"
+            f"cu_seqlens has shape {tuple(cu_seqlens.shape)}; "
+            "expected 1-D offsets [0, l0, l0+l1, ...]"
         )
     return (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
 

@@ -22,8 +22,8 @@ Conventions (docs/en/throughput.md has every key with its formula and caveats):
 - the per-microbatch path makes no host-device synchronisation; ``export()`` makes one, shared
   with the other families when the worker reads them together (``enqueue`` + ``read_once``).
 
-The lengths and their device sums live in :mod:`nemo_moe_metrics.throughput.sequence_lengths`, the step
-timers (host clock, device events) in :mod:`nemo_moe_metrics.throughput.step_timers`.
+The lengths and their device sums live in :mod:`nemo_moe_metrics.throughput.sequence_lengths`, the
+step timers (host clock, device events) in :mod:`nemo_moe_metrics.throughput.step_timers`.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ packed sequence separately (``attention_mask.sum(-1)`` with a transformers mask,
 packed).
 
 ``finish_step`` returns the same dict on every rank, with keys exactly as in
-``nemo_moe_metrics.export.metric_names``; loops merge it as is (no extra prefix). What is measured is
-a list of metric families built at ``attach`` from one registration list
+``nemo_moe_metrics.export.metric_names``; loops merge it as is (no extra prefix). What is measured
+is a list of metric families built at ``attach`` from one registration list
 (``nemo_moe_metrics.families.REGISTERED``); this facade calls them at the same points of every
 step and knows none of them.
 """
@@ -295,7 +295,8 @@ class PolicyMetrics:
     def microbatch(
         self, seq_lens: torch.Tensor, rollout_routes: torch.Tensor | None = None
     ) -> None:
-        """Record one training microbatch; ``seq_lens``: see the module docstring (one per sequence).
+        """Record one training microbatch; ``seq_lens``: see the module docstring (one per
+        sequence).
 
         ``rollout_routes`` (with ``track_routing_consistency``): the experts the rollout engine
         chose for this microbatch's tokens, ``[tokens, moe_layers, top_k]`` in the model's token

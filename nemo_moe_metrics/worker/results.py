@@ -8,8 +8,8 @@ same dict) and returns a :class:`WorkerResult`; the driver merges the results
 (:func:`merge_worker_results`): it checks they belong together and takes the lowest rank's
 keys, as they are. It never reduces again: the numbers are the ones an SPMD run's rank 0 logs.
 
-The ``moe/expert_loads`` value is an :class:`~nemo_moe_metrics.export.expert_table.ExpertTable`: it is
-pickled as its three arrays (never as rows), so it crosses Ray's object store at array size.
+The ``moe/expert_loads`` value is an :class:`~nemo_moe_metrics.export.expert_table.ExpertTable`: it
+is pickled as its three arrays (never as rows), so it crosses Ray's object store at array size.
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ independent hooks record what the model did:
 - config facts: the experts and top-k the config reader finds equal the built model's.
 
 The same runs (router health on, every expert bias set to small random values so that it moves
-some choices, zero-initialised router weights made random) also record each router's own decision for ``adapters/test_hf_health.py``: its
-logits, the classes it chose, their weights and the bias it ranked with (:class:`Decision`).
+some choices, zero-initialised router weights made random) also record each router's own decision
+for ``adapters/test_hf_health.py``: its logits, the classes it chose, their weights and the bias it
+ranked with (:class:`Decision`).
 """
 
 from __future__ import annotations
@@ -499,7 +500,8 @@ def test_models_page_holds_the_generated_table(lang):
     lines = page.read_text(encoding="utf-8").splitlines()
     start = lines.index(support_table()[0])
     assert lines[start : start + 2 + len(FAMILIES)] == support_table(), (
-        f"docs/{lang}/models.md: regenerate its table with `python tests/support/hf_families.py --table`"
+        f"docs/{lang}/models.md: regenerate its table with "
+        "`python tests/support/hf_families.py --table`"
     )
 
 

@@ -86,7 +86,10 @@ DPO = ROOT / "examples" / "configs" / "dpo_moe_tiny.yaml"
 # --------------------------------------------------------------------------- 2. preflight
 
 
-EXPERTS_7 = "policy.model.num_experts=7 is not divisible by policy.megatron_cfg.expert_model_parallel_size=2"
+EXPERTS_7 = (
+    "policy.model.num_experts=7 is not divisible by "
+    "policy.megatron_cfg.expert_model_parallel_size=2"
+)
 
 
 @pytest.mark.one_line

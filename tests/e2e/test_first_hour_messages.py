@@ -78,7 +78,8 @@ for family in sys.argv[1:]:
     except RuntimeError as err:
         print(family, "caught:", err)
     # after each family: a module imported by an earlier family would show here too
-    print(family, "megatron modules:", sorted(m for m in sys.modules if m.split(".")[0] == "megatron"))
+    print(family, "megatron modules:",
+          sorted(m for m in sys.modules if m.split(".")[0] == "megatron"))
 """
 
 FAMILIES_WITHOUT_MEGATRON = ["llama4_text", "glm4_moe", "qwen3_moe"]

@@ -309,8 +309,8 @@ def test_a_damaged_record_of_the_new_kind_costs_that_record_only(tmp_path):
         assert stored.widths.tolist() == [4, 8, 2]
     assert any("between steps 3 and 5: a damaged record, skipped" in s for s in skipped)
     assert any(
-        "damaged record(s) (a payload failing its checksum, or not inflating to the size its header declares): step(s) 1"
-        in s
+        "damaged record(s) (a payload failing its checksum, or not inflating to the size its "
+        "header declares): step(s) 1" in s
         for s in skipped
     )
 

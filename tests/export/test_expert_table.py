@@ -1,4 +1,5 @@
-"""The expert-load table as one array value: checked once, rows only on demand, arrays end to end."""
+"""The expert-load table as one array value: checked once, rows only on demand, arrays end to
+end."""
 
 import pickle
 

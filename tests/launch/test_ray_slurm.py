@@ -1,6 +1,6 @@
 """Ray on Slurm for real: ``recipes/ray_slurm.py --submit --wait`` on the session's Slurm
-controller (two slurmd nodes on this host, tests/support/slurm_cluster.py): a Ray head and a Ray worker
-started through ``srun`` on the job's two nodes, the driver on the first, one actor per node;
+controller (two slurmd nodes on this host, tests/support/slurm_cluster.py): a Ray head and a Ray
+worker started through ``srun`` on the job's two nodes, the driver on the first, one actor per node;
 the run equals the torchrun main job, ``report`` reads it, and no Ray process of the job is
 left. Also the dry runs (the sbatch script; nemo-run's container form), which need no cluster.
 """

@@ -1,5 +1,5 @@
-"""Slurm for real: a one-host controller with two node daemons (tests/support/slurm_cluster.py), jobs
-submitted by recipes/slurm.py through nemo-run's SlurmExecutor on CPU with gloo, and compared
+"""Slurm for real: a one-host controller with two node daemons (tests/support/slurm_cluster.py),
+jobs submitted by recipes/slurm.py through nemo-run's SlurmExecutor on CPU with gloo, and compared
 step for step with the same recipe run locally by ``nemo-moe-metrics run`` (the session's
 main job). Without root or the Debian packages the cluster tests skip with the reason; CI sets
 NEMO_MOE_METRICS_REQUIRE_SLURM=1 so that they fail instead (.ci/run installs Slurm)."""

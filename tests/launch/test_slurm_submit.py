@@ -98,7 +98,10 @@ def test_slurm_layout_errors_speak_slurm_options(tmp_path):
 
 GRPO = ROOT / "examples" / "configs" / "grpo_moe_tiny.yaml"
 
-EXPERTS_7 = "policy.model.num_experts=7 is not divisible by policy.megatron_cfg.expert_model_parallel_size=2"
+EXPERTS_7 = (
+    "policy.model.num_experts=7 is not divisible by "
+    "policy.megatron_cfg.expert_model_parallel_size=2"
+)
 
 
 # --------------------------------------------------------------------------- 5. Slurm

@@ -1,4 +1,5 @@
-"""The tiny recipe model is a real megatron-core GPTModel that trains on CPU, alone and with EP=2."""
+"""The tiny recipe model is a real megatron-core GPTModel that trains on CPU, alone and with
+EP=2."""
 
 from pathlib import Path
 

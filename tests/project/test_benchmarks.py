@@ -1,4 +1,5 @@
-"""benchmarks/: the host-read counter counts what it claims, and ``run.py --smoke`` reports every key.
+"""benchmarks/: the host-read counter counts what it claims, and ``run.py --smoke`` reports every
+key.
 
 The benchmark's numbers are not asserted (they depend on the machine); the instrument that counts
 host reads is, with expected counts written out by hand, and the smoke run must pass its own

@@ -119,7 +119,7 @@ def test_readme_lines_use_their_own_venv_and_run_directory():
     assert runs == {"grpo_moe_tiny", "grpo_hybrid_moe_tiny"}
 
 
-# --------------------------------------------------------------------------- documented run commands
+# -------------------------------------------------------------------------- documented run commands
 
 
 def _documented_runs() -> list[tuple[str, list[str]]]:

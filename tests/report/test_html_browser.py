@@ -1,7 +1,7 @@
 """``report --html`` in a real browser: headless Chromium opens the page from a file URL with
 the network off, and a real mouse, real keys and the drawn marks are checked against the
-store's counts (tests/support/html_page_check.py). Without Chromium these skip; CI installs it and sets
-NEMO_MOE_METRICS_REQUIRE_BROWSER=1, so there they fail instead."""
+store's counts (tests/support/html_page_check.py). Without Chromium these skip; CI installs it and
+sets NEMO_MOE_METRICS_REQUIRE_BROWSER=1, so there they fail instead."""
 
 from __future__ import annotations
 
@@ -76,7 +76,10 @@ def test_page_opens_offline_draws_every_section_and_saves_a_screenshot(run_page,
     *summary, last = run_page[2].rstrip("\n").split("\n")
     assert page.eval("document.getElementById('summary').textContent") == "\n".join(summary)
     assert summary[0] == "run html_page_run: steps 0–11 (12 logged)"
-    said = rf"wrote {re.escape(str(run_page[1]))} \(\d\.\d+ MB: open it in a browser, no network needed\)"
+    said = (
+        rf"wrote {re.escape(str(run_page[1]))} "
+        r"\(\d\.\d+ MB: open it in a browser, no network needed\)"
+    )
     assert re.fullmatch(said, last), last
     shot = page.screenshot(tmp_path / "report.png")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000

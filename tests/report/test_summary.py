@@ -372,8 +372,9 @@ def test_a_window_between_stored_tables_says_to_widen_the_window(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (
         "no stored expert-load step in steps 1–3 (3 logged) (the store holds a table every "
-        "LoggerConfig(table_every=...) steps): expert_load_heatmap.png, expert_load_over_steps.png, "
-        "routing_drift.png and max_over_ideal.png skipped; widen --steps"
+        "LoggerConfig(table_every=...) steps): expert_load_heatmap.png, "
+        "expert_load_over_steps.png, routing_drift.png and max_over_ideal.png skipped; "
+        "widen --steps"
     ) in proc.stdout.splitlines()
 
 

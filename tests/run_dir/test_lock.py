@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parents[2]
 _HOLDER = (
     "import sys, time\n"
     "from nemo_moe_metrics.run_dir import RunDirLock\n"
-    "lock = RunDirLock(sys.argv[1], command='train --big-model').acquire(writer='w' in sys.argv[2])\n"
+    "lock = RunDirLock(sys.argv[1], command='train --big-model')"
+    ".acquire(writer='w' in sys.argv[2])\n"
     "print(lock.token, flush=True)\n"
     "time.sleep(120)\n"
 )

@@ -369,7 +369,10 @@ def test_resume_keeps_a_complete_non_record_last_line(tmp_path):
 def test_a_non_finite_total_tokens_in_the_last_line_is_an_error_not_a_restart(tmp_path):
     from nemo_moe_metrics.sinks import ResumeError, prepare_resume
 
-    text = '{"step": 0, "train_perf/total_tokens": 8.0}\n{"step": 1, "train_perf/total_tokens": null}\n'
+    text = (
+        '{"step": 0, "train_perf/total_tokens": 8.0}\n'
+        '{"step": 1, "train_perf/total_tokens": null}\n'
+    )
     (tmp_path / "metrics.jsonl").write_text(text)
     with pytest.raises(ResumeError, match=r"step 1\) holds train_perf/total_tokens = null"):
         prepare_resume(tmp_path)

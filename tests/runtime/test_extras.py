@@ -149,7 +149,8 @@ def test_core_dependencies_are_the_metric_library_only():
 def test_importing_the_library_imports_no_launcher_ray_or_sink_backend():
     code = (
         "import sys, nemo_moe_metrics, nemo_moe_metrics.worker, nemo_moe_metrics.flops, "
-        "nemo_moe_metrics.moe, nemo_moe_metrics.moe.collector, nemo_moe_metrics.worker.policy_metrics, nemo_moe_metrics.moe.aux_loss, "
+        "nemo_moe_metrics.moe, nemo_moe_metrics.moe.collector, "
+        "nemo_moe_metrics.worker.policy_metrics, nemo_moe_metrics.moe.aux_loss, "
         "nemo_moe_metrics.moe.reduction, nemo_moe_metrics.sinks, nemo_moe_metrics.cli, "
         "nemo_moe_metrics.config.preflight\n"
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))"

@@ -198,7 +198,8 @@ def test_router_health_alerts_name_the_layer_then_fall_back_to_the_summary(tmp_p
         "> logger.alerts.router_near_tie_fraction=0.2"
     )
     assert seen[1].startswith(
-        "moe alert step 1: layer 2 router logit |z| reached 61 > logger.alerts.router_logit_max_abs=50"
+        "moe alert step 1: layer 2 router logit |z| reached 61 "
+        "> logger.alerts.router_logit_max_abs=50"
     )
     assert seen[2].startswith(
         "moe alert step 3: the worst MoE layer decides 40.0% of its tokens by a near tie"
@@ -226,7 +227,8 @@ def test_every_alert_is_recorded_in_its_steps_jsonl_line_and_the_report_lists_th
     assert list(rows[2])[-1] == "alerts"  # after every metric: readers of the scalars skip it
     summary = render_report(tmp_path).splitlines()
     i = summary.index(
-        "alerts (logger.alerts): 2 in 2 steps, 1–2; by kind: max_over_ideal 1, routing_disagreement 1"
+        "alerts (logger.alerts): 2 in 2 steps, 1–2; by kind: max_over_ideal 1, "
+        "routing_disagreement 1"
     )
     assert summary[i + 1] == "  " + over["message"]
     assert summary[i + 2] == "  " + routing["message"]

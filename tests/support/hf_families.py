@@ -13,7 +13,8 @@ by the text type; aliases that reuse another family's modeling code (``sarvam_ml
 top-2, ...) and sets the eager attention and experts implementations FlopCounterMode and a CPU
 need; :data:`OVERRIDES` holds what a family needs beyond that (its layer pattern, nested
 configs, validation rules). ``python tests/support/hf_families.py`` lists the families;
-``python tests/support/hf_families.py --table`` prints the supported-models table of docs/*/models.md.
+``python tests/support/hf_families.py --table`` prints the supported-models table of
+docs/*/models.md.
 """
 
 from __future__ import annotations
@@ -372,7 +373,8 @@ def tiny_kwargs(config_class: type) -> dict[str, Any]:
 
 
 def tiny_config(model_type: str, **changes: Any) -> Any:
-    """A tiny config of ``model_type`` with eager attention and eager experts; ``changes`` on top."""
+    """A tiny config of ``model_type`` with eager attention and eager experts; ``changes`` on
+    top."""
     fam = family(model_type)
     config = fam.config_class(**{**tiny_kwargs(fam.config_class), **changes})
     for cfg in {id(config): config, id(text := config.get_text_config()): text}.values():

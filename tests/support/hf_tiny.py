@@ -19,7 +19,8 @@ def tiny_config(family: str) -> Any:
     if family == "qwen2_moe":
         cfg = t.Qwen2MoeConfig(**_COMMON, intermediate_size=32, moe_intermediate_size=16,
                                shared_expert_intermediate_size=24, num_hidden_layers=2,
-                               num_experts=E, decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+                               num_experts=E, decoder_sparse_step=1,
+                               mlp_only_layers=[])  # fmt: skip
     elif family == "qwen3_moe":
         cfg = t.Qwen3MoeConfig(**_COMMON, intermediate_size=32, moe_intermediate_size=16,
                                num_hidden_layers=2, head_dim=16, num_experts=E,

@@ -5,8 +5,8 @@ config`` says ``MULTIPLE_SLURMD = Yes``), so two node daemons (``-N n1``, ``-N n
 own port) make a two-node cluster of one machine: a job on ``--nodes 2`` really runs one task
 per node and rendezvous across them as on a cluster. Everything (munge key and socket, the
 controller's state, the spool, logs, ``slurm.conf``) lives in one temporary directory; clients
-find it through ``SLURM_CONF``. Used by ``tests/launch/test_slurm_job.py``; by hand (what docs/en/slurm.md
-shows)::
+find it through ``SLURM_CONF``. Used by ``tests/launch/test_slurm_job.py``; by hand (what
+docs/en/slurm.md shows)::
 
     python tests/support/slurm_cluster.py start /tmp/slurm-demo   # prints the SLURM_CONF to export
     python tests/support/slurm_cluster.py stop /tmp/slurm-demo

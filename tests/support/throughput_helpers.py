@@ -1,4 +1,5 @@
-"""Test doubles for the step meter: a scripted host clock, a CUDA-event stand-in, a toy FLOP count."""
+"""Test doubles for the step meter: a scripted host clock, a CUDA-event stand-in, a toy FLOP
+count."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""One rank of tests/integrations/test_transformers.py's torchrun test: the example's SFT trainer with the callback
-and the experts oracle; rank 0 writes the oracle summed over ranks and its log history.
+"""One rank of tests/integrations/test_transformers.py's torchrun test: the example's SFT trainer
+with the callback and the experts oracle; rank 0 writes the oracle summed over ranks and its log
+history.
 
 Rank 0 pauses after step 1 (writing ``paused`` with its pid) until the test writes ``go``: a
 second training process is tried on the run directory meanwhile."""

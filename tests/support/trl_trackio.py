@@ -1,7 +1,7 @@
-"""A child process of tests/integrations/test_transformers.py's trackio test (trackio reads its store folder once,
-at import): one SFT run with both the callback's own trackio sink (``logger.trackio_enabled``)
-and the Trainer's ``report_to="trackio"``, side by side in the run directory's store; both are
-read back through trackio's own API and printed as JSON."""
+"""A child process of tests/integrations/test_transformers.py's trackio test (trackio reads its
+store folder once, at import): one SFT run with both the callback's own trackio sink
+(``logger.trackio_enabled``) and the Trainer's ``report_to="trackio"``, side by side in the run
+directory's store; both are read back through trackio's own API and printed as JSON."""
 
 from __future__ import annotations
 

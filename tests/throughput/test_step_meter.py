@@ -1,4 +1,5 @@
-"""StepMeter on one process: arithmetic, failed and empty steps, the event path, no per-microbatch sync."""
+"""StepMeter on one process: arithmetic, failed and empty steps, the event path, no per-microbatch
+sync."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""StepMeter across two real gloo ranks: sums, maxima, interval vs cumulative, CP, bad input, Megatron.
+"""StepMeter across two real gloo ranks: sums, maxima, interval vs cumulative, CP, bad input,
+Megatron.
 
 One spawn runs every scenario in order (ranks cost seconds to start); each test reads its part.
 """

@@ -32,8 +32,9 @@ What differs, and how it is answered here:
 
 The adapter is one package, one module per subject: :mod:`.tracker` (the aux-loss tracker, its
 reduction and report), :mod:`.hybrid` (hybrid models), :mod:`.routers` (router ids, replay,
-logits), :mod:`.parallel` (megatron's parallel state, read only where the program uses it). Import the names from here. Which layers are MoE (hybrid symbols, ``moe_layer_freq``) is
-no release difference: :mod:`nemo_moe_metrics.config.layer_pattern`.
+logits), :mod:`.parallel` (megatron's parallel state, read only where the program uses it). Import
+the names from here. Which layers are MoE (hybrid symbols, ``moe_layer_freq``) is no release
+difference: :mod:`nemo_moe_metrics.config.layer_pattern`.
 """
 
 from __future__ import annotations
