@@ -31,8 +31,6 @@ SCRIPT = "recipes/ray_slurm.py"
 def build_parser() -> argparse.ArgumentParser:
     """The command line of this script."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_job_flags(parser, job_dir_help="the job's script and logs (default slurm_jobs/)")
-    add_run_dir_flags(parser)
     parser.add_argument("--account")
     parser.add_argument("--partition")
     parser.add_argument("--nodes", type=int, default=2, help="Slurm nodes: one Ray node each")
@@ -53,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="print nemo-run's Ray-on-Slurm script (pyxis containers) instead; dry run only",
     )
     parser.add_argument("--container-image", default=None, help="with --nemo-run")
+    add_job_flags(parser, job_dir_help="the job's script and logs (default slurm_jobs/)")
+    add_run_dir_flags(parser)
     return parser
 
 

@@ -32,12 +32,6 @@ SCRIPT = "recipes/slurm.py"
 def build_parser() -> argparse.ArgumentParser:
     """The command line of this script."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_job_flags(
-        parser,
-        job_dir_help="where nemo-run keeps the sbatch script, logs and packaged code "
-        "(default slurm_jobs/)",
-    )
-    add_run_dir_flags(parser)
     parser.add_argument("--account")
     parser.add_argument("--partition")
     parser.add_argument("--nodes", type=int, default=1)
@@ -62,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--time", default="01:00:00")
     parser.add_argument("--container-image", default=None)
+    add_job_flags(
+        parser,
+        job_dir_help="where nemo-run keeps the sbatch script, logs and packaged code "
+        "(default slurm_jobs/)",
+    )
+    add_run_dir_flags(parser)
     return parser
 
 
